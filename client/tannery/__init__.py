@@ -1,0 +1,44 @@
+"""tannery: store, serve and stream tensors as tannic payloads.
+
+The names below load their modules on first use, so that ``import tannery.codec``
+(what the server does) never imports torch. Note that ``tannery.torch`` is a
+submodule; this package never binds the name ``torch`` itself.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "FormatError": "tannery.errors",
+    "ArchiveError": "tannery.errors",
+    "ServiceError": "tannery.errors",
+    "NotFound": "tannery.errors",
+    "AlreadyExists": "tannery.errors",
+    "InvalidArgument": "tannery.errors",
+    "ResourceExhausted": "tannery.errors",
+    "PermissionDenied": "tannery.errors",
+    "Unauthenticated": "tannery.errors",
+    "Unavailable": "tannery.errors",
+    "DataLoss": "tannery.errors",
+    "Cancelled": "tannery.errors",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tannery' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+__all__ = sorted(_EXPORTS)

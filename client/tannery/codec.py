@@ -1,0 +1,442 @@
+"""The tannic payload format, without torch: what the server and every peer agree on.
+
+A payload is ``[Header][Metadata][shape][buffer]``, little-endian and packed:
+
+- Header ``<I B H Q`` (15 bytes): magic 0x43495245 ("ERIC"), version 1, checksum,
+  and nbytes, the number of bytes after the header. The checksum is written as
+  0xABCD, as Tannic and pytannic do, and never verified.
+- Metadata ``<B Q Q B`` (18 bytes): dcode, offset, buffer nbytes and rank, then
+  rank x ``<Q`` dimensions. The offset is written as 0 and ignored on read: the
+  buffer starts right after the shape.
+- Buffer: the elements in C order. Booleans are bit-packed, least significant bit
+  first, in ``(n + 7) // 8`` bytes, as Tannic C++ stores them.
+
+Everything here works on bytes-like objects and numpy arrays and copies no tensor
+data it can view. Malformed input raises :class:`FormatError` naming the problem
+and its numbers, and nothing is allocated on the word of a header before the bytes
+it describes have arrived.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+from typing import Iterator, Sequence, Union
+
+import ml_dtypes
+import numpy as np
+
+MAGIC = 0x43495245
+VERSION = 1
+CHECKSUM = 0xABCD
+HEADER = struct.Struct("<IBHQ")
+METADATA = struct.Struct("<BQQB")
+DIM = struct.Struct("<Q")
+#: Bytes before the shape: header and tensor metadata.
+FIXED_PREFIX = HEADER.size + METADATA.size
+#: Alignment of the tensor data in buffers this module allocates.
+ALIGNMENT = 64
+
+Buffer = Union[bytes, bytearray, memoryview]
+
+
+class FormatError(ValueError):
+    """A payload or a file that is not valid tannic data."""
+
+
+@dataclass(frozen=True)
+class DType:
+    """One element type of the format: its name, wire code and numpy type."""
+
+    name: str
+    code: int
+    itemsize: int
+    numpy: np.dtype
+
+    @property
+    def is_bool(self) -> bool:
+        return self.code == 1
+
+    @property
+    def is_float(self) -> bool:
+        """One of float16, bfloat16, float32 and float64, the dtypes a float cast may target."""
+        return self.name in FLOAT_NAMES
+
+    def buffer_nbytes(self, numel: int) -> int:
+        """Bytes that ``numel`` elements take in a buffer (booleans are bit-packed)."""
+        return (numel + 7) // 8 if self.is_bool else numel * self.itemsize
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def _dtype(name: str, code: int, np_type: object) -> DType:
+    np_dtype = np.dtype(np_type)
+    return DType(name, code, np_dtype.itemsize, np_dtype)
+
+
+#: Every dtype of the format, by name. Codes 1 to 38 are Tannic's; 42 to 45, 22 and 221 are
+#: tannery extensions.
+DTYPES: dict[str, DType] = {
+    d.name: d
+    for d in (
+        _dtype("bool", 1, np.bool_),
+        _dtype("int8", 12, np.int8),
+        _dtype("int16", 13, np.int16),
+        _dtype("int32", 14, np.int32),
+        _dtype("int64", 15, np.int64),
+        _dtype("float8_e4m3fn", 22, ml_dtypes.float8_e4m3fn),
+        _dtype("float8_e5m2", 221, ml_dtypes.float8_e5m2),
+        _dtype("float16", 23, np.float16),
+        _dtype("bfloat16", 231, ml_dtypes.bfloat16),
+        _dtype("float32", 24, np.float32),
+        _dtype("float64", 25, np.float64),
+        _dtype("complex64", 37, np.complex64),
+        _dtype("complex128", 38, np.complex128),
+        _dtype("uint8", 42, np.uint8),
+        _dtype("uint16", 43, np.uint16),
+        _dtype("uint32", 44, np.uint32),
+        _dtype("uint64", 45, np.uint64),
+    )
+}
+FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64")
+#: Codes read but never written: Tannic C++ writes complex64 and complex128 as 35 and 36.
+_CODE_ALIASES = {35: DTYPES["complex64"], 36: DTYPES["complex128"]}
+_BY_CODE: dict[int, DType] = {d.code: d for d in DTYPES.values()} | _CODE_ALIASES
+_BY_NUMPY: dict[np.dtype, DType] = {d.numpy: d for d in DTYPES.values()}
+
+
+def dtype_of_code(code: int) -> DType:
+    """The dtype a wire code stands for; FormatError for an unknown code."""
+    try:
+        return _BY_CODE[code]
+    except KeyError:
+        raise FormatError(f"unknown dcode {code}") from None
+
+
+def dtype_named(name: str) -> DType:
+    """The dtype of a name such as ``"float32"``; ValueError for an unknown name."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; known: {', '.join(DTYPES)}") from None
+
+
+def dtype_of_numpy(np_dtype: np.dtype) -> DType:
+    """The dtype of a numpy dtype; TypeError for one the format cannot carry."""
+    try:
+        return _BY_NUMPY[np.dtype(np_dtype)]
+    except KeyError:
+        raise TypeError(f"numpy dtype {np.dtype(np_dtype)} has no tannic dcode") from None
+
+
+def format_shape(shape: Sequence[int]) -> str:
+    """A shape as a Python list, ``[2, 2]``, ``[]`` for a scalar: how messages print shapes."""
+    return str([int(d) for d in shape])
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds a reader enforces before it trusts a header."""
+
+    max_payload: int = 1 << 40
+    max_rank: int = 64
+
+
+DEFAULT_LIMITS = Limits()
+
+
+@dataclass(frozen=True)
+class PayloadInfo:
+    """What a payload's header, metadata and shape say, read without touching its buffer."""
+
+    dtype: DType
+    shape: tuple[int, ...]
+    nbytes: int
+    data_offset: int
+
+    @property
+    def size(self) -> int:
+        """Bytes of the whole payload, header to the end of the buffer."""
+        return self.data_offset + self.nbytes
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+    def describe(self) -> str:
+        return f"{self.dtype} {format_shape(self.shape)}"
+
+
+def read_info(data: Buffer, limits: Limits = DEFAULT_LIMITS) -> PayloadInfo | None:
+    """Parse the header, metadata and shape at the start of ``data``.
+
+    Returns None while ``data`` is too short to hold them (a stream that has not
+    delivered them yet); the buffer need not be there. Raises FormatError as soon
+    as what is there is wrong.
+    """
+    view = memoryview(data)
+    if len(view) < HEADER.size:
+        return None
+    magic, version, _checksum, after_header = HEADER.unpack_from(view)
+    if magic != MAGIC:
+        raise FormatError(f"bad magic 0x{magic:08X}, expected 0x{MAGIC:08X} ('ERIC')")
+    if version != VERSION:
+        raise FormatError(f"unsupported version {version}, this reader knows version {VERSION}")
+    if HEADER.size + after_header > limits.max_payload:
+        raise FormatError(
+            f"payload of {HEADER.size + after_header} bytes is over the limit of {limits.max_payload} bytes"
+        )
+    if after_header < METADATA.size:
+        raise FormatError(
+            f"header nbytes {after_header} is too small for the tensor metadata ({METADATA.size} bytes)"
+        )
+    if len(view) < FIXED_PREFIX:
+        return None
+    code, _offset, nbytes, rank = METADATA.unpack_from(view, HEADER.size)
+    dtype = dtype_of_code(code)
+    if rank > limits.max_rank:
+        raise FormatError(f"rank {rank} is over the limit of {limits.max_rank}")
+    data_offset = FIXED_PREFIX + DIM.size * rank
+    if len(view) < data_offset:
+        return None
+    shape = struct.unpack_from(f"<{rank}Q", view, FIXED_PREFIX)
+    expected = dtype.buffer_nbytes(math.prod(shape))
+    if nbytes != expected:
+        raise FormatError(
+            f"buffer nbytes {nbytes} does not match shape {format_shape(shape)} of {dtype} ({expected} bytes)"
+        )
+    if after_header != data_offset - HEADER.size + nbytes:
+        raise FormatError(
+            f"header nbytes {after_header} is inconsistent with the metadata: "
+            f"{data_offset - HEADER.size} bytes of metadata and shape + {nbytes} of buffer "
+            f"= {data_offset - HEADER.size + nbytes}"
+        )
+    return PayloadInfo(dtype, shape, nbytes, data_offset)
+
+
+def parse(data: Buffer, limits: Limits = DEFAULT_LIMITS) -> PayloadInfo:
+    """Check that ``data`` is exactly one whole payload and return what its header says."""
+    info = read_info(data, limits)
+    size = memoryview(data).nbytes
+    if info is None:
+        raise FormatError(f"truncated payload: {size} bytes, too few for its header, metadata and shape")
+    if size < info.size:
+        raise FormatError(f"truncated payload: {size} of {info.size} bytes")
+    if size > info.size:
+        raise FormatError(f"trailing bytes: {size} bytes for a payload of {info.size}")
+    return info
+
+
+def encode_prefix(dtype: DType, shape: Sequence[int]) -> bytes:
+    """Header, metadata and shape of a payload of ``dtype`` and ``shape``; the buffer follows."""
+    shape = tuple(int(d) for d in shape)
+    if len(shape) > 255:
+        raise ValueError(f"rank {len(shape)} is over 255, the most a payload can carry")
+    nbytes = dtype.buffer_nbytes(math.prod(shape))
+    after_header = METADATA.size + DIM.size * len(shape) + nbytes
+    return b"".join(
+        (
+            HEADER.pack(MAGIC, VERSION, CHECKSUM, after_header),
+            METADATA.pack(dtype.code, 0, nbytes, len(shape)),
+            struct.pack(f"<{len(shape)}Q", *shape),
+        )
+    )
+
+
+def byte_view(array: np.ndarray) -> memoryview:
+    """The bytes of a C-contiguous array, viewed, not copied (any dtype, 0-d included)."""
+    return memoryview(array.reshape(-1).view(np.uint8))
+
+
+def numpy_parts(array: np.ndarray) -> list[Buffer]:
+    """A payload of ``array`` as pieces to write one after the other.
+
+    The buffer piece views the array's memory when it is C-contiguous; booleans are
+    bit-packed, which needs a new (eight times smaller) buffer.
+    """
+    dtype = dtype_of_numpy(array.dtype)
+    array = np.ascontiguousarray(array)
+    if dtype.is_bool:
+        buffer = memoryview(np.packbits(array.reshape(-1), bitorder="little"))
+    else:
+        buffer = byte_view(array)
+    return [encode_prefix(dtype, array.shape), buffer]
+
+
+def encode_numpy(array: np.ndarray) -> bytes:
+    """A payload of ``array`` as one bytes object."""
+    return b"".join(numpy_parts(array))
+
+
+def to_numpy(data: Buffer, limits: Limits = DEFAULT_LIMITS) -> np.ndarray:
+    """The tensor of a payload as a numpy array viewing ``data`` (booleans are unpacked, a copy)."""
+    info = parse(data, limits)
+    return buffer_to_numpy(memoryview(data)[info.data_offset :], info)
+
+
+def buffer_to_numpy(buffer: Buffer, info: PayloadInfo) -> np.ndarray:
+    """The array over a payload's buffer bytes (exactly ``info.nbytes`` of them)."""
+    if info.dtype.is_bool:
+        bits = np.frombuffer(buffer, dtype=np.uint8, count=info.nbytes)
+        return np.unpackbits(bits, count=info.numel, bitorder="little").astype(np.bool_).reshape(info.shape)
+    if info.numel == 0:
+        return np.empty(info.shape, dtype=info.dtype.numpy)
+    return np.frombuffer(buffer, dtype=info.dtype.numpy, count=info.numel).reshape(info.shape)
+
+
+def aligned_buffer(size: int, data_offset: int) -> memoryview:
+    """A writable buffer of ``size`` bytes whose byte ``data_offset`` is aligned to 64.
+
+    Receivers gather a payload into it so that the tensor they view in place is as
+    aligned as one torch would allocate.
+    """
+    raw = np.empty(size + ALIGNMENT, dtype=np.uint8)
+    pad = (-(raw.ctypes.data + data_offset)) % ALIGNMENT
+    return memoryview(raw[pad : pad + size])
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """A piece of one payload in a stream of chunks.
+
+    ``data`` is the chunk itself when the piece is a whole chunk, otherwise a view of
+    it; only the first few bytes of a payload whose header was split across chunks are
+    ever copied.
+    """
+
+    info: PayloadInfo
+    data: Buffer
+    first: bool
+    last: bool
+
+
+class Deframer:
+    """Splits a stream of byte chunks of any sizes into payloads, piece by piece.
+
+    Where a payload ends is read from its own header. Each header is checked (limits
+    included) before any of its buffer is accepted, and nothing is buffered but the
+    header bytes of a payload split across chunks.
+    """
+
+    def __init__(self, limits: Limits = DEFAULT_LIMITS) -> None:
+        self.limits = limits
+        self._head = bytearray()
+        self._info: PayloadInfo | None = None
+        self._remaining = 0
+        self.payloads = 0
+
+    @property
+    def inside_payload(self) -> bool:
+        """True between a payload's first byte and its last."""
+        return bool(self._head) or self._info is not None
+
+    def feed(self, chunk: Buffer) -> Iterator[Fragment]:
+        """The fragments of payloads that ``chunk`` completes or continues."""
+        view = memoryview(chunk)
+        if view.ndim != 1 or view.format != "B":
+            view = view.cast("B")
+        pos, end = 0, len(view)
+        while pos < end:
+            if self._info is None:
+                pos = yield from self._start(chunk, view, pos)
+                continue
+            take = min(self._remaining, end - pos)
+            self._remaining -= take
+            info, last = self._info, self._remaining == 0
+            if last:
+                self._info = None
+                self.payloads += 1
+            piece = chunk if (take == end and isinstance(chunk, bytes)) else view[pos : pos + take]
+            yield Fragment(info, piece, first=False, last=last)
+            pos += take
+
+    def _start(self, chunk: Buffer, view: memoryview, pos: int) -> Iterator[Fragment]:
+        """Read a new payload's header from ``view[pos:]``; returns the position after what it used."""
+        if not self._head:
+            info = read_info(view[pos:], self.limits)
+            if info is not None:
+                take = min(info.size, len(view) - pos)
+                whole = pos == 0 and take == len(view) and isinstance(chunk, bytes)
+                yield from self._begin(info, chunk if whole else view[pos : pos + take], take)
+                return pos + take
+        # The header is split across chunks: gather it byte range by byte range, no further
+        # than the parser asks for, so a hostile header cannot make us buffer more.
+        while pos < len(view):
+            need = self._prefix_need()
+            take = min(need - len(self._head), len(view) - pos)
+            self._head += view[pos : pos + take]
+            pos += take
+            info = read_info(self._head, self.limits)
+            if info is not None:
+                head, self._head = bytes(self._head), bytearray()
+                yield from self._begin(info, head, len(head))
+                return pos
+        return pos
+
+    def _prefix_need(self) -> int:
+        """How many bytes of header the parser needs next, given what is gathered."""
+        if len(self._head) < HEADER.size:
+            return HEADER.size
+        if len(self._head) < FIXED_PREFIX:
+            return FIXED_PREFIX
+        return FIXED_PREFIX + DIM.size * self._head[FIXED_PREFIX - 1]
+
+    def _begin(self, info: PayloadInfo, piece: Buffer, taken: int) -> Iterator[Fragment]:
+        self._remaining = info.size - taken
+        last = self._remaining == 0
+        self._info = None if last else info
+        if last:
+            self.payloads += 1
+        yield Fragment(info, piece, first=True, last=last)
+
+    def close(self) -> None:
+        """Declare the stream over; FormatError if it stopped inside a payload."""
+        if self._info is not None:
+            got = self._info.size - self._remaining
+            raise FormatError(f"stream ended inside a payload: {got} of {self._info.size} bytes")
+        if self._head:
+            raise FormatError(
+                f"stream ended inside a payload header: {len(self._head)} bytes, too few for its header, "
+                "metadata and shape"
+            )
+
+
+class Reframer:
+    """Turns a stream of byte chunks of any sizes into whole payloads.
+
+    A payload that arrives in one chunk is returned as a view of it; one spread over
+    several is gathered into an aligned buffer sized from its checked header, the only
+    copy made.
+    """
+
+    def __init__(self, limits: Limits = DEFAULT_LIMITS) -> None:
+        self._deframer = Deframer(limits)
+        self._buffer: memoryview | None = None
+        self._filled = 0
+
+    def feed(self, chunk: Buffer) -> Iterator[Buffer]:
+        """The payloads that ``chunk`` completes, in order."""
+        for fragment in self._deframer.feed(chunk):
+            if fragment.first and fragment.last:
+                yield fragment.data
+                continue
+            if fragment.first:
+                self._buffer = aligned_buffer(fragment.info.size, fragment.info.data_offset)
+                self._filled = 0
+            assert self._buffer is not None
+            n = memoryview(fragment.data).nbytes
+            self._buffer[self._filled : self._filled + n] = fragment.data
+            self._filled += n
+            if fragment.last:
+                payload, self._buffer = self._buffer, None
+                yield payload
+
+    def close(self) -> None:
+        """Declare the stream over; FormatError if it stopped inside a payload."""
+        self._deframer.close()

@@ -1,0 +1,71 @@
+"""The exceptions of tannery's public API.
+
+Local failures raise :class:`FormatError` (bad tannic data) and :class:`ArchiveError`
+(an archive that does not hold what is asked of it), both ValueErrors. The client
+raises the same two for the server's answers of the same kind, and one of the
+:class:`ServiceError` subclasses for the rest, so no raw ``grpc.RpcError`` escapes.
+"""
+
+from __future__ import annotations
+
+from .codec import FormatError
+
+
+class ArchiveError(ValueError):
+    """An archive does not hold what is asked of it; the message names the entry."""
+
+
+class ServiceError(Exception):
+    """A failure the tannery service reported; the message is the server's."""
+
+
+class NotFound(ServiceError, LookupError):
+    """No archive or entry of that name."""
+
+
+class AlreadyExists(ServiceError):
+    """An archive of that name exists and replacing it was not asked."""
+
+
+class InvalidArgument(ServiceError, ValueError):
+    """A request the server refuses as malformed (a bad name, a limit exceeded)."""
+
+
+class ResourceExhausted(ServiceError):
+    """The server is out of room (disk full) or a limit was reached."""
+
+
+class PermissionDenied(ServiceError):
+    """The token is valid but its role does not allow the call."""
+
+
+class Unauthenticated(ServiceError):
+    """No token, or a wrong one, on a server that requires tokens."""
+
+
+class Unavailable(ServiceError):
+    """The server cannot be reached, or is shutting down."""
+
+
+class DataLoss(ServiceError):
+    """A stored blob no longer matches its digest; the server refused to serve it."""
+
+
+class Cancelled(ServiceError):
+    """The call was cancelled, or a channel subscriber was dropped."""
+
+
+__all__ = [
+    "AlreadyExists",
+    "ArchiveError",
+    "Cancelled",
+    "DataLoss",
+    "FormatError",
+    "InvalidArgument",
+    "NotFound",
+    "PermissionDenied",
+    "ResourceExhausted",
+    "ServiceError",
+    "Unauthenticated",
+    "Unavailable",
+]

@@ -1,0 +1,170 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class StoreBegin(_message.Message):
+    __slots__ = ("archive", "replace")
+    ARCHIVE_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_FIELD_NUMBER: _ClassVar[int]
+    archive: str
+    replace: bool
+    def __init__(self, archive: _Optional[str] = ..., replace: _Optional[bool] = ...) -> None: ...
+
+class StoreRequest(_message.Message):
+    __slots__ = ("begin", "entry", "chunk")
+    BEGIN_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    begin: StoreBegin
+    entry: str
+    chunk: bytes
+    def __init__(self, begin: _Optional[_Union[StoreBegin, _Mapping]] = ..., entry: _Optional[str] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
+class ArchiveInfo(_message.Message):
+    __slots__ = ("name", "entries", "nbytes", "payload_bytes", "created")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    entries: int
+    nbytes: int
+    payload_bytes: int
+    created: _timestamp_pb2.Timestamp
+    def __init__(self, name: _Optional[str] = ..., entries: _Optional[int] = ..., nbytes: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., created: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class UnionSource(_message.Message):
+    __slots__ = ("archive", "prefix")
+    ARCHIVE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    archive: str
+    prefix: str
+    def __init__(self, archive: _Optional[str] = ..., prefix: _Optional[str] = ...) -> None: ...
+
+class UnionRequest(_message.Message):
+    __slots__ = ("target", "sources", "replace")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_FIELD_NUMBER: _ClassVar[int]
+    target: str
+    sources: _containers.RepeatedCompositeFieldContainer[UnionSource]
+    replace: bool
+    def __init__(self, target: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[UnionSource, _Mapping]]] = ..., replace: _Optional[bool] = ...) -> None: ...
+
+class Shape(_message.Message):
+    __slots__ = ("dims",)
+    DIMS_FIELD_NUMBER: _ClassVar[int]
+    dims: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, dims: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RowRange(_message.Message):
+    __slots__ = ("start", "stop")
+    START_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    stop: int
+    def __init__(self, start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
+
+class EntryAsk(_message.Message):
+    __slots__ = ("name", "shape", "dtype", "cast", "rows")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CAST_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: Shape
+    dtype: str
+    cast: str
+    rows: RowRange
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Union[Shape, _Mapping]] = ..., dtype: _Optional[str] = ..., cast: _Optional[str] = ..., rows: _Optional[_Union[RowRange, _Mapping]] = ...) -> None: ...
+
+class FetchRequest(_message.Message):
+    __slots__ = ("archive", "entries", "prefix")
+    ARCHIVE_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    archive: str
+    entries: _containers.RepeatedCompositeFieldContainer[EntryAsk]
+    prefix: str
+    def __init__(self, archive: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[EntryAsk, _Mapping]]] = ..., prefix: _Optional[str] = ...) -> None: ...
+
+class FetchResponse(_message.Message):
+    __slots__ = ("entry", "chunk")
+    ENTRY_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    entry: str
+    chunk: bytes
+    def __init__(self, entry: _Optional[str] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
+class DescribeRequest(_message.Message):
+    __slots__ = ("archive",)
+    ARCHIVE_FIELD_NUMBER: _ClassVar[int]
+    archive: str
+    def __init__(self, archive: _Optional[str] = ...) -> None: ...
+
+class EntryInfo(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "nbytes", "payload_bytes", "digest")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    nbytes: int
+    payload_bytes: int
+    digest: str
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
+
+class ArchiveDescription(_message.Message):
+    __slots__ = ("info", "entries")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    info: ArchiveInfo
+    entries: _containers.RepeatedCompositeFieldContainer[EntryInfo]
+    def __init__(self, info: _Optional[_Union[ArchiveInfo, _Mapping]] = ..., entries: _Optional[_Iterable[_Union[EntryInfo, _Mapping]]] = ...) -> None: ...
+
+class ListRequest(_message.Message):
+    __slots__ = ("prefix", "page_size", "page_token")
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    prefix: str
+    page_size: int
+    page_token: str
+    def __init__(self, prefix: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ListResponse(_message.Message):
+    __slots__ = ("archives", "next_page_token")
+    ARCHIVES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    archives: _containers.RepeatedCompositeFieldContainer[ArchiveInfo]
+    next_page_token: str
+    def __init__(self, archives: _Optional[_Iterable[_Union[ArchiveInfo, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class DeleteRequest(_message.Message):
+    __slots__ = ("archive",)
+    ARCHIVE_FIELD_NUMBER: _ClassVar[int]
+    archive: str
+    def __init__(self, archive: _Optional[str] = ...) -> None: ...
+
+class DeleteResponse(_message.Message):
+    __slots__ = ("deleted", "blobs_removed", "bytes_freed")
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    BLOBS_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FREED_FIELD_NUMBER: _ClassVar[int]
+    deleted: ArchiveInfo
+    blobs_removed: int
+    bytes_freed: int
+    def __init__(self, deleted: _Optional[_Union[ArchiveInfo, _Mapping]] = ..., blobs_removed: _Optional[int] = ..., bytes_freed: _Optional[int] = ...) -> None: ...
