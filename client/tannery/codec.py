@@ -261,7 +261,7 @@ def numpy_parts(array: np.ndarray) -> list[Buffer]:
     bit-packed, which needs a new (eight times smaller) buffer.
     """
     dtype = dtype_of_numpy(array.dtype)
-    array = np.ascontiguousarray(array)
+    array = np.asarray(array, order="C")  # not ascontiguousarray: it turns a 0-d array into shape [1]
     if dtype.is_bool:
         buffer = memoryview(np.packbits(array.reshape(-1), bitorder="little"))
     else:
