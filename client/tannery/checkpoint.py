@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from .codec import CHECKSUM, HEADER, MAGIC, VERSION, Buffer, DType, FormatError, dtype_of_code
+from .codec import CHECKSUM, HEADER, MAGIC, VERSION, Buffer, DType, FormatError, byte_buffer, dtype_of_code
 
 ENTRY = struct.Struct("<BQQI")
 DATA_SUFFIX = ".tannic"
@@ -57,6 +57,7 @@ def file_header(nbytes: int) -> bytes:
 
 def read_file_header(data: Buffer, what: str) -> int:
     """Check the header at the start of a pair file; return how many bytes it says follow."""
+    data = byte_buffer(data)
     if len(data) < HEADER.size:
         raise FormatError(f"{what}: {len(data)} bytes, too short for a {HEADER.size}-byte header")
     magic, version, _checksum, nbytes = HEADER.unpack_from(data)
@@ -79,7 +80,7 @@ def parse_metadata(data: Buffer, data_nbytes: int, what: str = "metadata") -> li
     UTF-8 or appears twice, a buffer outside the data, overlapping buffers, or a size
     that is not a whole number of elements.
     """
-    view = memoryview(data)
+    view = byte_buffer(data)
     read_file_header(view, what)
     entries: list[PairEntry] = []
     seen: set[str] = set()

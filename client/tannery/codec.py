@@ -173,6 +173,16 @@ class PayloadInfo:
         return f"{self.dtype} {format_shape(self.shape)}"
 
 
+def byte_buffer(data: Buffer) -> memoryview:
+    """Any C-contiguous bytes-like object as a flat view of its bytes (``len`` counts bytes).
+
+    A memoryview of another format or of several dimensions (``cast("I")``, a 2-D numpy
+    array) is a payload too; without this its ``len`` and slices count items, not bytes.
+    """
+    view = memoryview(data)
+    return view if view.ndim == 1 and view.format == "B" else view.cast("B")
+
+
 def read_info(data: Buffer, limits: Limits = DEFAULT_LIMITS) -> PayloadInfo | None:
     """Parse the header, metadata and shape at the start of ``data``.
 
@@ -180,7 +190,7 @@ def read_info(data: Buffer, limits: Limits = DEFAULT_LIMITS) -> PayloadInfo | No
     delivered them yet); the buffer need not be there. Raises FormatError as soon
     as what is there is wrong.
     """
-    view = memoryview(data)
+    view = byte_buffer(data)
     if len(view) < HEADER.size:
         return None
     magic, version, _checksum, after_header = HEADER.unpack_from(view)
@@ -223,7 +233,7 @@ def read_info(data: Buffer, limits: Limits = DEFAULT_LIMITS) -> PayloadInfo | No
 def parse(data: Buffer, limits: Limits = DEFAULT_LIMITS) -> PayloadInfo:
     """Check that ``data`` is exactly one whole payload and return what its header says."""
     info = read_info(data, limits)
-    size = memoryview(data).nbytes
+    size = byte_buffer(data).nbytes
     if info is None:
         raise FormatError(f"truncated payload: {size} bytes, too few for its header, metadata and shape")
     if size < info.size:
@@ -277,7 +287,7 @@ def encode_numpy(array: np.ndarray) -> bytes:
 def to_numpy(data: Buffer, limits: Limits = DEFAULT_LIMITS) -> np.ndarray:
     """The tensor of a payload as a numpy array viewing ``data`` (booleans are unpacked, a copy)."""
     info = parse(data, limits)
-    return buffer_to_numpy(memoryview(data)[info.data_offset :], info)
+    return buffer_to_numpy(byte_buffer(data)[info.data_offset :], info)
 
 
 def buffer_to_numpy(buffer: Buffer, info: PayloadInfo) -> np.ndarray:
@@ -338,9 +348,7 @@ class Deframer:
 
     def feed(self, chunk: Buffer) -> Iterator[Fragment]:
         """The fragments of payloads that ``chunk`` completes or continues."""
-        view = memoryview(chunk)
-        if view.ndim != 1 or view.format != "B":
-            view = view.cast("B")
+        view = byte_buffer(chunk)
         pos, end = 0, len(view)
         while pos < end:
             if self._info is None:

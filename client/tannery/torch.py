@@ -136,7 +136,7 @@ def deserialize(data: Buffer) -> torch.Tensor:
     not exactly one valid payload.
     """
     info = codec.parse(data)
-    return from_buffer(memoryview(data)[info.data_offset :], info.dtype, info.shape)
+    return from_buffer(codec.byte_buffer(data)[info.data_offset :], info.dtype, info.shape)
 
 
 def write(module_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor], path: str | os.PathLike[str]) -> None:
