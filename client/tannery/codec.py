@@ -213,6 +213,11 @@ def read_info(data: Buffer, limits: Limits = DEFAULT_LIMITS) -> PayloadInfo | No
     if rank > limits.max_rank:
         raise FormatError(f"rank {rank} is over the limit of {limits.max_rank}")
     data_offset = FIXED_PREFIX + DIM.size * rank
+    if HEADER.size + after_header < data_offset:
+        raise FormatError(
+            f"header nbytes {after_header} is too small for the metadata and shape of rank {rank} "
+            f"({data_offset - HEADER.size} bytes)"
+        )
     if len(view) < data_offset:
         return None
     shape = struct.unpack_from(f"<{rank}Q", view, FIXED_PREFIX)
