@@ -20,6 +20,7 @@ it describes have arrived.
 from __future__ import annotations
 
 import math
+import mmap
 import struct
 from dataclasses import dataclass
 from typing import Iterator, Sequence, Union
@@ -420,18 +421,64 @@ class Deframer:
             )
 
 
+class _Gathering:
+    """A payload being gathered from fragments into memory that grows as its bytes arrive.
+
+    Nothing is reserved on the word of the header: an anonymous map starts small and is
+    enlarged (doubling, up to the payload's size) by ``mremap``, which moves pages without
+    copying them. The tensor data lands on a 64-byte boundary, as in :func:`aligned_buffer`.
+    """
+
+    FIRST = 1 << 16
+
+    def __init__(self, info: PayloadInfo) -> None:
+        self.pad = -info.data_offset % ALIGNMENT  # maps start on a page boundary
+        self.end = self.pad + info.size
+        self.filled = self.pad
+        self.map = self._new_map(min(self.end, self.pad + self.FIRST))
+
+    @staticmethod
+    def _new_map(size: int) -> mmap.mmap:
+        return _Gathering._advise(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE))
+
+    @staticmethod
+    def _advise(memory: mmap.mmap) -> mmap.mmap:
+        if hasattr(mmap, "MADV_HUGEPAGE"):  # huge pages, as numpy asks for large arrays: far fewer page faults
+            memory.madvise(mmap.MADV_HUGEPAGE)
+        return memory
+
+    def add(self, data: Buffer) -> None:
+        n = memoryview(data).nbytes
+        if self.filled + n > len(self.map):
+            self._grow(min(self.end, max(self.filled + n, 2 * len(self.map))))
+        self.map[self.filled : self.filled + n] = data
+        self.filled += n
+
+    def _grow(self, size: int) -> None:
+        try:
+            self.map.resize(size)
+        except (OSError, SystemError):  # no mremap on this platform: move to a new map
+            bigger = self._new_map(size)
+            bigger[: self.filled] = self.map[: self.filled]
+            self.map = bigger
+        else:
+            self._advise(self.map)
+
+    def payload(self) -> memoryview:
+        return memoryview(self.map)[self.pad : self.end]
+
+
 class Reframer:
     """Turns a stream of byte chunks of any sizes into whole payloads.
 
     A payload that arrives in one chunk is returned as a view of it; one spread over
-    several is gathered into an aligned buffer sized from its checked header, the only
-    copy made.
+    several is gathered into an aligned, writable buffer, the only copy made, whose
+    memory grows with the bytes that arrive (a header claiming a huge size gets none).
     """
 
     def __init__(self, limits: Limits = DEFAULT_LIMITS) -> None:
         self._deframer = Deframer(limits)
-        self._buffer: memoryview | None = None
-        self._filled = 0
+        self._gathering: _Gathering | None = None
 
     def feed(self, chunk: Buffer) -> Iterator[Buffer]:
         """The payloads that ``chunk`` completes, in order."""
@@ -440,14 +487,11 @@ class Reframer:
                 yield fragment.data
                 continue
             if fragment.first:
-                self._buffer = aligned_buffer(fragment.info.size, fragment.info.data_offset)
-                self._filled = 0
-            assert self._buffer is not None
-            n = memoryview(fragment.data).nbytes
-            self._buffer[self._filled : self._filled + n] = fragment.data
-            self._filled += n
+                self._gathering = _Gathering(fragment.info)
+            assert self._gathering is not None
+            self._gathering.add(fragment.data)
             if fragment.last:
-                payload, self._buffer = self._buffer, None
+                payload, self._gathering = self._gathering.payload(), None
                 yield payload
 
     def close(self) -> None:
