@@ -25,6 +25,12 @@ _EXPORTS = {
     "Unavailable": "tannery.errors",
     "DataLoss": "tannery.errors",
     "Cancelled": "tannery.errors",
+    "Archive": "tannery.archive",
+    "EntryInfo": "tannery.archive",
+    "save_safetensors": "tannery.files",
+    "load_safetensors": "tannery.files",
+    "save_tannic": "tannery.files",
+    "load_tannic": "tannery.files",
 }
 
 

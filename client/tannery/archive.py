@@ -1,0 +1,456 @@
+"""Archives: immutable collections of named tensors, strict on read.
+
+:class:`Archive` is the read interface, with every check and every error message. Its
+kinds implement three hooks only: ``_names`` (the sorted names), ``_info`` (an entry's
+dtype, shape and size, from metadata only) and ``_fetch`` (several entries at once, so
+that a remote archive answers ``to_value`` in one call); ``_cast`` is optional. Here
+are the in-memory kind (:meth:`Archive.of_list`, :meth:`Archive.of_value`) and the
+union (:meth:`Archive.union`); ``tannery.files`` has the memory-mapped one.
+
+A mismatch between an archive and what is asked of it is an :class:`ArchiveError`
+that names the entry, raised before any entry is read. Messages print shapes as
+Python lists and dtypes by their short names (``float32``).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Union
+
+import numpy as np
+import torch
+
+from . import codec
+from .codec import FLOAT_NAMES, format_shape
+from .errors import ArchiveError
+from .names import join, owned, owns
+from .torch import codec_dtype, short_name, torch_dtype
+
+#: A dtype as callers may give it: ``torch.float32``, ``"float32"`` or a codec DType.
+DTypeLike = Union[torch.dtype, str, codec.DType]
+#: A tensor as callers may give it; numpy arrays become torch tensors sharing their memory.
+TensorLike = Union[torch.Tensor, np.ndarray]
+
+_FLOATS_TEXT = "float16, bfloat16, float32 or float64"
+#: Dtypes whose numpy arrays (ml_dtypes) torch.from_numpy cannot take directly.
+_VIA_BITS = frozenset({"bfloat16", "float8_e4m3fn", "float8_e5m2"})
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    """What an archive's metadata says of one entry: dtype name, shape and size in bytes.
+
+    ``nbytes`` is the size of the elements where they are stored (booleans are
+    bit-packed in .tannic files and tannic payloads, one byte each elsewhere).
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def __str__(self) -> str:
+        return f"{self.dtype} {format_shape(self.shape)}"
+
+    def __repr__(self) -> str:
+        return f"EntryInfo({self.dtype} {format_shape(self.shape)}, {self.nbytes} bytes)"
+
+
+def is_tensor_leaf(value: object) -> bool:
+    """Whether a leaf of a value is a tensor (torch tensor or numpy array), hence an entry."""
+    return isinstance(value, (torch.Tensor, np.ndarray))
+
+
+def dtype_name(dtype: DTypeLike) -> str:
+    """The short name of a dtype given as a torch dtype, a name or a codec DType.
+
+    ValueError for an unknown name, TypeError for anything else.
+    """
+    if isinstance(dtype, torch.dtype):
+        return short_name(dtype)
+    if isinstance(dtype, codec.DType):
+        return dtype.name
+    if isinstance(dtype, str):
+        return codec.dtype_named(dtype).name
+    raise TypeError(f"a dtype is a torch.dtype or a name such as 'float32', not {type(dtype).__name__}")
+
+
+def leaf_dtype(leaf: TensorLike) -> str:
+    """The short dtype name of a tensor leaf (a numpy array's included)."""
+    if isinstance(leaf, np.ndarray):
+        try:
+            return codec.dtype_of_numpy(leaf.dtype).name
+        except TypeError:
+            return str(leaf.dtype)
+    return short_name(leaf.dtype)
+
+
+def named_leaves(value: Any, prefix: str = "", where: str = "named_leaves") -> dict[str, TensorLike]:
+    """The tensor leaves of a structure of dicts, lists and tuples, by name, in order.
+
+    Each is named by its path, keys and indices joined with dots, under ``prefix``
+    (:func:`tannery.names.join`); other leaves are skipped. ValueError, prefixed by
+    ``where``, for a leaf left without a name or two leaves of one name.
+    """
+    leaves: dict[str, TensorLike] = {}
+    for path, leaf in _walk(value, ()):
+        name = join(prefix, *path)
+        if not name:
+            if not path:
+                raise ValueError(f"{where}: a leaf at the root has no name; give a prefix")
+            raise ValueError(f"{where}: a leaf at {list(path)} has an empty name; give a prefix")
+        if name in leaves:
+            raise ValueError(f"{where}: {name}: two leaves have this name")
+        leaves[name] = leaf
+    return leaves
+
+
+def _walk(value: Any, path: tuple[str, ...]):
+    """(path, leaf) for each tensor leaf of ``value``, depth first, in order."""
+    if is_tensor_leaf(value):
+        yield path, value
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _walk(item, path + (str(key),))
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from _walk(item, path + (str(index),))
+
+
+def _rebuild(value: Any, path: tuple[str, ...], replace: Callable[[tuple[str, ...], Any], Any]) -> Any:
+    """``value`` with each tensor leaf replaced by ``replace(path, leaf)``; containers keep their types."""
+    if is_tensor_leaf(value):
+        return replace(path, value)
+    if isinstance(value, Mapping):
+        items = {key: _rebuild(item, path + (str(key),), replace) for key, item in value.items()}
+        if not isinstance(value, dict):
+            return items
+        # A shallow copy keeps the dict's class and attributes (a state_dict's _metadata).
+        new = copy.copy(value)
+        new.update(items)
+        return new
+    if isinstance(value, list):
+        items = [_rebuild(item, path + (str(i),), replace) for i, item in enumerate(value)]
+        if type(value) is list:
+            return items
+        new = copy.copy(value)
+        new[:] = items
+        return new
+    if isinstance(value, tuple):
+        items = [_rebuild(item, path + (str(i),), replace) for i, item in enumerate(value)]
+        if type(value) is tuple:
+            return tuple(items)
+        if hasattr(type(value), "_fields"):  # a namedtuple
+            return type(value)(*items)
+        return type(value)(items)
+    return value
+
+
+def as_tensor(value: TensorLike, name: str, where: str) -> torch.Tensor:
+    """A tensor leaf as a torch tensor an archive may hold, sharing a numpy array's memory.
+
+    TypeError naming the entry for anything else, a dtype the format cannot carry, or a
+    layout other than strided. A numpy array with negative strides, which torch cannot
+    view, is copied.
+    """
+    if isinstance(value, np.ndarray):
+        try:
+            dtype = codec.dtype_of_numpy(value.dtype)
+        except TypeError as e:
+            raise TypeError(f"{where}: {name}: {e}") from None
+        if any(stride < 0 for stride in value.strides):
+            value = np.ascontiguousarray(value)
+        if dtype.name in _VIA_BITS:
+            # ml_dtypes' types, which torch.from_numpy does not know: view their bits.
+            bits = np.dtype(f"uint{8 * dtype.itemsize}")
+            return torch.from_numpy(value.view(bits)).view(torch_dtype(dtype))
+        return torch.from_numpy(value)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{where}: {name}: {type(value).__name__} is not a tensor")
+    try:
+        codec_dtype(value.dtype)
+    except TypeError as e:
+        raise TypeError(f"{where}: {name}: {e}") from None
+    if value.layout != torch.strided:
+        raise TypeError(f"{where}: {name}: a {value.layout} tensor; archives hold strided (dense) tensors")
+    return value
+
+
+def _shape(shape: Sequence[int], where: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(d) for d in shape)
+    except TypeError:
+        raise TypeError(f"{where}: a shape is a sequence of ints, not {type(shape).__name__}") from None
+
+
+def _check_name(name: object, where: str) -> str:
+    if not isinstance(name, str):
+        raise TypeError(f"{where}: an entry name is a str, not {type(name).__name__}")
+    return name
+
+
+class Archive(ABC):
+    """An immutable collection of tensors with distinct, non-empty names.
+
+    Build one with :meth:`of_list`, :meth:`of_value` or :meth:`union`, or load one
+    from a file (``tannery.load_safetensors``, ``tannery.load_tannic``). Asking for an
+    entry checks its name, shape and dtype against the archive's metadata first, and
+    raises :class:`ArchiveError` naming the entry on a mismatch.
+
+    Subclasses implement ``_names``, ``_info`` and ``_fetch`` (and may override
+    ``_cast``); everything else, checks and messages included, is here.
+    """
+
+    __slots__ = ()
+
+    # -- what a kind of archive implements -------------------------------------------
+
+    @abstractmethod
+    def _names(self) -> Sequence[str]:
+        """Every entry's name, sorted and distinct (the archive is immutable: cache it)."""
+
+    @abstractmethod
+    def _info(self, name: str) -> EntryInfo | None:
+        """An entry's dtype, shape and size from metadata only; None when there is none."""
+
+    @abstractmethod
+    def _fetch(self, names: Sequence[str]) -> list[torch.Tensor]:
+        """The entries of ``names`` as stored, in order. Every name is known to be present."""
+
+    def _cast(self, name: str, dtype: str) -> torch.Tensor:
+        """Entry ``name`` cast to the float dtype ``dtype``, a new tensor (a remote archive
+        may have its server cast)."""
+        return self._fetch([name])[0].to(torch_dtype(dtype))
+
+    # -- building ------------------------------------------------------------------------
+
+    @staticmethod
+    def of_list(entries: Iterable[tuple[str, TensorLike]] | Mapping[str, TensorLike]) -> Archive:
+        """An archive of ``(name, tensor)`` pairs or of a mapping; nothing is copied."""
+        where = "Archive.of_list"
+        pairs = entries.items() if isinstance(entries, Mapping) else entries
+        tensors: dict[str, torch.Tensor] = {}
+        for name, tensor in pairs:
+            _check_name(name, where)
+            if not name:
+                raise ValueError(f"{where}: an empty name")
+            if name in tensors:
+                raise ValueError(f"{where}: {name!r} is named twice")
+            tensors[name] = as_tensor(tensor, name, where)
+        return MemoryArchive(tensors)
+
+    @staticmethod
+    def of_value(value: Any, prefix: str = "") -> Archive:
+        """One entry per tensor of a structure of nested dicts, lists and tuples.
+
+        Each is named by its path under ``prefix`` (``"model.blocks.0.w"``); leaves
+        that are not tensors are not entries. Nothing is copied.
+        """
+        where = "Archive.of_value"
+        leaves = named_leaves(value, prefix, where)
+        return MemoryArchive({name: as_tensor(leaf, name, where) for name, leaf in leaves.items()})
+
+    @staticmethod
+    def union(archives: Iterable[Archive]) -> Archive:
+        """The entries of all of ``archives``, none of them read; ValueError for a name in two."""
+        sources: dict[str, Archive] = {}
+        for archive in archives:
+            if not isinstance(archive, Archive):
+                raise TypeError(f"Archive.union: {type(archive).__name__} is not an Archive")
+            for name, source in _sources_of(archive):
+                if name in sources:
+                    raise ValueError(f"Archive.union: {name!r} is in two archives")
+                sources[name] = source
+        return UnionArchive(sources)
+
+    # -- reading -------------------------------------------------------------------------
+
+    def names(self) -> list[str]:
+        """Every entry's name, sorted."""
+        return list(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self._info(name) is not None
+
+    def info(self, name: str) -> EntryInfo:
+        """An entry's dtype, shape and size, from metadata only; ArchiveError when absent."""
+        return self._lookup("Archive.info", name)
+
+    def find(self, name: str) -> torch.Tensor | None:
+        """The entry ``name`` as stored, or None when there is none."""
+        if self._info(_check_name(name, "Archive.find")) is None:
+            return None
+        return self._fetch([name])[0]
+
+    def tensor(self, name: str, shape: Sequence[int], dtype: DTypeLike) -> torch.Tensor:
+        """The entry ``name`` as stored, after checking it has ``shape`` and ``dtype``."""
+        where = "Archive.tensor"
+        shape, dtype = _shape(shape, where), dtype_name(dtype)
+        info = self._lookup(where, name, shape)
+        if info.dtype != dtype:
+            raise ArchiveError(f"{where}: {name}: {info.dtype} in the archive, {dtype} asked for")
+        return self._fetch([name])[0]
+
+    def float(self, name: str, shape: Sequence[int], dtype: DTypeLike) -> torch.Tensor:
+        """The entry ``name`` of ``shape`` at ``dtype``, one of float16, bfloat16, float32, float64.
+
+        The entry itself when it already has that dtype, otherwise its cast: a new
+        tensor on each call (and the only method that reads to answer). The entry
+        must itself have one of those four dtypes.
+        """
+        where = "Archive.float"
+        shape, dtype = _shape(shape, where), dtype_name(dtype)
+        if dtype not in FLOAT_NAMES:
+            raise ValueError(f"{where}: {dtype} is not {_FLOATS_TEXT}")
+        info = self._lookup(where, name, shape)
+        if info.dtype not in FLOAT_NAMES:
+            raise ArchiveError(f"{where}: {name}: {info.dtype} in the archive, not {_FLOATS_TEXT}")
+        if info.dtype == dtype:
+            return self._fetch([name])[0]
+        return self._cast(name, dtype)
+
+    def to_value(self, like: Any, prefix: str = "") -> Any:
+        """``like`` with each tensor replaced by the archive's entry of its name.
+
+        ``like`` gives the structure, every dtype and shape, and its non-tensor leaves;
+        its tensors' elements are not read. Each entry is moved to the device of
+        ``like``'s tensor (kept where it is when that is the meta device). The entries
+        ``prefix`` owns must be exactly ``like``'s tensor leaves; others are ignored.
+        Everything is checked before any entry is read.
+        """
+        where = "Archive.to_value"
+        leaves = named_leaves(like, prefix, where)
+        for name, leaf in leaves.items():
+            info = self._info(name)
+            if info is None:
+                raise ArchiveError(f"{where}: {name}: no entry in the archive, a leaf in the value")
+            shape = tuple(leaf.shape)
+            if info.shape != shape:
+                raise ArchiveError(
+                    f"{where}: {name}: shape {format_shape(info.shape)} in the archive, "
+                    f"{format_shape(shape)} in the value"
+                )
+            if info.dtype != leaf_dtype(leaf):
+                raise ArchiveError(f"{where}: {name}: {info.dtype} in the archive, {leaf_dtype(leaf)} in the value")
+        for name in owned(prefix, self._names()):
+            if name not in leaves:
+                raise ArchiveError(f"{where}: {name}: an entry in the archive, no leaf in the value")
+        names = list(leaves)
+        entries = dict(zip(names, self._fetch(names))) if names else {}
+
+        def replace(path: tuple[str, ...], leaf: TensorLike) -> torch.Tensor:
+            entry = entries[join(prefix, *path)]
+            device = leaf.device if isinstance(leaf, torch.Tensor) else torch.device("cpu")
+            return entry if device.type == "meta" else entry.to(device)
+
+        return _rebuild(like, (), replace)
+
+    def _lookup(self, where: str, name: str, shape: tuple[int, ...] | None = None) -> EntryInfo:
+        """The entry's info, checked to exist (and to have ``shape`` when given)."""
+        info = self._info(_check_name(name, where))
+        if info is None:
+            raise ArchiveError(f"{where}: {name}: no entry in the archive")
+        if shape is not None and info.shape != shape:
+            raise ArchiveError(
+                f"{where}: {name}: shape {format_shape(info.shape)} in the archive, {format_shape(shape)} asked for"
+            )
+        return info
+
+    def __repr__(self) -> str:
+        names = self._names()
+        shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+        return f"<{type(self).__name__} of {len(names)} entries: {shown}>" if names else f"<empty {type(self).__name__}>"
+
+
+def tensor_info(tensor: torch.Tensor) -> EntryInfo:
+    """The info of a tensor held in memory."""
+    return EntryInfo(short_name(tensor.dtype), tuple(tensor.shape), tensor.numel() * tensor.element_size())
+
+
+class MemoryArchive(Archive):
+    """An archive of tensors held in memory (the caller's own tensors: nothing is copied)."""
+
+    __slots__ = ("_tensors", "_sorted")
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self._tensors = dict(tensors)
+        self._sorted = tuple(sorted(self._tensors))
+
+    def _names(self) -> Sequence[str]:
+        return self._sorted
+
+    def _info(self, name: str) -> EntryInfo | None:
+        tensor = self._tensors.get(name)
+        return None if tensor is None else tensor_info(tensor)
+
+    def _fetch(self, names: Sequence[str]) -> list[torch.Tensor]:
+        return [self._tensors[name] for name in names]
+
+
+class UnionArchive(Archive):
+    """The entries of several archives, each still held (and read) by its own archive."""
+
+    __slots__ = ("_sources", "_sorted")
+
+    def __init__(self, sources: Mapping[str, Archive]) -> None:
+        self._sources = dict(sources)
+        self._sorted = tuple(sorted(self._sources))
+
+    def _names(self) -> Sequence[str]:
+        return self._sorted
+
+    def _info(self, name: str) -> EntryInfo | None:
+        source = self._sources.get(name)
+        return None if source is None else source._info(name)
+
+    def _fetch(self, names: Sequence[str]) -> list[torch.Tensor]:
+        # One fetch per source archive, so a remote one answers in one call.
+        groups: dict[int, tuple[Archive, list[int]]] = {}
+        for index, name in enumerate(names):
+            source = self._sources[name]
+            groups.setdefault(id(source), (source, []))[1].append(index)
+        tensors: list[torch.Tensor | None] = [None] * len(names)
+        for source, indices in groups.values():
+            for index, tensor in zip(indices, source._fetch([names[i] for i in indices])):
+                tensors[index] = tensor
+        return tensors  # type: ignore[return-value]
+
+    def _cast(self, name: str, dtype: str) -> torch.Tensor:
+        return self._sources[name]._cast(name, dtype)
+
+
+def _sources_of(archive: Archive) -> Iterable[tuple[str, Archive]]:
+    """Each entry name of ``archive`` with the archive that holds it (a union's sources, flattened)."""
+    if isinstance(archive, UnionArchive):
+        return archive._sources.items()
+    return ((name, archive) for name in archive._names())
+
+
+__all__ = [
+    "Archive",
+    "ArchiveError",
+    "DTypeLike",
+    "EntryInfo",
+    "MemoryArchive",
+    "TensorLike",
+    "UnionArchive",
+    "as_tensor",
+    "dtype_name",
+    "is_tensor_leaf",
+    "join",
+    "leaf_dtype",
+    "named_leaves",
+    "owned",
+    "owns",
+    "tensor_info",
+]
