@@ -86,6 +86,9 @@ def buffer_of(tensor: torch.Tensor) -> memoryview:
     buffer.
     """
     dtype = codec_dtype(tensor.dtype)
+    if tensor.numel() == 0:
+        # An empty tensor may have stride 0 (torch.from_numpy of an empty array), which .view refuses.
+        return memoryview(b"")
     tensor = _cpu_contiguous(tensor)
     if dtype.is_bool:
         return memoryview(np.packbits(tensor.numpy().reshape(-1), bitorder="little"))
