@@ -36,6 +36,8 @@ METADATA = struct.Struct("<BQQB")
 DIM = struct.Struct("<Q")
 #: Bytes before the shape: header and tensor metadata.
 FIXED_PREFIX = HEADER.size + METADATA.size
+#: The most bytes numpy and torch can index (their sizes and strides are signed 64-bit).
+MAX_ARRAY_BYTES = 2**63 - 1
 #: Alignment of the tensor data in buffers this module allocates.
 ALIGNMENT = 64
 
@@ -222,6 +224,14 @@ def read_info(data: Buffer, limits: Limits = DEFAULT_LIMITS) -> PayloadInfo | No
     if len(view) < data_offset:
         return None
     shape = struct.unpack_from(f"<{rank}Q", view, FIXED_PREFIX)
+    span = math.prod(d for d in shape if d) * dtype.itemsize
+    if span > MAX_ARRAY_BYTES:
+        # Only an empty shape gets here with a valid nbytes: [0, 2**62, 4] has no elements,
+        # yet numpy and torch cannot even describe it.
+        raise FormatError(
+            f"shape {format_shape(shape)} of {dtype} is too large for an array: its non-zero dimensions "
+            f"span {span} bytes, over {MAX_ARRAY_BYTES}"
+        )
     expected = dtype.buffer_nbytes(math.prod(shape))
     if nbytes != expected:
         raise FormatError(
