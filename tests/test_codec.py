@@ -308,8 +308,10 @@ def test_rank_over_the_limit():
 def test_huge_dimensions_are_refused_without_allocating():
     # Dimensions whose product overflows 64 bits: arithmetic on Python ints, then a clear error.
     data = raw(code=25, shape=(2**63, 2**63, 2**40), nbytes=8)
-    with pytest.raises(FormatError, match="does not match shape"):
+    with pytest.raises(FormatError, match="too large for an array"):
         parse(data)
+    with pytest.raises(FormatError, match=r"buffer nbytes 8 does not match shape \[65536, 65536\] of float64 \(34359738368 bytes\)"):
+        parse(raw(code=25, shape=(2**16, 2**16), nbytes=8))
 
 
 # --------------------------------------------------------- any bytes-like object is a payload
@@ -596,3 +598,15 @@ def test_codec_does_not_import_torch():
 
     code = "import sys, tannery.codec, tannery.checkpoint, tannery.errors; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("shape", [(0, 2**62, 4), (0, 2**63), (2**64 - 1, 0), (0, 2**31, 2**31, 2)])
+def test_empty_shapes_no_array_can_describe_are_refused(shape):
+    # No elements, so nbytes 0 is consistent; but numpy and torch cannot build such a shape.
+    with pytest.raises(FormatError, match="too large for an array"):
+        parse(raw(code=24, shape=shape, nbytes=0))
+
+
+def test_empty_shapes_with_large_dimensions_are_fine():
+    data = raw(code=24, shape=(0, 2**40), nbytes=0)
+    assert to_numpy(data).shape == (0, 2**40)
