@@ -146,6 +146,16 @@ def test_saving_writes_the_values_of_any_strides_and_views(tmp_path):
         assert torch.equal(pair.find(name), tensor.resolve_conj().resolve_neg()), name
 
 
+def test_tied_tensors_are_saved_once_per_name(tmp_path):
+    """safetensors.torch.save_file refuses tensors that share memory; an archive's names are
+    distinct entries, so each is written."""
+    w = torch.arange(6.0).reshape(2, 3)
+    save_safetensors(tmp_path / "tied.safetensors", Archive.of_value({"enc": w, "dec": w, "dec_t": w.t()}, "m"))
+    loaded = load_safetensors(tmp_path / "tied.safetensors")
+    assert torch.equal(loaded.find("m.enc"), w) and torch.equal(loaded.find("m.dec"), w)
+    assert torch.equal(loaded.find("m.dec_t"), w.t())
+
+
 def test_a_file_archive_saves_to_the_other_format_and_over_itself(tmp_path):
     tensors = every_dtype()
     save_safetensors(tmp_path / "a.safetensors", Archive.of_list(tensors))
@@ -196,6 +206,8 @@ MALFORMED = {
                              "w: shape [-1] is not a list of non-negative integers"),
     "a float dimension": ({"w": entry("F32", [1.0], 0, 4)}, b"\0" * 4, None, "w: shape [1.0] is not a list"),
     "a bool dimension": ({"w": entry("F32", [True], 0, 4)}, b"\0" * 4, None, "w: shape [True] is not a list"),
+    "a shape too large for torch": ({"w": entry("F32", [2**62, 2**62, 0], 0, 0)}, b"", None,
+                                    f"w: shape [{2**62}, {2**62}, 0] is too large for a tensor"),
     "three offsets": ({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4, 8]}}, b"\0" * 4, None,
                       "w: data_offsets [0, 4, 8] is not two non-negative integers"),
     "offsets backwards": ({"w": entry("F32", [0], 4, 0)}, b"\0" * 4, None, "w: data_offsets [4, 0] end before they begin"),

@@ -25,6 +25,9 @@ LENGTH = struct.Struct("<Q")
 #: The largest header the safetensors package accepts.
 MAX_HEADER = 100_000_000
 
+#: The most elements along all dimensions of a shape (zeros counted as ones) torch can index.
+MAX_ELEMENTS = 2**63 - 1
+
 #: Every safetensors dtype tannery reads and writes, by its safetensors code.
 #: safetensors has no complex128 (tannery does) and tannery has no F8_E8M0, F4, F6 or
 #: FNUZ float8 formats (safetensors does): files with those are refused.
@@ -151,6 +154,8 @@ def _entry(name: str, fields: Any, what: str) -> SafetensorsEntry:
         raise FormatError(f"{what}: {name}: shape {shape!r} is not a list of non-negative integers")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
         raise FormatError(f"{what}: {name}: data_offsets {offsets!r} is not two non-negative integers")
+    if math.prod(max(d, 1) for d in shape) > MAX_ELEMENTS:
+        raise FormatError(f"{what}: {name}: shape {format_shape(shape)} is too large for a tensor")
     begin, end = offsets
     if end < begin:
         raise FormatError(f"{what}: {name}: data_offsets [{begin}, {end}] end before they begin")
