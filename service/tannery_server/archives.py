@@ -1,0 +1,247 @@
+"""The ``Archives`` service: one method per RPC of ``archives.proto``.
+
+Blocking work (files, SQLite) runs on the storage's thread pool, so many calls proceed at
+once. Every failure is a :class:`~.failures.Failure` turned into its status here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import functools
+import inspect
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Callable, TypeVar
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from tannery.v1 import archives_pb2, archives_pb2_grpc
+
+from .calllog import current_call
+from .config import Config
+from .failures import Failure, InvalidArgument, NotFound, trailing_metadata
+from .fetching import FetchStream, check_request, digests, resolve
+from .storage import ArchiveRecord, Limits, Storage
+from .store_session import StoreSession, disk_full
+from .validation import check_archive_name, check_prefix
+from .wire import WireError, parse_store_request, serialize_response
+
+T = TypeVar("T")
+SERVICE = "tannery.v1.Archives"
+DEFAULT_PAGE = 100
+MAX_PAGE = 1000
+#: Bytes of messages a Fetch prepares per trip to a worker thread (one more batch is read ahead).
+FETCH_BATCH_BYTES = 4 << 20
+
+
+def archive_info(record: ArchiveRecord) -> archives_pb2.ArchiveInfo:
+    created = Timestamp()
+    created.FromNanoseconds(record.created_ns)
+    return archives_pb2.ArchiveInfo(
+        name=record.name, entries=record.entries, nbytes=record.nbytes, payload_bytes=record.payload_bytes,
+        created=created,
+    )
+
+
+async def _fail(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    failure = exc if isinstance(exc, Failure) else disk_full(exc)
+    if failure is None:
+        raise exc
+    await context.abort(failure.code, str(failure), trailing_metadata=trailing_metadata(failure))
+
+
+def _answering_failures(method: Callable) -> Callable:
+    """Turn Failures (and full disks) raised by a servicer method into their statuses."""
+    if inspect.isasyncgenfunction(method):
+
+        @functools.wraps(method)
+        async def streaming(self, request, context):
+            try:
+                async for item in method(self, request, context):
+                    yield item
+            except (Failure, OSError, WireError) as exc:
+                await _fail(context, exc if not isinstance(exc, WireError) else InvalidArgument(str(exc)))
+
+        return streaming
+
+    @functools.wraps(method)
+    async def unary(self, request, context):
+        try:
+            return await method(self, request, context)
+        except (Failure, OSError, WireError) as exc:
+            await _fail(context, exc if not isinstance(exc, WireError) else InvalidArgument(str(exc)))
+
+    return unary
+
+
+class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
+    def __init__(self, storage: Storage, config: Config) -> None:
+        self.storage = storage
+        self.config = config
+        self._executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="tannery-io")
+        self._limits = Limits(config.max_entries, config.max_name_bytes)
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+    def _archive_name(self, name: str) -> str:
+        current_call().note("archive", name)
+        return check_archive_name(name, self.config.max_name_bytes)
+
+    @_answering_failures
+    async def Store(self, request_iterator: AsyncIterator, context) -> archives_pb2.ArchiveInfo:
+        first = await anext(aiter(request_iterator), None)
+        if first is None or first.begin is None:
+            raise InvalidArgument("the first message of Store must carry begin (the archive name)")
+        name = self._archive_name(first.begin.archive)
+        session = StoreSession(self.storage, self.config, name, first.begin.replace)
+        pending: asyncio.Future | None = None
+        try:
+            await self._run(session.check_name_free)
+            # Each message is written by a worker thread while the next one is received.
+            pending = self._run_future(session.feed, first, True)
+            async for message in request_iterator:
+                await pending
+                pending = self._run_future(session.feed, message)
+            await pending
+            record = await self._run(session.finish)
+        except BaseException:
+            if pending is not None and not pending.done():
+                await asyncio.wait([pending])  # the thread must be done with the session first
+            await asyncio.shield(self._run(session.abort))
+            raise
+        return archive_info(record)
+
+    def _run_future(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+        return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    @_answering_failures
+    async def Union(self, request: archives_pb2.UnionRequest, context) -> archives_pb2.ArchiveInfo:
+        target = self._archive_name(request.target)
+        sources = []
+        for source in request.sources:
+            check_archive_name(source.archive, self.config.max_name_bytes)
+            sources.append((source.archive, check_prefix(source.prefix, self.config.max_name_bytes)))
+        record = await self._run(self.storage.union, target, sources, request.replace, self._limits)
+        return archive_info(record)
+
+    @_answering_failures
+    async def Fetch(self, request: archives_pb2.FetchRequest, context):
+        call = current_call()
+        call.note("archive", request.archive)
+        check_request(request)
+        plans = await self._run(resolve, self.storage, request)
+        stream = FetchStream(self.storage, plans, self.config.chunk_size)
+        ahead: asyncio.Future | None = None
+        try:
+            ahead = self._run_future(stream.next_batch, FETCH_BATCH_BYTES)
+            while True:
+                batch = await ahead
+                if not batch:
+                    break
+                ahead = self._run_future(stream.next_batch, FETCH_BATCH_BYTES)
+                for message in batch:
+                    yield message
+        finally:
+            if ahead is not None and not ahead.done():
+                await asyncio.wait([ahead])
+            await asyncio.shield(self._run(self._end_fetch, stream, plans))
+
+    def _end_fetch(self, stream: FetchStream, plans) -> None:
+        stream.close()
+        self.storage.release(digests(plans))
+
+    @_answering_failures
+    async def Describe(self, request: archives_pb2.DescribeRequest, context) -> archives_pb2.ArchiveDescription:
+        current_call().note("archive", request.archive)
+
+        def read():
+            record = self.storage.catalog.archive(request.archive)
+            if record is None:
+                raise NotFound(f"archive {request.archive!r} not found")
+            return record, self.storage.catalog.entries_under(request.archive, "")
+
+        record, entries = await self._run(read)
+        return archives_pb2.ArchiveDescription(
+            info=archive_info(record),
+            entries=[
+                archives_pb2.EntryInfo(name=e.name, dtype=e.dtype, shape=e.shape, nbytes=e.nbytes,
+                                       payload_bytes=e.payload_bytes, digest=e.digest)
+                for e in entries
+            ],
+        )
+
+    @_answering_failures
+    async def List(self, request: archives_pb2.ListRequest, context) -> archives_pb2.ListResponse:
+        limit = min(request.page_size or DEFAULT_PAGE, MAX_PAGE)
+        after = _decode_token(request.page_token)
+        records = await self._run(self.storage.catalog.list_archives, request.prefix, after, limit + 1)
+        more = len(records) > limit
+        records = records[:limit]
+        token = _encode_token(records[-1].name) if more else ""
+        return archives_pb2.ListResponse(archives=[archive_info(r) for r in records], next_page_token=token)
+
+    @_answering_failures
+    async def Delete(self, request: archives_pb2.DeleteRequest, context) -> archives_pb2.DeleteResponse:
+        current_call().note("archive", request.archive)
+        record, collected = await self._run(self.storage.delete, request.archive)
+        if record is None:
+            raise NotFound(f"archive {request.archive!r} not found")
+        return archives_pb2.DeleteResponse(
+            deleted=archive_info(record), blobs_removed=collected.blobs, bytes_freed=collected.bytes
+        )
+
+
+def _encode_token(last_name: str) -> str:
+    return base64.urlsafe_b64encode(b"v1:" + last_name.encode()).decode()
+
+
+def _decode_token(token: str) -> str:
+    if not token:
+        return ""
+    try:
+        raw = base64.urlsafe_b64decode(token.encode())
+        if raw.startswith(b"v1:"):
+            return raw[3:].decode()
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        pass
+    raise InvalidArgument(f"page_token {token[:40]!r} is not one this server gave")
+
+
+def add_to_server(servicer: ArchivesServicer, server: grpc.aio.Server) -> None:
+    """Register the service, reading Store requests and writing Fetch responses without copies."""
+    generic = grpc.method_handlers_generic_handler(
+        SERVICE,
+        {
+            "Store": grpc.stream_unary_rpc_method_handler(
+                servicer.Store, request_deserializer=parse_store_request,
+                response_serializer=archives_pb2.ArchiveInfo.SerializeToString,
+            ),
+            "Union": grpc.unary_unary_rpc_method_handler(
+                servicer.Union, request_deserializer=archives_pb2.UnionRequest.FromString,
+                response_serializer=archives_pb2.ArchiveInfo.SerializeToString,
+            ),
+            "Fetch": grpc.unary_stream_rpc_method_handler(
+                servicer.Fetch, request_deserializer=archives_pb2.FetchRequest.FromString,
+                response_serializer=serialize_response,
+            ),
+            "Describe": grpc.unary_unary_rpc_method_handler(
+                servicer.Describe, request_deserializer=archives_pb2.DescribeRequest.FromString,
+                response_serializer=archives_pb2.ArchiveDescription.SerializeToString,
+            ),
+            "List": grpc.unary_unary_rpc_method_handler(
+                servicer.List, request_deserializer=archives_pb2.ListRequest.FromString,
+                response_serializer=archives_pb2.ListResponse.SerializeToString,
+            ),
+            "Delete": grpc.unary_unary_rpc_method_handler(
+                servicer.Delete, request_deserializer=archives_pb2.DeleteRequest.FromString,
+                response_serializer=archives_pb2.DeleteResponse.SerializeToString,
+            ),
+        },
+    )
+    server.add_generic_rpc_handlers((generic,))

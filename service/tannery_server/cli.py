@@ -1,0 +1,72 @@
+"""``tannery serve``: flags, each with a ``TANNERY_*`` environment variable."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from .config import Config, env_name, parse_value
+
+# (field, help) for every setting a flag sets; defaults and environment variables are added.
+_FLAGS = [
+    ("host", "address to listen on; 0.0.0.0 for every interface"),
+    ("port", "TCP port to listen on; 0 picks a free one (the log says which)"),
+    ("data_dir", "directory of the catalog (catalog.sqlite3) and blobs; one server per directory"),
+    ("chunk_size", "bytes of tensor data per gRPC message, both ways (4096..3MiB)"),
+    ("max_payload_bytes", "largest payload one entry may have, header included; larger ones are refused "
+                          "(RESOURCE_EXHAUSTED) before any byte is stored"),
+    ("max_rank", "largest rank of a stored tensor"),
+    ("max_name_bytes", "longest archive or entry name, in UTF-8 bytes"),
+    ("max_entries", "most entries in one archive"),
+    ("grace_seconds", "seconds calls in flight get to finish on SIGTERM/SIGINT"),
+    ("log_format", "'text' or 'json': one line per call with method, archive, bytes, status, duration"),
+    ("channel_buffer_bytes", "bytes a channel subscriber may have queued before publishers wait for it"),
+    ("channel_timeout_seconds", "seconds a publisher waits for a full subscriber before dropping it"),
+    ("io_threads", "threads reading and writing blob files"),
+]
+
+
+def build_parser(prog: str = "tannery") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="tannery: a gRPC tensor service")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = commands.add_parser(
+        "serve",
+        help="run the server",
+        description="Run the tannery server (Archives and Channels, health, reflection) until SIGTERM or "
+        "SIGINT. Each flag defaults to its TANNERY_* environment variable, then to the default shown. "
+        "Sizes accept binary units: 1MiB, 64M, 2GiB.",
+    )
+    defaults = Config()
+    for name, text in _FLAGS:
+        serve.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            type=lambda raw, name=name: parse_value(name, raw),
+            default=None,
+            help=f"{text} [env {env_name(name)}; default {getattr(defaults, name)}]",
+        )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "tannery") -> int:
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        try:
+            config = Config.from_env(**{name: getattr(args, name) for name, _ in _FLAGS})
+        except ValueError as exc:
+            parser.error(str(exc))
+        from . import app
+        from .calllog import configure_logging
+        from .storage import DataDirectoryInUse
+
+        configure_logging(config.log_format)
+        try:
+            app.run(config)
+        except DataDirectoryInUse as exc:
+            print(f"tannery serve: {exc}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            pass
+    return 0

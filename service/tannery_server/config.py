@@ -1,0 +1,123 @@
+"""The server's settings: one frozen dataclass, filled from flags and ``TANNERY_*`` variables."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything the server reads at start-up.
+
+    Each field ``x`` has an environment variable ``TANNERY_X`` and a flag ``--x`` (with
+    dashes); see :mod:`tannery_server.cli` for what each one means.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    data_dir: Path = Path("./tannery-data")
+    #: Bytes of tensor data per gRPC message, both ways; messages stay under gRPC's 4 MiB default.
+    chunk_size: int = MiB
+    #: Largest payload (header included) an archive entry may have.
+    max_payload_bytes: int = 256 * GiB
+    #: Largest rank of a stored tensor.
+    max_rank: int = 64
+    #: Longest archive or entry name, in UTF-8 bytes.
+    max_name_bytes: int = 1024
+    #: Most entries in one archive.
+    max_entries: int = 1_000_000
+    #: Seconds in-flight calls get to finish on SIGTERM/SIGINT.
+    grace_seconds: float = 30.0
+    #: "text" or "json" log lines.
+    log_format: str = "text"
+    #: Bytes a channel subscriber may have queued before publishers wait for it.
+    channel_buffer_bytes: int = 64 * MiB
+    #: Seconds a publisher waits for a full subscriber before that subscriber is dropped.
+    channel_timeout_seconds: float = 10.0
+    #: Threads that read and write blob files (many Fetch calls proceed in parallel).
+    io_threads: int = 16
+    # TLS, tokens and metrics settings are added here by the issue that brings them.
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "data_dir", Path(self.data_dir))
+        problems = []
+        if not 0 <= self.port <= 65535:
+            problems.append(f"port {self.port} is not in 0..65535")
+        if not 4096 <= self.chunk_size <= 3 * MiB:
+            problems.append(f"chunk_size {self.chunk_size} is not in 4096..{3 * MiB} (gRPC messages stay under 4 MiB)")
+        for name in ("max_payload_bytes", "max_rank", "max_name_bytes", "max_entries", "channel_buffer_bytes",
+                     "io_threads"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} {getattr(self, name)} must be at least 1")
+        if self.max_rank > 255:
+            problems.append(f"max_rank {self.max_rank} is over 255, the most a payload can carry")
+        for name in ("grace_seconds", "channel_timeout_seconds"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name} {getattr(self, name)} is negative")
+        if self.log_format not in ("text", "json"):
+            problems.append(f"log_format {self.log_format!r} is not 'text' or 'json'")
+        if problems:
+            raise ValueError("bad configuration: " + "; ".join(problems))
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "Config":
+        """Defaults, then ``TANNERY_*`` variables of ``env`` (os.environ), then ``overrides``."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            raw = env.get(env_name(f.name))
+            if raw is not None and raw != "":
+                values[f.name] = parse_value(f.name, raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> "Config":
+        return dataclasses.replace(self, **changes)
+
+
+def env_name(field_name: str) -> str:
+    return "TANNERY_" + field_name.upper()
+
+
+_DEFAULTS = Config()
+
+
+def parse_value(field_name: str, raw: str) -> Any:
+    """The value of field ``field_name`` written as text (ValueError naming the field)."""
+    default = getattr(_DEFAULTS, field_name)
+    try:
+        if isinstance(default, bool):
+            return raw.strip().lower() in ("1", "true", "yes", "on")
+        if isinstance(default, int):
+            return parse_size(raw)
+        if isinstance(default, float):
+            return float(raw)
+        if isinstance(default, Path):
+            return Path(raw)
+        return raw
+    except ValueError:
+        raise ValueError(f"{env_name(field_name)}: cannot read {raw!r} as {type(default).__name__}") from None
+
+
+_UNITS = {"k": 1 << 10, "ki": 1 << 10, "kib": 1 << 10, "m": MiB, "mi": MiB, "mib": MiB, "g": GiB, "gi": GiB,
+          "gib": GiB, "t": 1 << 40, "ti": 1 << 40, "tib": 1 << 40}
+
+
+def parse_size(raw: str) -> int:
+    """An integer, optionally with a binary unit: ``1048576``, ``1MiB``, ``64M``, ``2GiB``."""
+    text = raw.strip().lower().replace("_", "")
+    digits = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(digits):].strip()
+    if unit and unit not in _UNITS:
+        raise ValueError(f"unknown unit {unit!r}")
+    return int(digits) * _UNITS.get(unit, 1)
+
+
+__all__ = ["Config", "env_name", "parse_size", "parse_value"]

@@ -1,0 +1,60 @@
+"""The failures a call can end with, each tied to the gRPC status it is answered with.
+
+Storage and validation raise these; the servicers turn them into statuses (with the
+``tannery-error`` trailing metadata the protocol defines) in one place.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class Failure(Exception):
+    """A call that cannot succeed; the message names the problem and is sent to the client."""
+
+    code = grpc.StatusCode.UNKNOWN
+    #: Value of the ``tannery-error`` trailing metadata, if any.
+    kind: str | None = None
+
+
+class InvalidArgument(Failure):
+    """A malformed request: a bad name, an unknown dtype, a broken stream of messages."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class BadPayload(InvalidArgument):
+    """The tannic codec refused a payload."""
+
+    kind = "format"
+
+
+class LimitExceeded(Failure):
+    """A configured limit, or a full disk."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class NotFound(Failure):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExists(Failure):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class Mismatch(Failure):
+    """An archive entry is not what the request asked for (the archive issue's messages)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    kind = "archive"
+
+
+class DataLoss(Failure):
+    """A stored blob is missing or no longer matches its digest."""
+
+    code = grpc.StatusCode.DATA_LOSS
+
+
+def trailing_metadata(failure: Failure) -> tuple[tuple[str, str], ...]:
+    return (("tannery-error", failure.kind),) if failure.kind else ()

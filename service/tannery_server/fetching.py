@@ -1,0 +1,338 @@
+"""Fetch: every ask checked against the catalog first, then entries streamed from their blobs.
+
+Checking (:func:`plan_fetch`) reads the catalog only and raises the archive issue's
+messages. Streaming (:class:`FetchStream`) runs in a worker thread and yields encoded
+``FetchResponse`` messages of exactly ``chunk_size`` bytes of payload (the last of each
+entry shorter), verifying what it serves:
+
+- a whole entry (cast or not) is hashed as it is read, and the last message of the entry
+  is held back until the SHA-256 matches, so a corrupted blob is never served whole;
+- a row range reads only the 1 MiB blocks that cover it, each checked against the CRC-32
+  recorded when it was stored, before any of its bytes is sent.
+
+Memory stays bounded: a float cast converts one window of elements at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+
+from tannery.codec import DTYPES, FLOAT_NAMES, DType, encode_prefix, format_shape
+from tannery.v1 import archives_pb2
+
+from .failures import DataLoss, InvalidArgument, Mismatch, NotFound
+from .storage import BlobFile, BlobInfo, EntryRecord, Storage
+from .storage.integrity import Sha256Check, check_block
+from .wire import encode_fetch_response
+
+_FLOATS = "float16, bfloat16, float32 or float64"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How to serve one entry: which bytes of its blob, changed how, checked how."""
+
+    entry: EntryRecord
+    #: Header, metadata and shape to send first; None to send the stored payload as it is.
+    prefix: bytes | None
+    #: The stored bytes [start, stop) to send after the prefix.
+    start: int
+    stop: int
+    #: Convert elements from ``source`` to ``target`` (None: send bytes as stored).
+    source: DType
+    target: DType | None = None
+    #: For bool rows: bits to drop at the start of the range and bits to send.
+    skip_bits: int = 0
+    send_bits: int = 0
+    #: Verify by block checksums (row ranges) instead of the whole digest.
+    blob: BlobInfo | None = None
+
+
+def _dtype_asked(what: str, name: str, field: str) -> DType:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise InvalidArgument(f"{what}: unknown dtype {name!r} in {field}; known: {', '.join(DTYPES)}") from None
+
+
+def check_request(request: archives_pb2.FetchRequest) -> None:
+    """Request-level errors, found before the catalog is read."""
+    for ask in request.entries:
+        what = "Archive.float" if ask.cast else "Archive.tensor"
+        if not ask.name:
+            raise InvalidArgument(f"{what}: an ask with an empty entry name")
+        if ask.dtype:
+            _dtype_asked(what, ask.dtype, "dtype")
+        if ask.cast:
+            target = _dtype_asked(what, ask.cast, "cast")
+            if not target.is_float:
+                raise InvalidArgument(f"Archive.float: {ask.cast} is not {_FLOATS}")
+        if ask.HasField("rows") and ask.rows.start > ask.rows.stop:
+            raise InvalidArgument(
+                f"{what}: {ask.name}: rows [{ask.rows.start}, {ask.rows.stop}): start is after stop"
+            )
+
+
+def plan_entry(ask: archives_pb2.EntryAsk, entry: EntryRecord | None, blob: BlobInfo | None = None) -> Plan:
+    """Check one ask against its catalog entry; Mismatch or NotFound with the archive issue's message."""
+    what = "Archive.float" if ask.cast else "Archive.tensor"
+    if entry is None:
+        raise NotFound(f"{what}: {ask.name}: no entry in the archive")
+    shape = entry.shape
+    stored = DTYPES[entry.dtype]
+    if ask.HasField("shape") and tuple(ask.shape.dims) != shape:
+        raise Mismatch(
+            f"{what}: {entry.name}: shape {format_shape(shape)} in the archive, "
+            f"{format_shape(ask.shape.dims)} asked for"
+        )
+    if ask.dtype and ask.dtype != entry.dtype:
+        raise Mismatch(f"{what}: {entry.name}: {entry.dtype} in the archive, {ask.dtype} asked for")
+    target = None
+    if ask.cast:
+        if not stored.is_float:
+            raise Mismatch(f"Archive.float: {entry.name}: {entry.dtype} in the archive, not {_FLOATS}")
+        if ask.cast != entry.dtype:
+            target = DTYPES[ask.cast]
+    out_dtype = target or stored
+    if not ask.HasField("rows"):
+        if target is None:
+            return Plan(entry, None, 0, entry.payload_bytes, stored)
+        return Plan(entry, encode_prefix(target, shape), entry.data_offset, entry.payload_bytes, stored, target)
+
+    start, stop = ask.rows.start, ask.rows.stop
+    if not shape:
+        raise Mismatch(f"{what}: {entry.name}: rows [{start}, {stop}) asked for, but the entry is a scalar")
+    if stop > shape[0]:
+        raise Mismatch(
+            f"{what}: {entry.name}: rows [{start}, {stop}) asked for, {shape[0]} rows in the archive "
+            f"(shape {format_shape(shape)})"
+        )
+    assert blob is not None, "row ranges need the blob's block checksums"
+    row_elements = math.prod(shape[1:])
+    prefix = encode_prefix(out_dtype, (stop - start, *shape[1:]))
+    if stored.is_bool:
+        first_bit, last_bit = start * row_elements, stop * row_elements
+        return Plan(
+            entry, prefix, entry.data_offset + first_bit // 8, entry.data_offset + (last_bit + 7) // 8, stored,
+            skip_bits=first_bit % 8, send_bits=last_bit - first_bit, blob=blob,
+        )
+    row_bytes = row_elements * stored.itemsize
+    return Plan(
+        entry, prefix, entry.data_offset + start * row_bytes, entry.data_offset + stop * row_bytes, stored, target,
+        blob=blob,
+    )
+
+
+def resolve(storage: Storage, request: archives_pb2.FetchRequest) -> list[Plan]:
+    """The plans of a request, their blobs pinned (release ``digests(plans)`` afterwards).
+
+    NotFound for a missing archive or entry, Mismatch for an entry that is not what is asked.
+    """
+    catalog = storage.catalog
+
+    def lookup() -> list[Plan]:
+        if catalog.archive(request.archive) is None:
+            raise NotFound(f"archive {request.archive!r} not found")
+        if not request.entries:
+            entries = catalog.entries_under(request.archive, request.prefix)
+            if request.prefix and not entries:
+                raise NotFound(f"archive {request.archive!r}: no entry under prefix {request.prefix!r}")
+            return [Plan(e, None, 0, e.payload_bytes, DTYPES[e.dtype]) for e in entries]
+        found = catalog.entries(request.archive, [ask.name for ask in request.entries])
+        plans = []
+        for ask in request.entries:
+            entry = found.get(ask.name)
+            blob = catalog.blob(entry.digest) if entry is not None and ask.HasField("rows") else None
+            plans.append(plan_entry(ask, entry, blob))
+        return plans
+
+    return storage.pinned(lookup, digests)
+
+
+def digests(plans: Iterable[Plan]) -> list[str]:
+    return [p.entry.digest for p in plans]
+
+
+class FetchStream:
+    """The encoded response messages of a fetch, produced by a worker thread."""
+
+    def __init__(self, storage: Storage, plans: Sequence[Plan], chunk_size: int) -> None:
+        self.storage = storage
+        self.plans = plans
+        self.chunk_size = chunk_size
+        self._messages = self._all()
+
+    def next_batch(self, max_bytes: int) -> list[bytes]:
+        """The next messages, up to about ``max_bytes`` of them; empty at the end."""
+        batch: list[bytes] = []
+        size = 0
+        for message in self._messages:
+            batch.append(message)
+            size += len(message)
+            if size >= max_bytes:
+                break
+        return batch
+
+    def close(self) -> None:
+        self._messages.close()
+
+    def _all(self) -> Iterator[bytes]:
+        for plan in self.plans:
+            yield from self._entry(plan)
+
+    def _entry(self, plan: Plan) -> Iterator[bytes]:
+        what = f"entry {plan.entry.name!r}"
+        try:
+            blob = self.storage.open_blob(plan.entry.digest)
+        except FileNotFoundError:
+            raise DataLoss(f"{what}: stored blob {plan.entry.digest} is missing") from None
+        try:
+            if blob.size != plan.entry.payload_bytes:
+                raise DataLoss(
+                    f"{what}: stored blob {plan.entry.digest} has {blob.size} bytes, {plan.entry.payload_bytes} "
+                    "were stored"
+                )
+            if plan.blob is None:
+                pieces = _read_whole(blob, plan, self.chunk_size, what)
+            else:
+                pieces = _read_blocks(blob, plan, what)
+            if plan.source.is_bool and plan.blob is not None:
+                pieces = _shift_bits(pieces, plan.skip_bits, plan.send_bits)
+            elif plan.target is not None:
+                pieces = _cast(pieces, plan.source, plan.target, self.chunk_size)
+            if plan.prefix is not None:
+                pieces = _chain([memoryview(plan.prefix)], pieces)
+            # Hold back each entry's last message until the reads (and so the checks) are done.
+            held: bytes | None = None
+            for message in _messages(plan.entry.name, pieces, self.chunk_size):
+                if held is not None:
+                    yield held
+                held = message
+            if held is not None:
+                yield held
+        finally:
+            blob.close()
+
+
+def _chain(*iterables: Iterable[memoryview]) -> Iterator[memoryview]:
+    for iterable in iterables:
+        yield from iterable
+
+
+def _messages(name: str, pieces: Iterable[memoryview], chunk_size: int) -> Iterator[bytes]:
+    """Messages of exactly ``chunk_size`` payload bytes (the last shorter), the first naming the entry."""
+    parts: list[memoryview] = []
+    size = 0
+    first = True
+    for piece in pieces:
+        while piece.nbytes:
+            take = min(chunk_size - size, piece.nbytes)
+            parts.append(piece[:take] if take < piece.nbytes else piece)
+            piece = piece[take:]
+            size += take
+            if size == chunk_size:
+                yield encode_fetch_response(name if first else None, parts)
+                first, parts, size = False, [], 0
+    if parts or first:
+        yield encode_fetch_response(name if first else None, parts)
+
+
+def _read_whole(blob: BlobFile, plan: Plan, window: int, what: str) -> Iterator[memoryview]:
+    """Bytes [start, stop) of the blob, reading and hashing all of it; DataLoss at the end if
+    the hash is not the blob's name. Windows are aligned on ``start`` so that elements are
+    never split across pieces."""
+    check = Sha256Check(what, plan.entry.digest)
+    for lo, hi, send in ((0, plan.start, False), (plan.start, plan.stop, True), (plan.stop, blob.size, False)):
+        for offset in range(lo, hi, window):
+            size = min(window, hi - offset)
+            data = blob.read(offset, size)
+            if len(data) != size:
+                raise DataLoss(f"{what}: stored blob {plan.entry.digest} is truncated at byte {offset + len(data)}")
+            check.update(data)
+            if send:
+                yield memoryview(data)
+    check.verify()
+
+
+def _read_blocks(blob: BlobFile, plan: Plan, what: str) -> Iterator[memoryview]:
+    """Bytes [start, stop) of the blob, each covering block checked against its CRC-32 first."""
+    info = plan.blob
+    assert info is not None
+    size = info.block_size
+    for index in range(plan.start // size, -(-plan.stop // size)):
+        offset = index * size
+        data = blob.read(offset, min(size, info.size - offset))
+        check_block(what, info, index, data)
+        lo, hi = max(plan.start, offset), min(plan.stop, offset + len(data))
+        yield memoryview(data)[lo - offset : hi - offset]
+
+
+def _elements(pieces: Iterable[memoryview], itemsize: int) -> Iterator[memoryview]:
+    """The same bytes, re-cut so that no element is split between two pieces."""
+    carry = b""
+    for piece in pieces:
+        if carry:
+            piece = memoryview(carry + piece)
+        cut = piece.nbytes - piece.nbytes % itemsize
+        carry = bytes(piece[cut:])
+        if cut:
+            yield piece[:cut]
+    if carry:
+        raise AssertionError("a range that is not a whole number of elements")
+
+
+def _cast(pieces: Iterable[memoryview], source: DType, target: DType, chunk_size: int) -> Iterator[memoryview]:
+    """Elements converted from ``source`` to ``target`` a window at a time.
+
+    float64 goes to float16 and bfloat16 through float32, as torch's ``.to`` does, so that
+    a cast on the server gives the same bits as one in the client.
+    """
+    via32 = source.name == "float64" and target.name in ("float16", "bfloat16")
+    for piece in _elements(pieces, source.itemsize):
+        values = np.frombuffer(piece, dtype=source.numpy)
+        with np.errstate(over="ignore", invalid="ignore"):
+            if via32:
+                values = values.astype(np.float32)
+            out = values.astype(target.numpy)
+        yield memoryview(out.view(np.uint8))
+
+
+def _shift_bits(pieces: Iterable[memoryview], skip: int, count: int) -> Iterator[memoryview]:
+    """Bit-packed booleans (LSB first) from bit ``skip`` of the stream, ``count`` of them,
+    packed again from bit 0: the rows of a bool entry that start inside a byte."""
+    if skip == 0:
+        sent = 0
+        full, tail_bits = divmod(count, 8)
+        needed = full + (1 if tail_bits else 0)
+        for piece in pieces:
+            take = min(piece.nbytes, needed - sent)
+            out = piece[:take]
+            sent += take
+            if sent == needed and tail_bits:
+                # Clear the pad bits of the last byte, which belong to the next row.
+                last = bytes([out[-1] & ((1 << tail_bits) - 1)])
+                yield out[:-1]
+                yield memoryview(last)
+            else:
+                yield out
+        return
+    carry = np.zeros(0, dtype=np.uint8)  # unpacked bits not yet sent (fewer than 8)
+    remaining = count
+    first = True
+    for piece in pieces:
+        bits = np.unpackbits(np.frombuffer(piece, dtype=np.uint8), bitorder="little")
+        if first:
+            bits, first = bits[skip:], False
+        bits = np.concatenate((carry, bits[:remaining + 8]))
+        usable = min(len(bits), remaining)
+        whole = usable - usable % 8 if usable < remaining else usable
+        if whole:
+            yield memoryview(np.packbits(bits[:whole], bitorder="little"))
+            remaining -= whole
+        carry = bits[whole:usable] if remaining else carry[:0]
+    if remaining:
+        raise AssertionError("bool rows ended early")

@@ -1,0 +1,21 @@
+"""Where archives live: a catalog (SQLite) and content-addressed blobs (files), behind
+the small :class:`Catalog` and :class:`BlobStore` protocols of :mod:`.base`."""
+
+from .base import ArchiveRecord, BlobFile, BlobInfo, BlobStore, Catalog, EntryRecord, Limits, TempBlob
+from .storage import Collected, DataDirectoryInUse, DataDirectoryLock, PayloadWriter, Storage
+
+__all__ = [
+    "ArchiveRecord",
+    "BlobFile",
+    "BlobInfo",
+    "BlobStore",
+    "Catalog",
+    "Collected",
+    "DataDirectoryInUse",
+    "DataDirectoryLock",
+    "EntryRecord",
+    "Limits",
+    "PayloadWriter",
+    "Storage",
+    "TempBlob",
+]

@@ -1,0 +1,123 @@
+"""Content-addressed blobs as files: ``blobs/ab/abcdef...`` holds exactly one payload's bytes."""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+def fsync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class FileBlob:
+    """An open blob file, read with ``pread`` so many readers share nothing."""
+
+    def __init__(self, path: Path) -> None:
+        self._fd = os.open(path, os.O_RDONLY)
+        self.size = os.fstat(self._fd).st_size
+
+    def read(self, offset: int, size: int) -> bytes:
+        data = os.pread(self._fd, size, offset)
+        while len(data) < size:  # pread may return less near signals; a short file is caught by the caller
+            more = os.pread(self._fd, size - len(data), offset + len(data))
+            if not more:
+                break
+            data += more
+        return data
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class FileTempBlob:
+    """A blob written to ``tmp/`` and renamed into place once fsynced."""
+
+    def __init__(self, store: "FileBlobStore") -> None:
+        self._store = store
+        self.path = store.tmp / f"{uuid.uuid4().hex}.part"
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+
+    def write(self, data: memoryview | bytes) -> None:
+        view = memoryview(data)
+        while view.nbytes:
+            written = os.write(self._fd, view)
+            view = view[written:]
+
+    def publish(self, digest: str) -> bool:
+        os.fsync(self._fd)
+        os.close(self._fd)
+        self._fd = -1
+        target = self._store.path(digest)
+        if target.exists():
+            self.path.unlink(missing_ok=True)
+            return False
+        parent = target.parent
+        if not parent.is_dir():
+            parent.mkdir(exist_ok=True)
+            fsync_directory(parent.parent)
+        os.rename(self.path, target)
+        fsync_directory(parent)
+        return True
+
+    def discard(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self.path.unlink(missing_ok=True)
+
+
+class FileBlobStore:
+    """Blobs under ``root/blobs``, named by SHA-256; temporary files under ``root/tmp``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.blobs = self.root / "blobs"
+        self.tmp = self.root / "tmp"
+        self.blobs.mkdir(parents=True, exist_ok=True)
+        self.tmp.mkdir(parents=True, exist_ok=True)
+
+    def path(self, digest: str) -> Path:
+        if not _DIGEST.fullmatch(digest):
+            raise ValueError(f"not a SHA-256 hex digest: {digest!r}")
+        return self.blobs / digest[:2] / digest
+
+    def create(self) -> FileTempBlob:
+        return FileTempBlob(self)
+
+    def open(self, digest: str) -> FileBlob:
+        return FileBlob(self.path(digest))
+
+    def remove(self, digest: str) -> int:
+        path = self.path(digest)
+        try:
+            size = path.stat().st_size
+            path.unlink()
+        except FileNotFoundError:
+            return 0
+        return size
+
+    def digests(self) -> Iterator[str]:
+        for sub in self.blobs.iterdir():
+            if sub.is_dir():
+                for blob in sub.iterdir():
+                    if _DIGEST.fullmatch(blob.name):
+                        yield blob.name
+
+    def clear_temporary(self) -> int:
+        count = 0
+        for leftover in self.tmp.iterdir():
+            leftover.unlink(missing_ok=True)
+            count += 1
+        return count

@@ -1,0 +1,345 @@
+"""The embedded catalog: archives, entries and blob records in one SQLite file, WAL mode.
+
+WAL lets readers go on while a writer commits; every write is one ``BEGIN IMMEDIATE``
+transaction on a single writer connection, and each reading thread has its own
+connection. ``synchronous=FULL`` makes a commit durable when it returns.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from ..failures import AlreadyExists, InvalidArgument, LimitExceeded, NotFound
+from .base import ArchiveRecord, BlobInfo, EntryRecord, Limits
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS archives (
+    id INTEGER PRIMARY KEY,
+    name TEXT NOT NULL UNIQUE,
+    created_ns INTEGER NOT NULL,
+    entries INTEGER NOT NULL,
+    nbytes INTEGER NOT NULL,
+    payload_bytes INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS blobs (
+    digest TEXT PRIMARY KEY,
+    size INTEGER NOT NULL,
+    block_size INTEGER NOT NULL,
+    block_crcs BLOB NOT NULL
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS entries (
+    archive_id INTEGER NOT NULL REFERENCES archives(id) ON DELETE CASCADE,
+    name TEXT NOT NULL,
+    dtype TEXT NOT NULL,
+    shape TEXT NOT NULL,
+    nbytes INTEGER NOT NULL,
+    payload_bytes INTEGER NOT NULL,
+    data_offset INTEGER NOT NULL,
+    digest TEXT NOT NULL REFERENCES blobs(digest),
+    PRIMARY KEY (archive_id, name)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS entries_by_digest ON entries(digest);
+"""
+
+_ENTRY_COLUMNS = "e.name, e.dtype, e.shape, e.nbytes, e.payload_bytes, e.data_offset, e.digest"
+_ARCHIVE_COLUMNS = "name, entries, nbytes, payload_bytes, created_ns"
+#: Archives being built carry this prefix until their transaction renames them (a user's
+#: name never starts with a control character).
+_BUILDING = "\x00building:"
+_IN_BATCH = 500
+
+
+def _entry(row: tuple) -> EntryRecord:
+    name, dtype, shape, nbytes, payload_bytes, data_offset, digest = row
+    return EntryRecord(name, dtype, tuple(json.loads(shape)), nbytes, payload_bytes, data_offset, digest)
+
+
+def _archive(row: tuple) -> ArchiveRecord:
+    return ArchiveRecord(*row)
+
+
+class SqliteCatalog:
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._writer = self._connect()
+        self._writer.executescript(SCHEMA)
+        self._write_lock = threading.Lock()
+        self._local = threading.local()
+        self._readers: list[sqlite3.Connection] = []
+        self._readers_lock = threading.Lock()
+
+    def _connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=FULL")
+        conn.execute("PRAGMA foreign_keys=ON")
+        return conn
+
+    def _reader(self) -> sqlite3.Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._connect()
+            self._local.conn = conn
+            with self._readers_lock:
+                self._readers.append(conn)
+        return conn
+
+    # Reads ------------------------------------------------------------------------------
+
+    def archive(self, name: str) -> ArchiveRecord | None:
+        row = self._reader().execute(
+            f"SELECT {_ARCHIVE_COLUMNS} FROM archives WHERE name = ?", (name,)
+        ).fetchone()
+        return _archive(row) if row else None
+
+    def entries(self, archive: str, names: Sequence[str]) -> dict[str, EntryRecord]:
+        conn = self._reader()
+        found: dict[str, EntryRecord] = {}
+        unique = list(dict.fromkeys(names))
+        conn.execute("BEGIN")  # one snapshot for every batch
+        try:
+            for start in range(0, len(unique), _IN_BATCH):
+                batch = unique[start : start + _IN_BATCH]
+                rows = conn.execute(
+                    f"SELECT {_ENTRY_COLUMNS} FROM entries e JOIN archives a ON a.id = e.archive_id "
+                    f"WHERE a.name = ? AND e.name IN ({','.join('?' * len(batch))})",
+                    (archive, *batch),
+                )
+                for row in rows:
+                    found[row[0]] = _entry(row)
+        finally:
+            conn.execute("COMMIT")
+        return found
+
+    def entries_under(self, archive: str, prefix: str) -> list[EntryRecord]:
+        query = (
+            f"SELECT {_ENTRY_COLUMNS} FROM entries e JOIN archives a ON a.id = e.archive_id WHERE a.name = ?"
+        )
+        args: tuple = (archive,)
+        if prefix:
+            # The prefix itself and the names in [prefix + ".", prefix + "/"): '/' follows '.'.
+            query += " AND (e.name = ? OR (e.name >= ? AND e.name < ?))"
+            args += (prefix, prefix + ".", prefix + "/")
+        query += " ORDER BY e.name"
+        return [_entry(row) for row in self._reader().execute(query, args)]
+
+    def list_archives(self, prefix: str, after: str, limit: int) -> list[ArchiveRecord]:
+        rows = self._reader().execute(
+            f"SELECT {_ARCHIVE_COLUMNS} FROM archives WHERE name >= ? AND name > ? "
+            f"AND substr(name, 1, 1) != ? ORDER BY name LIMIT ?",
+            (prefix, after, _BUILDING[0], limit),
+        )
+        out = []
+        for row in rows:
+            if not row[0].startswith(prefix):
+                break  # names are sorted: those with the prefix are contiguous
+            out.append(_archive(row))
+        return out
+
+    def blob(self, digest: str) -> BlobInfo | None:
+        row = self._reader().execute(
+            "SELECT digest, size, block_size, block_crcs FROM blobs WHERE digest = ?", (digest,)
+        ).fetchone()
+        return BlobInfo(*row) if row else None
+
+    def referenced_digests(self) -> set[str]:
+        return {row[0] for row in self._reader().execute("SELECT DISTINCT digest FROM entries")}
+
+    def unreferenced(self, digests: Iterable[str]) -> list[BlobInfo]:
+        conn = self._reader()
+        out = []
+        for digest in dict.fromkeys(digests):
+            row = conn.execute(
+                "SELECT digest, size, block_size, block_crcs FROM blobs b WHERE digest = ? "
+                "AND NOT EXISTS (SELECT 1 FROM entries e WHERE e.digest = b.digest)",
+                (digest,),
+            ).fetchone()
+            if row:
+                out.append(BlobInfo(*row))
+            elif conn.execute("SELECT 1 FROM entries WHERE digest = ? LIMIT 1", (digest,)).fetchone() is None:
+                # A blob file no transaction recorded (a store that failed before committing).
+                out.append(BlobInfo(digest, 0, 0, b""))
+        return out
+
+    # Writes -----------------------------------------------------------------------------
+
+    def _transaction(self):
+        return _Transaction(self._writer, self._write_lock)
+
+    def _begin_archive(self, conn: sqlite3.Connection, name: str, replace: bool, created_ns: int) -> int:
+        """Check the name is free (or may be replaced) and create the archive under a
+        temporary name, so that its sources may include the archive it replaces."""
+        if not replace and conn.execute("SELECT 1 FROM archives WHERE name = ?", (name,)).fetchone():
+            raise AlreadyExists(f"archive {name!r} already exists (ask to replace it)")
+        cursor = conn.execute(
+            "INSERT INTO archives (name, created_ns, entries, nbytes, payload_bytes) VALUES (?, ?, 0, 0, 0)",
+            (_BUILDING + name, created_ns),
+        )
+        return int(cursor.lastrowid)
+
+    def _finish_archive(self, conn: sqlite3.Connection, archive_id: int, name: str) -> tuple[ArchiveRecord, list[str]]:
+        """Fill in the totals, drop the archive being replaced, and give the new one its name."""
+        released = self._drop(conn, name)
+        conn.execute(
+            "UPDATE archives SET name = ?, (entries, nbytes, payload_bytes) = "
+            "(SELECT count(*), coalesce(sum(nbytes), 0), coalesce(sum(payload_bytes), 0) "
+            " FROM entries WHERE archive_id = ?) WHERE id = ?",
+            (name, archive_id, archive_id),
+        )
+        row = conn.execute(f"SELECT {_ARCHIVE_COLUMNS} FROM archives WHERE id = ?", (archive_id,)).fetchone()
+        return _archive(row), released
+
+    @staticmethod
+    def _drop(conn: sqlite3.Connection, name: str) -> list[str]:
+        row = conn.execute("SELECT id FROM archives WHERE name = ?", (name,)).fetchone()
+        if row is None:
+            return []
+        released = [r[0] for r in conn.execute("SELECT DISTINCT digest FROM entries WHERE archive_id = ?", row)]
+        conn.execute("DELETE FROM archives WHERE id = ?", row)
+        return released
+
+    def commit_archive(
+        self, name: str, entries: Sequence[EntryRecord], blobs: Sequence[BlobInfo], replace: bool, created_ns: int
+    ) -> tuple[ArchiveRecord, list[str]]:
+        with self._transaction() as conn:
+            archive_id = self._begin_archive(conn, name, replace, created_ns)
+            conn.executemany(
+                "INSERT OR IGNORE INTO blobs (digest, size, block_size, block_crcs) VALUES (?, ?, ?, ?)",
+                ((b.digest, b.size, b.block_size, b.block_crcs) for b in blobs),
+            )
+            conn.executemany(
+                "INSERT INTO entries (archive_id, name, dtype, shape, nbytes, payload_bytes, data_offset, digest) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    (archive_id, e.name, e.dtype, json.dumps(list(e.shape)), e.nbytes, e.payload_bytes,
+                     e.data_offset, e.digest)
+                    for e in entries
+                ),
+            )
+            return self._finish_archive(conn, archive_id, name)
+
+    def union(
+        self, target: str, sources: Sequence[tuple[str, str]], replace: bool, created_ns: int, limits: Limits
+    ) -> tuple[ArchiveRecord, list[str]]:
+        with self._transaction() as conn:
+            ids = []
+            for archive, _prefix in sources:
+                row = conn.execute("SELECT id FROM archives WHERE name = ?", (archive,)).fetchone()
+                if row is None:
+                    raise NotFound(f"archive {archive!r} not found (a source of the union)")
+                ids.append(row[0])
+            archive_id = self._begin_archive(conn, target, replace, created_ns)
+            for index, ((archive, prefix), source_id) in enumerate(zip(sources, ids)):
+                try:
+                    conn.execute(
+                        "INSERT INTO entries (archive_id, name, dtype, shape, nbytes, payload_bytes, data_offset, "
+                        "digest) SELECT ?2, CASE WHEN ?1 = '' THEN name ELSE ?1 || '.' || name END, dtype, shape, "
+                        "nbytes, payload_bytes, data_offset, digest FROM entries WHERE archive_id = ?3",
+                        (prefix, archive_id, source_id),
+                    )
+                except sqlite3.IntegrityError:
+                    raise self._duplicate(conn, archive_id, sources[: index + 1], ids) from None
+            count, longest = conn.execute(
+                "SELECT count(*), coalesce(max(length(CAST(name AS BLOB))), 0) FROM entries WHERE archive_id = ?",
+                (archive_id,),
+            ).fetchone()
+            if count > limits.max_entries:
+                raise LimitExceeded(f"union {target!r}: {count} entries, over the limit of {limits.max_entries}")
+            if longest > limits.max_name_bytes:
+                name = conn.execute(
+                    "SELECT name FROM entries WHERE archive_id = ? ORDER BY length(CAST(name AS BLOB)) DESC LIMIT 1",
+                    (archive_id,),
+                ).fetchone()[0]
+                raise InvalidArgument(
+                    f"union {target!r}: entry name {name[:64]!r}... is {longest} bytes, over the limit of "
+                    f"{limits.max_name_bytes}"
+                )
+            return self._finish_archive(conn, archive_id, target)
+
+    @staticmethod
+    def _duplicate(conn, archive_id: int, sources: Sequence[tuple[str, str]], ids: Sequence[int]) -> InvalidArgument:
+        """The error for the last source, which holds a name an earlier one already gave."""
+        archive, prefix = sources[-1]
+        row = conn.execute(
+            "SELECT t.name FROM entries s JOIN entries t ON t.archive_id = ?1 AND "
+            "t.name = (CASE WHEN ?2 = '' THEN s.name ELSE ?2 || '.' || s.name END) "
+            "WHERE s.archive_id = ?3 ORDER BY t.name LIMIT 1",
+            (archive_id, prefix, ids[len(sources) - 1]),
+        ).fetchone()
+        name = row[0] if row else "?"
+        first = "?"
+        for (other, other_prefix), other_id in zip(sources[:-1], ids):
+            if other_prefix and not (name == other_prefix or name.startswith(other_prefix + ".")):
+                continue
+            inner = name[len(other_prefix) + 1 :] if other_prefix else name
+            if conn.execute("SELECT 1 FROM entries WHERE archive_id = ? AND name = ?", (other_id, inner)).fetchone():
+                first = other
+                break
+        return InvalidArgument(f"union: {name!r} is in two sources, {first!r} and {archive!r}")
+
+    def delete_archive(self, name: str) -> tuple[ArchiveRecord | None, list[str]]:
+        with self._transaction() as conn:
+            row = conn.execute(f"SELECT {_ARCHIVE_COLUMNS} FROM archives WHERE name = ?", (name,)).fetchone()
+            if row is None:
+                return None, []
+            return _archive(row), self._drop(conn, name)
+
+    def forget_blobs(self, digests: Iterable[str]) -> None:
+        with self._transaction() as conn:
+            conn.executemany(
+                "DELETE FROM blobs WHERE digest = ? AND NOT EXISTS (SELECT 1 FROM entries WHERE digest = ?)",
+                ((d, d) for d in digests),
+            )
+
+    def forget_unreferenced_blobs(self) -> int:
+        with self._transaction() as conn:
+            cursor = conn.execute(
+                "DELETE FROM blobs WHERE NOT EXISTS (SELECT 1 FROM entries e WHERE e.digest = blobs.digest)"
+            )
+            conn.execute("DELETE FROM archives WHERE substr(name, 1, 1) = ?", (_BUILDING[0],))
+            return cursor.rowcount
+
+    def close(self) -> None:
+        with self._readers_lock:
+            for conn in self._readers:
+                conn.close()
+            self._readers.clear()
+        with self._write_lock:
+            self._writer.close()
+
+
+class _Transaction:
+    """``BEGIN IMMEDIATE`` ... ``COMMIT`` on the writer connection, rolled back on any error."""
+
+    def __init__(self, conn: sqlite3.Connection, lock: threading.Lock) -> None:
+        self._conn = conn
+        self._lock = lock
+
+    def __enter__(self) -> sqlite3.Connection:
+        self._lock.acquire()
+        try:
+            self._conn.execute("BEGIN IMMEDIATE")
+        except BaseException:
+            self._lock.release()
+            raise
+        return self._conn
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None:
+                self._conn.execute("COMMIT")
+            else:
+                self._conn.execute("ROLLBACK")
+        except BaseException:
+            if exc_type is None:
+                try:
+                    self._conn.execute("ROLLBACK")
+                except sqlite3.Error:
+                    pass
+                raise
+        finally:
+            self._lock.release()

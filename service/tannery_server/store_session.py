@@ -1,0 +1,145 @@
+"""One Store call: entries named, payloads deframed and written to blobs, the archive committed.
+
+Runs in a worker thread one message at a time. Each payload's header is checked by the
+codec (and against the server's limits) before any of its bytes are written; its bytes
+go straight from the received message to a temporary file while they are hashed. Nothing
+is visible until :meth:`StoreSession.finish` commits the archive in one transaction; on
+any failure :meth:`StoreSession.abort` removes what was written.
+"""
+
+from __future__ import annotations
+
+import errno
+import sqlite3
+
+from tannery.codec import Deframer, FormatError, Limits
+
+from .config import Config
+from .failures import AlreadyExists, BadPayload, InvalidArgument, LimitExceeded
+from .storage import ArchiveRecord, BlobInfo, EntryRecord, PayloadWriter, Storage
+from .validation import check_entry_name
+from .wire import StoreMessage
+
+#: The codec checks the format only; the server's own limits are checked separately, so
+#: that a limit answers RESOURCE_EXHAUSTED and a malformed payload INVALID_ARGUMENT.
+_FORMAT_ONLY = Limits(max_payload=1 << 64, max_rank=255)
+_DISK_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
+def disk_full(exc: BaseException) -> LimitExceeded | None:
+    """The failure for an error that means the disk (or a file size limit) is full, else None."""
+    if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
+        return LimitExceeded(f"storage is full: {exc.strerror or exc}")
+    if isinstance(exc, sqlite3.OperationalError) and "full" in str(exc):
+        return LimitExceeded(f"storage is full: catalog: {exc}")
+    return None
+
+
+class StoreSession:
+    def __init__(self, storage: Storage, config: Config, archive: str, replace: bool) -> None:
+        self.storage = storage
+        self.config = config
+        self.archive = archive
+        self.replace = replace
+        self.bytes_received = 0
+        self._deframer = Deframer(_FORMAT_ONLY)
+        self._names: set[str] = set()
+        self._entries: list[EntryRecord] = []
+        self._blobs: list[BlobInfo] = []
+        self._entry: str | None = None
+        self._entry_has_payload = False
+        self._writer: PayloadWriter | None = None
+        self._payload_size = 0
+        self._closed = False
+
+    def check_name_free(self) -> None:
+        """ALREADY_EXISTS before any data is received (checked again at commit)."""
+        if not self.replace and self.storage.catalog.archive(self.archive) is not None:
+            raise AlreadyExists(f"archive {self.archive!r} already exists (ask to replace it)")
+
+    def feed(self, message: StoreMessage, first: bool = False) -> None:
+        if message.begin is not None and not first:
+            raise InvalidArgument("begin is allowed in the first message only")
+        if message.entry:
+            self._start_entry(message.entry)
+        if message.chunk.nbytes:
+            if self._entry is None:
+                raise InvalidArgument("payload bytes before any entry name")
+            self.bytes_received += message.chunk.nbytes
+            try:
+                for fragment in self._deframer.feed(message.chunk):
+                    if fragment.first:
+                        self._start_payload(fragment.info)
+                    assert self._writer is not None
+                    self._writer.write(fragment.data)
+                    if fragment.last:
+                        self._finish_payload(fragment.info)
+            except FormatError as exc:
+                raise BadPayload(f"entry {self._entry!r}: {exc}") from None
+
+    def _start_entry(self, name: str) -> None:
+        if self._deframer.inside_payload:
+            got = f"{self._writer.digest.size} of {self._payload_size} bytes" if self._writer else "in its header"
+            raise BadPayload(f"entry {name!r} starts before the payload of entry {self._entry!r} ended: {got}")
+        self._require_payload()
+        check_entry_name(name, self.config.max_name_bytes)
+        if name in self._names:
+            raise InvalidArgument(f"entry {name!r} is named twice")
+        if len(self._names) >= self.config.max_entries:
+            raise LimitExceeded(f"archive {self.archive!r}: more than {self.config.max_entries} entries")
+        self._names.add(name)
+        self._entry = name
+        self._entry_has_payload = False
+
+    def _require_payload(self) -> None:
+        if self._entry is not None and not self._entry_has_payload:
+            raise InvalidArgument(f"entry {self._entry!r} has no payload")
+
+    def _start_payload(self, info) -> None:
+        if self._entry_has_payload:
+            raise BadPayload(
+                f"entry {self._entry!r}: more bytes after its payload of "
+                f"{self._entries[-1].payload_bytes} bytes (one payload per entry)"
+            )
+        if info.size > self.config.max_payload_bytes:
+            raise LimitExceeded(
+                f"entry {self._entry!r}: payload of {info.size} bytes ({info.describe()}) is over the limit of "
+                f"{self.config.max_payload_bytes} bytes"
+            )
+        if info.rank > self.config.max_rank:
+            raise InvalidArgument(f"entry {self._entry!r}: rank {info.rank} is over the limit of {self.config.max_rank}")
+        self._entry_has_payload = True
+        self._payload_size = info.size
+        self._writer = self.storage.new_payload()
+
+    def _finish_payload(self, info) -> None:
+        assert self._writer is not None and self._entry is not None
+        writer, self._writer = self._writer, None
+        blob = self.storage.publish(writer)
+        self._blobs.append(blob)
+        self._entries.append(
+            EntryRecord(self._entry, info.dtype.name, tuple(info.shape), info.nbytes, info.size, info.data_offset,
+                        blob.digest)
+        )
+
+    def finish(self) -> ArchiveRecord:
+        """Commit the archive once every payload is complete and durable."""
+        try:
+            self._deframer.close()
+        except FormatError as exc:
+            raise BadPayload(f"entry {self._entry!r}: {exc}") from None
+        self._require_payload()
+        record = self.storage.commit_archive(self.archive, self._entries, self._blobs, self.replace)
+        self._closed = True
+        self.storage.release(b.digest for b in self._blobs)
+        return record
+
+    def abort(self) -> None:
+        """Remove everything this call wrote; safe to call more than once."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._writer is not None:
+            self._writer.temp.discard()
+            self._writer = None
+        self.storage.release((b.digest for b in self._blobs), collect=True)

@@ -1,0 +1,241 @@
+"""The real tannery server for tests, on 127.0.0.1 with a free port and its own data directory.
+
+Two ways to run it:
+
+- :func:`running_server` starts it in this process, on an event loop in a background
+  thread, and yields an :class:`InProcessServer` (``.target``, ``.data_dir``, ``.config``,
+  ``.stop()``, ``.archives()``, ``.channel()``)::
+
+      with running_server(tmp_path, chunk_size=4096) as server:
+          stub = server.archives()
+
+- :class:`ServerProcess` runs ``python -m tannery_server serve`` as a subprocess, for
+  restarts, kill -9, signals and resource limits::
+
+      with ServerProcess(tmp_path / "data") as proc:
+          ...; proc.kill()      # SIGKILL
+      proc.start()              # same data directory, a new port
+
+Helpers for raw stubs: :func:`store_requests` splits payloads into ``StoreRequest``s and
+:func:`collect_fetch` gathers a ``Fetch`` stream back into payloads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import resource
+import signal
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping
+
+import grpc
+
+from tannery.v1 import archives_pb2, archives_pb2_grpc
+
+HOST = "127.0.0.1"
+
+
+class InProcessServer:
+    """A server started by :func:`running_server`."""
+
+    def __init__(self, config: Any) -> None:
+        from tannery_server import app
+
+        self.config = config
+        self.data_dir: Path = config.data_dir
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tannery-test-server", daemon=True)
+        self._thread.start()
+        try:
+            self._running = self._call(app.start(config))
+        except BaseException:
+            self._close_loop()
+            raise
+        self.port: int = self._running.port
+        self.target = f"{HOST}:{self.port}"
+        self._channels: list[grpc.Channel] = []
+
+    def _call(self, coroutine, timeout: float | None = 60) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+
+    @property
+    def storage(self):
+        """The server's :class:`tannery_server.storage.Storage` (for white-box checks)."""
+        return self._running.storage
+
+    def channel(self) -> grpc.Channel:
+        """A new channel to the server, closed by :meth:`stop`."""
+        channel = grpc.insecure_channel(self.target)
+        self._channels.append(channel)
+        return channel
+
+    def archives(self) -> archives_pb2_grpc.ArchivesStub:
+        return archives_pb2_grpc.ArchivesStub(self.channel())
+
+    def stop(self, grace: float | None = 5.0) -> None:
+        """Drain and stop the server (idempotent) and close the channels it handed out."""
+        if self._loop.is_closed():
+            return
+        for channel in self._channels:
+            channel.close()
+        try:
+            self._call(self._running.stop(grace))
+        finally:
+            self._close_loop()
+
+    def _close_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(30)
+        self._loop.close()
+
+
+@contextmanager
+def running_server(tmp_path: Path, **config: Any) -> Iterator[InProcessServer]:
+    """A server in this process with data in ``tmp_path / "data"`` (or ``data_dir=``), on a free port."""
+    from tannery_server.config import Config
+
+    config.setdefault("data_dir", Path(tmp_path) / "data")
+    cfg = Config(host=HOST, port=0, **{"grace_seconds": 5.0, **config})
+    server = InProcessServer(cfg)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+class ServerProcess:
+    """``python -m tannery_server serve`` in a subprocess, on a free port.
+
+    ``config`` keys are flags (``chunk_size=4096`` is ``--chunk-size 4096``);
+    ``fsize_limit`` sets RLIMIT_FSIZE in the child, so writes past it fail with EFBIG.
+    Output (the log) is collected in :attr:`log_lines`.
+    """
+
+    def __init__(self, data_dir: Path, *, fsize_limit: int | None = None, env: Mapping[str, str] | None = None,
+                 **config: Any) -> None:
+        self.data_dir = Path(data_dir)
+        self.fsize_limit = fsize_limit
+        self.env = dict(env) if env is not None else None
+        self.config = config
+        self.process: subprocess.Popen | None = None
+        self.target = ""
+        self.log_lines: list[str] = []
+        self._reader: threading.Thread | None = None
+
+    def command(self) -> list[str]:
+        args = [sys.executable, "-m", "tannery_server", "serve", "--host", HOST, "--port", "0",
+                "--data-dir", str(self.data_dir)]
+        for key, value in self.config.items():
+            args += ["--" + key.replace("_", "-"), str(value)]
+        return args
+
+    def _limits(self) -> None:
+        if self.fsize_limit is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (self.fsize_limit, self.fsize_limit))
+
+    def start(self, timeout: float = 60) -> "ServerProcess":
+        env = {**os.environ, **(self.env or {})}
+        self.log_lines = []
+        ready = threading.Event()
+        self.process = subprocess.Popen(
+            self.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
+            preexec_fn=self._limits,
+        )
+
+        def read(stream) -> None:
+            for line in stream:
+                self.log_lines.append(line.rstrip("\n"))
+                match = re.search(r"serving on (\S+):(\d+)", line)
+                if match:
+                    self.target = f"{HOST}:{match.group(2)}"
+                    ready.set()
+            ready.set()
+
+        self._reader = threading.Thread(target=read, args=(self.process.stdout,), daemon=True)
+        self._reader.start()
+        if not ready.wait(timeout) or not self.target:
+            self.kill()
+            raise RuntimeError("the server did not start:\n" + "\n".join(self.log_lines))
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def archives(self) -> archives_pb2_grpc.ArchivesStub:
+        return archives_pb2_grpc.ArchivesStub(grpc.insecure_channel(self.target))
+
+    def signal(self, sig: int) -> None:
+        assert self.process is not None
+        self.process.send_signal(sig)
+
+    def wait(self, timeout: float = 60) -> int:
+        assert self.process is not None
+        code = self.process.wait(timeout)
+        if self._reader is not None:
+            self._reader.join(10)
+        return code
+
+    def stop(self, timeout: float = 60) -> int:
+        """SIGTERM and wait: the exit code (0 after a graceful shutdown)."""
+        if self.process is None or self.process.poll() is not None:
+            return self.process.returncode if self.process else 0
+        self.signal(signal.SIGTERM)
+        return self.wait(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL: the server dies at once, as in a crash."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.wait()
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start() if self.process is None or self.process.poll() is not None else self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.kill()
+
+
+def store_requests(
+    archive: str, entries: Mapping[str, bytes] | Iterable[tuple[str, bytes]], chunk_size: int = 1 << 20,
+    replace: bool = False,
+) -> Iterator[archives_pb2.StoreRequest]:
+    """The ``StoreRequest``s of an archive: begin, then each entry's name with its payload in chunks."""
+    yield archives_pb2.StoreRequest(begin=archives_pb2.StoreBegin(archive=archive, replace=replace))
+    items = entries.items() if isinstance(entries, Mapping) else entries
+    for name, payload in items:
+        view = memoryview(payload).cast("B")
+        first = True
+        for start in range(0, max(len(view), 1), chunk_size):
+            chunk = bytes(view[start : start + chunk_size])
+            yield archives_pb2.StoreRequest(entry=name, chunk=chunk) if first else archives_pb2.StoreRequest(chunk=chunk)
+            first = False
+
+
+def collect_fetch(responses: Iterable[archives_pb2.FetchResponse]) -> dict[str, bytes]:
+    """The payloads of a ``Fetch`` stream, by entry name, in the order they came."""
+    out: dict[str, bytearray] = {}
+    current = None
+    for response in responses:
+        if response.entry:
+            current = out.setdefault(response.entry, bytearray())
+        assert current is not None, "payload bytes before any entry name"
+        current += response.chunk
+    return {name: bytes(data) for name, data in out.items()}
+
+
+def wait_for(condition, timeout: float = 10, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(interval)
+    return condition()
