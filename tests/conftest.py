@@ -18,3 +18,27 @@ def tannic_nn() -> Path:
     if not FIXTURES.is_dir():
         pytest.skip(f"{FIXTURES} is absent")
     return FIXTURES
+
+
+@pytest.fixture
+def server(tmp_path: Path):
+    """A real tannery server in this process: 127.0.0.1, a free port, data in ``tmp_path / "data"``.
+
+    Yields a :class:`tests.server_harness.InProcessServer` (``.target``, ``.data_dir``,
+    ``.archives()``, ``.channel()``, ``.stop()``); see that module for other settings.
+    """
+    from .server_harness import running_server
+
+    with running_server(tmp_path) as running:
+        yield running
+
+
+@pytest.fixture
+def server_process(tmp_path: Path):
+    """A :class:`tests.server_harness.ServerProcess` on ``tmp_path / "data"``, not started yet;
+    killed at the end of the test."""
+    from .server_harness import ServerProcess
+
+    process = ServerProcess(tmp_path / "data")
+    yield process
+    process.kill()
