@@ -431,21 +431,29 @@ class Deframer:
             )
 
 
-class _Gathering:
-    """A payload being gathered from fragments into memory that grows as its bytes arrive.
+#: Payloads up to this size are gathered into a buffer allocated whole when their header
+#: arrives: a bounded cost, and small allocations reuse memory the allocator holds (this is
+#: glibc's largest mmap threshold; above it every allocation is fresh pages anyway).
+EAGER_GATHER = 32 << 20
 
-    Nothing is reserved on the word of the header: an anonymous map starts small and is
-    enlarged (doubling, up to the payload's size) by ``mremap``, which moves pages without
-    copying them. The tensor data lands on a 64-byte boundary, as in :func:`aligned_buffer`.
+
+class _Gathering:
+    """A payload being gathered from fragments: the one copy a Reframer makes.
+
+    Up to :data:`EAGER_GATHER` bytes the buffer is allocated whole. Beyond, nothing more is
+    reserved on the word of the header: an anonymous map of that size is enlarged, doubling
+    up to the payload's size, as the bytes arrive, by ``mremap``, which moves pages without
+    copying them. Either way the tensor data lands on a 64-byte boundary.
     """
 
-    FIRST = 1 << 16
-
     def __init__(self, info: PayloadInfo) -> None:
-        self.pad = -info.data_offset % ALIGNMENT  # maps start on a page boundary
+        if info.size <= EAGER_GATHER:
+            self.pad, self.memory = 0, aligned_buffer(info.size, info.data_offset)
+        else:
+            self.pad = -info.data_offset % ALIGNMENT  # a map starts on a page boundary
+            self.memory = self._new_map(self.pad + EAGER_GATHER)
         self.end = self.pad + info.size
         self.filled = self.pad
-        self.map = self._new_map(min(self.end, self.pad + self.FIRST))
 
     @staticmethod
     def _new_map(size: int) -> mmap.mmap:
@@ -459,23 +467,24 @@ class _Gathering:
 
     def add(self, data: Buffer) -> None:
         n = memoryview(data).nbytes
-        if self.filled + n > len(self.map):
-            self._grow(min(self.end, max(self.filled + n, 2 * len(self.map))))
-        self.map[self.filled : self.filled + n] = data
+        if self.filled + n > len(self.memory):
+            self._grow(min(self.end, max(self.filled + n, 2 * len(self.memory))))
+        self.memory[self.filled : self.filled + n] = data
         self.filled += n
 
     def _grow(self, size: int) -> None:
+        assert isinstance(self.memory, mmap.mmap)
         try:
-            self.map.resize(size)
+            self.memory.resize(size)
         except (OSError, SystemError):  # no mremap on this platform: move to a new map
             bigger = self._new_map(size)
-            bigger[: self.filled] = self.map[: self.filled]
-            self.map = bigger
+            bigger[: self.filled] = self.memory[: self.filled]
+            self.memory = bigger
         else:
-            self._advise(self.map)
+            self._advise(self.memory)
 
     def payload(self) -> memoryview:
-        return memoryview(self.map)[self.pad : self.end]
+        return memoryview(self.memory)[self.pad : self.end]
 
 
 class Reframer:
