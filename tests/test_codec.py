@@ -610,3 +610,16 @@ def test_empty_shapes_no_array_can_describe_are_refused(shape):
 def test_empty_shapes_with_large_dimensions_are_fine():
     data = raw(code=24, shape=(0, 2**40), nbytes=0)
     assert to_numpy(data).shape == (0, 2**40)
+
+
+def test_reframer_gathers_a_payload_larger_than_its_eager_buffer():
+    size = codec.EAGER_GATHER + (5 << 20) + 3
+    data = encode_prefix(DTYPES["uint8"], (size,)) + np.random.default_rng(0).integers(0, 256, size, np.uint8).tobytes()
+    view = memoryview(data)
+    reframer = Reframer()
+    out = [p for start in range(0, len(data), 1 << 20) for p in reframer.feed(view[start : start + (1 << 20)])]
+    reframer.close()
+    (gathered,) = out
+    assert memoryview(gathered).nbytes == len(data) and gathered == view
+    assert (np.frombuffer(gathered, np.uint8).ctypes.data + parse(data).data_offset) % codec.ALIGNMENT == 0
+    assert not memoryview(gathered).readonly
