@@ -285,11 +285,16 @@ def test_of_value_puts_names_under_a_prefix():
 
 
 def test_of_value_names_dict_keys_of_any_type_by_their_str():
-    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1, momentum=0.9)
-    optimizer.param_groups[0]["params"][0].grad = torch.ones(2)
-    optimizer.step()
-    a = Archive.of_value(optimizer.state_dict(), prefix="optim")
+    # The shape of an SGD optimizer's state_dict (torch.optim itself takes seconds to import).
+    state = {"state": {0: {"momentum_buffer": torch.ones(2)}, 1: {"momentum_buffer": None}},
+             "param_groups": [{"lr": 0.1, "momentum": 0.9, "params": [0, 1]}]}
+    a = Archive.of_value(state, prefix="optim")
     assert a.names() == ["optim.state.0.momentum_buffer"]
+    like = {"state": {0: {"momentum_buffer": torch.empty(2)}, 1: {"momentum_buffer": None}},
+            "param_groups": [{"lr": 0.5, "momentum": 0.9, "params": [0, 1]}]}
+    got = a.to_value(like, prefix="optim")
+    assert got["state"][0]["momentum_buffer"] is state["state"][0]["momentum_buffer"]
+    assert got["param_groups"][0]["lr"] == 0.5 and list(got["state"]) == [0, 1]
 
 
 def test_of_value_refuses_a_leaf_at_the_root_without_a_prefix():
