@@ -65,6 +65,8 @@ class StoreSession:
         if message.chunk.nbytes:
             if self._entry is None:
                 raise InvalidArgument("payload bytes before any entry name")
+            if self._entry_has_payload and self._writer is None:
+                self._extra_bytes()
             self.bytes_received += message.chunk.nbytes
             try:
                 for fragment in self._deframer.feed(message.chunk):
@@ -76,6 +78,14 @@ class StoreSession:
                         self._finish_payload(fragment.info)
             except FormatError as exc:
                 raise BadPayload(f"entry {self._entry!r}: {exc}") from None
+            if self._entry_has_payload and self._writer is None and self._deframer.inside_payload:
+                self._extra_bytes()  # the start of a second payload's header
+
+    def _extra_bytes(self) -> None:
+        raise BadPayload(
+            f"entry {self._entry!r}: more bytes after its payload of {self._entries[-1].payload_bytes} bytes "
+            "(one payload per entry)"
+        )
 
     def _start_entry(self, name: str) -> None:
         if self._deframer.inside_payload:
@@ -97,10 +107,7 @@ class StoreSession:
 
     def _start_payload(self, info) -> None:
         if self._entry_has_payload:
-            raise BadPayload(
-                f"entry {self._entry!r}: more bytes after its payload of "
-                f"{self._entries[-1].payload_bytes} bytes (one payload per entry)"
-            )
+            self._extra_bytes()
         if info.size > self.config.max_payload_bytes:
             raise LimitExceeded(
                 f"entry {self._entry!r}: payload of {info.size} bytes ({info.describe()}) is over the limit of "
