@@ -491,8 +491,9 @@ class Reframer:
     """Turns a stream of byte chunks of any sizes into whole payloads.
 
     A payload that arrives in one chunk is returned as a view of it; one spread over
-    several is gathered into an aligned, writable buffer, the only copy made, whose
-    memory grows with the bytes that arrive (a header claiming a huge size gets none).
+    several is gathered into an aligned, writable buffer, the only copy made. A header
+    gets at most :data:`EAGER_GATHER` bytes of memory on its word; the rest comes as the
+    bytes it announces arrive.
     """
 
     def __init__(self, limits: Limits = DEFAULT_LIMITS) -> None:
