@@ -7,6 +7,8 @@ tests use in-process); :func:`serve` runs one until a signal (what ``tannery ser
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import logging
 import signal
 from dataclasses import dataclass, field
@@ -111,10 +113,28 @@ async def start(config: Config) -> RunningServer:
     return running
 
 
+def tune_malloc() -> bool:
+    """Keep chunk-sized buffers in glibc's heap instead of fresh mmaps.
+
+    Every message is a new buffer of about a chunk (1 MiB). By default glibc maps such a
+    buffer and unmaps it when freed (or trims the heap), so the next one page-faults
+    again: measured, a third of the server's CPU in Fetch. With these two settings freed
+    chunks are reused. Returns False where glibc is not the allocator.
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 128 << 20))
+
+
 async def serve(config: Config) -> None:
     """Run a server until SIGTERM or SIGINT, then shut it down gracefully."""
     # A write past RLIMIT_FSIZE must fail with EFBIG (answered RESOURCE_EXHAUSTED), not kill us.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    tune_malloc()
     running = await start(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

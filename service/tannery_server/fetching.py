@@ -27,7 +27,7 @@ from tannery.v1 import archives_pb2
 from .failures import DataLoss, InvalidArgument, Mismatch, NotFound
 from .storage import BlobFile, BlobInfo, EntryRecord, Storage
 from .storage.integrity import Sha256Check, check_block
-from .wire import encode_fetch_response
+from .wire import encode_fetch_response, encode_varint
 
 _FLOATS = "float16, bfloat16, float32 or float64"
 
@@ -196,6 +196,9 @@ class FetchStream:
                     f"{what}: stored blob {plan.entry.digest} has {blob.size} bytes, {plan.entry.payload_bytes} "
                     "were stored"
                 )
+            if plan.prefix is None and plan.blob is None:
+                yield from _whole_payload(blob, plan.entry, self.chunk_size, what)
+                return
             if plan.blob is None:
                 pieces = _read_whole(blob, plan, self.chunk_size, what)
             else:
@@ -239,6 +242,31 @@ def _messages(name: str, pieces: Iterable[memoryview], chunk_size: int) -> Itera
                 first, parts, size = False, [], 0
     if parts or first:
         yield encode_fetch_response(name if first else None, parts)
+
+
+def _whole_payload(blob: BlobFile, entry: EntryRecord, chunk_size: int, what: str) -> Iterator[bytes]:
+    """An entry's payload as stored, the fast path: each chunk is read from the file
+    straight into the message being built (one copy in all), and the last message is held
+    back until the SHA-256 of the whole matches."""
+    check = Sha256Check(what, entry.digest)
+    buffer = bytearray(chunk_size + 64 + 4 * len(entry.name))
+    view = memoryview(buffer)
+    held: bytes | None = None
+    for offset in range(0, max(entry.payload_bytes, 1), chunk_size):
+        size = min(chunk_size, entry.payload_bytes - offset)
+        framing = encode_fetch_response(entry.name if offset == 0 else None, []) + b"\x12" + encode_varint(size)
+        start = len(framing)
+        view[:start] = framing
+        got = blob.read_into(view[start : start + size], offset)
+        if got != size:
+            raise DataLoss(f"{what}: stored blob {entry.digest} is truncated at byte {offset + got}")
+        check.update(view[start : start + size])
+        if held is not None:
+            yield held
+        held = bytes(view[: start + size])
+    check.verify()
+    if held is not None:
+        yield held
 
 
 def _read_whole(blob: BlobFile, plan: Plan, window: int, what: str) -> Iterator[memoryview]:

@@ -154,7 +154,12 @@ def run(size: int, chunk: int, entries: int, repeat: int, data_dir: Path) -> lis
             def fetch_all() -> None:
                 fetched[0] = sum(len(m) for m in fetch(archives_pb2.FetchRequest(archive="bench")))
 
-            for _ in range(repeat):
+            delete = channel.unary_unary("/tannery.v1.Archives/Delete",
+                                         request_serializer=archives_pb2.DeleteRequest.SerializeToString,
+                                         response_deserializer=archives_pb2.DeleteResponse.FromString)
+            for index in range(repeat):
+                if index:  # so that every Store writes (and fsyncs) all its blobs
+                    delete(archives_pb2.DeleteRequest(archive="bench"))
                 results.append(timed("tannery: Store", server.pid, lambda: store(iter(messages)), total))
                 results.append(timed("tannery: Fetch", server.pid, fetch_all, total))
     return results

@@ -137,6 +137,10 @@ class BlobFile(Protocol):
 
     def read(self, offset: int, size: int) -> bytes: ...
 
+    def read_into(self, buffer: memoryview, offset: int) -> int:
+        """Fill ``buffer`` with the bytes from ``offset``; returns how many were read."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -146,7 +150,7 @@ class TempBlob(Protocol):
     def write(self, data: memoryview | bytes) -> None: ...
 
     def publish(self, digest: str) -> bool:
-        """Make the written bytes durable and visible as blob ``digest``.
+        """Make the written bytes blob ``digest`` (not yet durable: see ``make_durable``).
 
         Returns False when that blob already existed (the bytes written are dropped:
         equal payloads are stored once).
@@ -158,6 +162,10 @@ class TempBlob(Protocol):
 
 class BlobStore(Protocol):
     def create(self) -> TempBlob: ...
+
+    def make_durable(self, digests: Iterable[str]) -> None:
+        """Return once these blobs survive a crash (the catalog references only durable blobs)."""
+        ...
 
     def open(self, digest: str) -> BlobFile:
         """FileNotFoundError when the blob is missing."""

@@ -6,7 +6,7 @@ import os
 import re
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 
@@ -35,6 +35,16 @@ class FileBlob:
             data += more
         return data
 
+    def read_into(self, buffer: memoryview, offset: int) -> int:
+        """Fill ``buffer`` from ``offset`` with no intermediate copy; the bytes read (fewer at the end)."""
+        filled = 0
+        while filled < len(buffer):
+            got = os.preadv(self._fd, [buffer[filled:]], offset + filled)
+            if not got:
+                break
+            filled += got
+        return filled
+
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
@@ -56,19 +66,17 @@ class FileTempBlob:
             view = view[written:]
 
     def publish(self, digest: str) -> bool:
-        os.fsync(self._fd)
+        # Not fsynced here: the kernel writes it back while later payloads arrive, and
+        # make_durable() waits for it before the catalog may reference it. A crash before
+        # that leaves an unreferenced file, which start-up removes.
         os.close(self._fd)
         self._fd = -1
         target = self._store.path(digest)
         if target.exists():
             self.path.unlink(missing_ok=True)
             return False
-        parent = target.parent
-        if not parent.is_dir():
-            parent.mkdir(exist_ok=True)
-            fsync_directory(parent.parent)
+        target.parent.mkdir(exist_ok=True)
         os.rename(self.path, target)
-        fsync_directory(parent)
         return True
 
     def discard(self) -> None:
@@ -95,6 +103,22 @@ class FileBlobStore:
 
     def create(self) -> FileTempBlob:
         return FileTempBlob(self)
+
+    def make_durable(self, digests: Iterable[str]) -> None:
+        """fsync these blobs (written by this call or found already there) and their directories."""
+        directories = set()
+        for digest in dict.fromkeys(digests):
+            path = self.path(digest)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            directories.add(path.parent)
+        for directory in sorted(directories):
+            fsync_directory(directory)
+        if directories:
+            fsync_directory(self.blobs)
 
     def open(self, digest: str) -> FileBlob:
         return FileBlob(self.path(digest))

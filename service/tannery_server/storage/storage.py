@@ -169,7 +169,7 @@ class Storage:
         return PayloadWriter(self.blobs.create(), BLOCK_SIZE)
 
     def publish(self, writer: PayloadWriter) -> BlobInfo:
-        """Make a written payload a durable blob, pinned until :meth:`release`."""
+        """Make a written payload a blob, pinned until :meth:`release`."""
         blob = writer.digest.finish()
         with self._gc_lock:
             self._pins[blob.digest] += 1
@@ -183,7 +183,8 @@ class Storage:
     def commit_archive(
         self, name: str, entries: Sequence[EntryRecord], blobs: Sequence[BlobInfo], replace: bool
     ) -> ArchiveRecord:
-        """Record an archive whose (pinned, durable) blobs are all published."""
+        """Record an archive whose (pinned) blobs are all published, once they are durable."""
+        self.blobs.make_durable(b.digest for b in blobs)
         record, released = self.catalog.commit_archive(name, entries, blobs, replace, time.time_ns())
         self.collect(released)
         return record
