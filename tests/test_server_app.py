@@ -21,7 +21,7 @@ from tannery.v1 import archives_pb2 as pb
 from tannery_server.cli import main as cli_main
 from tannery_server.config import Config, parse_size
 
-from .server_harness import ServerProcess, collect_fetch, running_server, store_requests
+from .server_harness import ServerProcess, collect_fetch, running_server, store_requests, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 PAYLOAD = encode_numpy(__import__("numpy").arange(1000, dtype="float32"))
@@ -48,8 +48,6 @@ def test_one_log_line_per_call(server, caplog):
     collect_fetch(stub.Fetch(pb.FetchRequest(archive="logged")))
     with pytest.raises(grpc.RpcError):
         stub.Describe(pb.DescribeRequest(archive="absent"))
-    from .server_harness import wait_for
-
     def lines():
         return [r.getMessage() for r in caplog.records if r.name == "tannery_server.calls"]
 
@@ -76,6 +74,8 @@ def test_json_logs_and_sigterm_lets_a_call_in_flight_finish(tmp_path):
 
         future = stub.Store.future(slow_store())
         assert sent.wait(30)
+        # Once the server has begun writing the payload, the call is in flight there.
+        assert wait_for(lambda: any((tmp_path / "data" / "tmp").iterdir()))
         proc.signal(signal.SIGTERM)
         assert _wait_for_line(proc, "shutting down")
         release.set()
@@ -90,8 +90,6 @@ def test_json_logs_and_sigterm_lets_a_call_in_flight_finish(tmp_path):
 
 
 def _wait_for_line(proc: ServerProcess, text: str) -> bool:
-    from .server_harness import wait_for
-
     return wait_for(lambda: any(text in line for line in proc.log_lines), timeout=20)
 
 
