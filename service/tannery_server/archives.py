@@ -11,6 +11,7 @@ import base64
 import binascii
 import functools
 import inspect
+import sqlite3
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable, TypeVar
 
@@ -61,7 +62,7 @@ def _answering_failures(method: Callable) -> Callable:
             try:
                 async for item in method(self, request, context):
                     yield item
-            except (Failure, OSError, WireError) as exc:
+            except (Failure, OSError, sqlite3.Error, WireError) as exc:
                 await _fail(context, exc if not isinstance(exc, WireError) else InvalidArgument(str(exc)))
 
         return streaming
@@ -70,7 +71,7 @@ def _answering_failures(method: Callable) -> Callable:
     async def unary(self, request, context):
         try:
             return await method(self, request, context)
-        except (Failure, OSError, WireError) as exc:
+        except (Failure, OSError, sqlite3.Error, WireError) as exc:
             await _fail(context, exc if not isinstance(exc, WireError) else InvalidArgument(str(exc)))
 
     return unary
