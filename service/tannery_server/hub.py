@@ -1,9 +1,9 @@
 """Channels in memory: whole payloads relayed in order to subscribers with bounded buffers.
 
 A channel exists while it has subscribers or publishers attached, and is created by the
-first of them: channels need no set-up. Each payload is relayed as the list of pieces
-(bytes objects) it arrived in, so subscribers share those objects and no tensor byte is
-copied. Publishers relay one payload at a time per channel, under the channel's lock, so
+first of them: channels need no set-up. Each payload is relayed as a list of pieces, each
+a message ready to send and the payload bytes it carries; every subscriber gets the same
+objects, so nothing is copied or encoded once per subscriber. Publishers relay one payload at a time per channel, under the channel's lock, so
 the payloads of two publishers never interleave and every subscriber sees the same order.
 
 Each subscription buffers at most ``buffer_bytes`` (or one payload of any size when it is
@@ -17,6 +17,9 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from typing import Iterator, Sequence
+
+#: A piece of a payload as queued: the message to send and the payload bytes it carries.
+Piece = tuple[object, int]
 
 
 class SubscriptionEnded(Exception):
@@ -39,7 +42,7 @@ class Subscription:
         self.bound = bound
         #: Bytes queued and not yet taken by the subscriber.
         self.buffered = 0
-        self._pieces: deque[bytes] = deque()
+        self._pieces: deque[Piece] = deque()
         self._ended: SubscriptionEnded | None = None
         self._readable = asyncio.Event()
         self._writable = asyncio.Event()
@@ -52,7 +55,7 @@ class Subscription:
         """True when a payload of ``size`` bytes fits; an empty buffer takes any payload."""
         return self.buffered == 0 or self.buffered + size <= self.bound
 
-    def put(self, pieces: Sequence[bytes], size: int) -> None:
+    def put(self, pieces: Sequence[Piece], size: int) -> None:
         """Queue a payload's pieces (ignored once the subscription has ended)."""
         if self._ended is not None:
             return
@@ -74,17 +77,17 @@ class Subscription:
             pass
         return not self.ended and self.has_room(size)
 
-    async def next_piece(self) -> bytes:
-        """The next piece of payload bytes, waiting for one; SubscriptionEnded once it ended."""
+    async def next_piece(self) -> object:
+        """The next message to send, waiting for one; SubscriptionEnded once the subscription ended."""
         while not self._pieces:
             if self._ended is not None:
                 raise self._ended
             self._readable.clear()
             await self._readable.wait()
-        piece = self._pieces.popleft()
-        self.buffered -= len(piece)
+        message, nbytes = self._pieces.popleft()
+        self.buffered -= nbytes
         self._writable.set()
-        return piece
+        return message
 
     def end(self, reason: SubscriptionEnded) -> None:
         """End the subscription now: what it buffered is discarded and waiters wake up."""
@@ -106,7 +109,7 @@ class Channel:
         self.publishers = 0
         self._lock = asyncio.Lock()
 
-    async def relay(self, pieces: Sequence[bytes], size: int, timeout: float) -> int:
+    async def relay(self, pieces: Sequence[Piece], size: int, timeout: float) -> int:
         """Queue one whole payload for every current subscriber; returns how many were dropped.
 
         Subscribers with room get it at once; the others are waited for together, up
