@@ -540,6 +540,26 @@ def test_close_ends_subscriptions_and_refuses_new_calls(serve_bare):
         assert "shutting down" in error.details()
 
 
+def test_stopping_the_server_ends_open_subscriptions_without_waiting_out_the_grace(serve):
+    """A subscription never ends by itself: the app must end it while calls drain, not cut it after."""
+    server = serve(grace_seconds=30.0)
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(server.target) as ch:
+            receiver = Receiver(await subscribe(channels_pb2_grpc.ChannelsStub(ch), "x"))
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            stopping = asyncio.create_task(asyncio.to_thread(server.stop, 30.0))
+            error = await error_of(receiver.payloads(1))
+            await stopping
+            return error, loop.time() - started
+
+    error, seconds = run(scenario())
+    assert error.code() == grpc.StatusCode.UNAVAILABLE
+    assert "shutting down" in error.details()
+    assert seconds < 15, f"stop took {seconds:.1f} s: it waited out the grace period for the subscription"
+
+
 # -- bad input -------------------------------------------------------------------------------
 
 

@@ -41,6 +41,8 @@ class RunningServer:
     storage: Storage
     health: health.aio.HealthServicer
     _closers: list[Callable[[], Awaitable[Any] | Any]] = field(default_factory=list)
+    #: Run while calls drain: they end calls that would otherwise never finish (subscriptions).
+    _enders: list[Callable[[], Awaitable[Any]]] = field(default_factory=list)
     _stopped: bool = False
 
     @property
@@ -53,7 +55,10 @@ class RunningServer:
             return
         self._stopped = True
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(self.config.grace_seconds if grace is None else grace)
+        draining = asyncio.create_task(self.server.stop(self.config.grace_seconds if grace is None else grace))
+        for end in self._enders:
+            await end()
+        await draining
         for close in reversed(self._closers):
             result = close()
             if asyncio.iscoroutine(result):
@@ -62,7 +67,7 @@ class RunningServer:
         log.info("stopped")
 
 
-def _register_channels(server: grpc.aio.Server, config: Config, closers: list) -> bool:
+def _register_channels(server: grpc.aio.Server, config: Config, enders: list) -> bool:
     try:
         from .channels import ChannelsServicer
     except ModuleNotFoundError as exc:
@@ -74,7 +79,7 @@ def _register_channels(server: grpc.aio.Server, config: Config, closers: list) -
 
     servicer = ChannelsServicer(config)
     channels_pb2_grpc.add_ChannelsServicer_to_server(servicer, server)
-    closers.append(servicer.close)
+    enders.append(servicer.close)
     return True
 
 
@@ -82,13 +87,14 @@ async def start(config: Config) -> RunningServer:
     """Open storage, build the server with every service, bind, start; health SERVING."""
     storage = await asyncio.to_thread(Storage.open_local, config.data_dir)
     closers: list = []
+    enders: list = []
     try:
         server = grpc.aio.server(interceptors=[CallLogInterceptor()])
         archives_servicer = archives.ArchivesServicer(storage, config)
         archives.add_to_server(archives_servicer, server)
         closers.append(archives_servicer.close)
         services = [ARCHIVES]
-        if _register_channels(server, config, closers):
+        if _register_channels(server, config, enders):
             services.append(CHANNELS)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -100,7 +106,7 @@ async def start(config: Config) -> RunningServer:
             raise OSError(f"cannot listen on {config.host}:{config.port}")
         await server.start()
     except BaseException:
-        for close in reversed(closers):
+        for close in [*enders, *reversed(closers)]:
             result = close()
             if asyncio.iscoroutine(result):
                 await result
@@ -108,7 +114,7 @@ async def start(config: Config) -> RunningServer:
         raise
     for name in ("", *services):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    running = RunningServer(server, port, config, storage, health_servicer, closers)
+    running = RunningServer(server, port, config, storage, health_servicer, closers, enders)
     log.info("serving on %s (data directory %s)", running.target, config.data_dir.resolve())
     return running
 
