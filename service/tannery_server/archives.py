@@ -27,7 +27,7 @@ from .fetching import FetchStream, check_request, digests, resolve
 from .storage import ArchiveRecord, Limits, Storage
 from .store_session import StoreSession, disk_full
 from .validation import check_archive_name, check_prefix
-from .wire import WireError, parse_store_request, serialize_response
+from tannery.wire import WireError, parse_store_request, serialize_response
 
 T = TypeVar("T")
 SERVICE = "tannery.v1.Archives"

@@ -27,7 +27,7 @@ from tannery.v1 import archives_pb2
 from .failures import DataLoss, InvalidArgument, Mismatch, NotFound
 from .storage import BlobFile, BlobInfo, EntryRecord, Storage
 from .storage.integrity import Sha256Check, check_block
-from .wire import encode_fetch_response, encode_varint
+from tannery.wire import encode_fetch_response, encode_varint
 
 _FLOATS = "float16, bfloat16, float32 or float64"
 

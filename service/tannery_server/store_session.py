@@ -18,7 +18,7 @@ from .config import Config
 from .failures import AlreadyExists, BadPayload, InvalidArgument, LimitExceeded
 from .storage import ArchiveRecord, BlobInfo, EntryRecord, PayloadWriter, Storage
 from .validation import check_entry_name
-from .wire import StoreMessage
+from tannery.wire import StoreMessage
 
 #: The codec checks the format only; the server's own limits are checked separately, so
 #: that a limit answers RESOURCE_EXHAUSTED and a malformed payload INVALID_ARGUMENT.

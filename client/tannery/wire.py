@@ -1,4 +1,4 @@
-"""Hand-written protobuf framing for the two hot messages, so tensor bytes are not copied.
+"""Hand-written protobuf framing for the hot messages (tensor chunks), shared by client and server.
 
 A generated ``StoreRequest`` copies its ``chunk`` out of the received message (and a
 generated ``FetchResponse`` copies it in, then again to serialize). These functions read
