@@ -31,10 +31,23 @@ _EXPORTS = {
     "load_safetensors": "tannery.files",
     "save_tannic": "tannery.files",
     "load_tannic": "tannery.files",
+    "Client": "tannery.client",
+    "Subscription": "tannery.client",
+    "RemoteArchive": "tannery.remote",
+    "TLS": "tannery.connection",
+    "ArchiveInfo": "tannery.calls",
+    "ArchiveDescription": "tannery.calls",
+    "EntryDescription": "tannery.calls",
 }
 
 
+#: Submodules reachable as attributes without importing them first (``tannery.aio.Client``).
+_SUBMODULES = {"aio"}
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'tannery' has no attribute {name!r}")
@@ -44,7 +57,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+    return sorted(set(globals()) | set(_EXPORTS) | _SUBMODULES)
 
 
 __all__ = sorted(_EXPORTS)

@@ -1,20 +1,28 @@
 """Hand-written protobuf framing for the hot messages (tensor chunks), shared by client and server.
 
-A generated ``StoreRequest`` copies its ``chunk`` out of the received message (and a
-generated ``FetchResponse`` copies it in, then again to serialize). These functions read
-the ``chunk`` field as a view of the bytes gRPC hands over, and build a response with a
-single join of the pieces to send. The wire format is protobuf's (field numbers from
-``archives.proto``); any conforming client interoperates.
+A generated message copies its ``chunk`` out of the received bytes (and copies it in,
+then again to serialize). These functions read the ``chunk`` field as a view of the
+bytes gRPC hands over, and build a message with a single join of the pieces to send
+(the tensor's own memory, viewed): the one copy of tensor bytes on each side. The wire
+format is protobuf's (field numbers from ``archives.proto`` and ``channels.proto``); any
+conforming peer interoperates.
+
+Server: :func:`parse_store_request`, :func:`encode_fetch_response`. Client:
+:func:`encode_store_request`, :func:`encode_publish_request`, :func:`parse_fetch_response`,
+:func:`parse_subscribe_response`, and :func:`split_parts` to cut payloads into chunks.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Iterator, Sequence, Union
 
 from tannery.v1 import archives_pb2
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
+
+#: A piece of a message's bytes field: the field is the concatenation of its pieces.
+Piece = Union[bytes, bytearray, memoryview]
 
 
 class WireError(ValueError):
@@ -106,21 +114,106 @@ def parse_store_request(data: bytes) -> StoreMessage:
     return StoreMessage(begin, entry, chunk, len(view))
 
 
-def encode_fetch_response(entry: str | None, parts: Sequence[bytes | memoryview]) -> bytes:
-    """A serialized ``FetchResponse``: ``entry`` (if given) and the concatenation of ``parts`` as chunk."""
-    pieces: list[bytes | memoryview] = []
-    if entry:
-        name = entry.encode("utf-8")
-        pieces += (b"\x0a", encode_varint(len(name)), name)
+def _length_delimited(pieces: list[Piece], number: int, parts: Sequence[Piece]) -> None:
+    """Append field ``number`` (wire type LEN) holding the concatenation of ``parts``, unless empty."""
     size = sum(memoryview(p).nbytes for p in parts)
     if size:
-        pieces += (b"\x12", encode_varint(size))
+        pieces += (encode_varint(number << 3 | _LEN), encode_varint(size))
         pieces += parts
+
+
+def _text(pieces: list[Piece], number: int, text: str | None) -> None:
+    if text:
+        _length_delimited(pieces, number, [text.encode("utf-8")])
+
+
+def encode_fetch_response(entry: str | None, parts: Sequence[Piece]) -> bytes:
+    """A serialized ``FetchResponse``: ``entry`` (if given) and the concatenation of ``parts`` as chunk."""
+    pieces: list[Piece] = []
+    _text(pieces, 1, entry)
+    _length_delimited(pieces, 2, parts)
     return b"".join(pieces)
 
 
+def encode_store_request(*, begin: bytes = b"", entry: str | None = None, parts: Sequence[Piece] = ()) -> bytes:
+    """A serialized ``StoreRequest``: ``begin`` (a serialized ``StoreBegin``), ``entry`` and the
+    concatenation of ``parts`` as chunk, each only when given."""
+    pieces: list[Piece] = []
+    if begin:
+        _length_delimited(pieces, 1, [begin])
+    _text(pieces, 2, entry)
+    _length_delimited(pieces, 3, parts)
+    return b"".join(pieces)
+
+
+def encode_publish_request(channel: str | None, parts: Sequence[Piece]) -> bytes:
+    """A serialized ``PublishRequest``: ``channel`` (the first message's) and the concatenation of ``parts``."""
+    pieces: list[Piece] = []
+    _text(pieces, 1, channel)
+    _length_delimited(pieces, 2, parts)
+    return b"".join(pieces)
+
+
+def split_parts(parts: Iterable[Piece], size: int) -> Iterator[list[memoryview]]:
+    """The bytes of ``parts``, in order, as lists of views of exactly ``size`` bytes (the last
+    list shorter; none for no bytes). Nothing is copied: a part is sliced where a chunk ends."""
+    if size < 1:
+        raise ValueError(f"chunk size {size} must be at least 1")
+    chunk: list[memoryview] = []
+    filled = 0
+    for part in parts:
+        view = memoryview(part)
+        if view.ndim != 1 or view.format not in ("B", "b", "c"):
+            view = view.cast("B")
+        while view.nbytes:
+            take = min(size - filled, view.nbytes)
+            chunk.append(view[:take] if take < view.nbytes else view)
+            view = view[take:]
+            filled += take
+            if filled == size:
+                yield chunk
+                chunk, filled = [], 0
+    if chunk:
+        yield chunk
+
+
+@dataclass(slots=True)
+class FetchMessage:
+    """A ``FetchResponse`` whose chunk views the received bytes."""
+
+    #: The entry this message starts, or "" for a continuation.
+    entry: str
+    chunk: memoryview
+
+
+def parse_fetch_response(data: bytes) -> FetchMessage:
+    """The response deserializer of ``Fetch`` (client side)."""
+    entry = ""
+    chunk = _EMPTY
+    for number, wire_type, value in _fields(memoryview(data)):
+        if wire_type != _LEN:
+            continue
+        if number == 1:
+            try:
+                entry = str(value, "utf-8")
+            except UnicodeDecodeError:
+                raise WireError("field entry is not valid UTF-8") from None
+        elif number == 2:
+            chunk = value
+    return FetchMessage(entry, chunk)
+
+
+def parse_subscribe_response(data: bytes) -> memoryview:
+    """The response deserializer of ``Subscribe`` (client side): the chunk, a view of ``data``."""
+    chunk = _EMPTY
+    for number, wire_type, value in _fields(memoryview(data)):
+        if number == 1 and wire_type == _LEN:
+            chunk = value
+    return chunk
+
+
 def serialize_response(message: object) -> bytes:
-    """Response serializer that passes pre-encoded bytes through."""
+    """Serializer that passes pre-encoded bytes through (and serializes a generated message)."""
     if isinstance(message, bytes):
         return message
     return message.SerializeToString()  # type: ignore[attr-defined]

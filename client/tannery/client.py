@@ -1,0 +1,275 @@
+"""``tannery.Client``: the synchronous client of a tannery server.
+
+::
+
+    with tannery.Client("localhost:50051") as client:
+        client.store("resnet", model)                    # an nn.Module, a dict of tensors, an Archive
+        weights = client.archive("resnet")               # one Describe; reads fetch only what is asked
+        w = weights.tensor("fc.weight", [10, 512], torch.float32)
+        client.load_state_dict(model, "resnet")
+
+Every failure raises a tannery exception with the server's message (``NotFound``,
+``ArchiveError``, ``FormatError``, ``Unavailable``, ...; see :mod:`tannery.errors`); no
+``grpc.RpcError`` escapes. The asyncio twin is :mod:`tannery.aio`; the two share
+:mod:`tannery.calls` (what is sent and received) and :mod:`tannery.connection`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import grpc
+import torch
+
+from .archive import Archive, MemoryArchive
+from .calls import (
+    ArchiveDescription, ArchiveInfo, Deleted, EntryReader, Methods, PayloadReader, Progress, Published,
+    archive_to_store, check_fetched, fetch_request, list_request, plan_state_dict, publish_messages, store_messages,
+    union_request,
+)
+from .connection import Connection, TLSLike, rpc_error
+from .remote import RemoteArchive
+from .v1 import archives_pb2, channels_pb2
+from .wire import encode_publish_request
+
+
+class _Guarded:
+    """An iterator of messages that remembers the exception it raised: gRPC's sending thread
+    swallows it (the call ends CANCELLED), and the caller should see it instead."""
+
+    def __init__(self, messages: Iterator[bytes]) -> None:
+        self._messages = messages
+        self.error: BaseException | None = None
+
+    def __iter__(self) -> "_Guarded":
+        return self
+
+    def __next__(self) -> bytes:
+        try:
+            return next(self._messages)
+        except StopIteration:
+            raise
+        except BaseException as error:
+            self.error = error
+            raise
+
+
+class Client:
+    """A connection to a tannery server (a context manager; :meth:`close` when done).
+
+    ``target`` is ``host:port`` (``TANNERY_TARGET``, else ``localhost:50051``); ``token``
+    is sent as ``authorization: Bearer <token>`` on every call (``TANNERY_TOKEN``); ``tls``
+    is None (insecure unless ``TANNERY_TLS_*`` say otherwise), False (insecure), True
+    (the system's roots) or a :class:`tannery.TLS`. ``chunk_size`` is the bytes of tensor
+    data per message sent (1 MiB); ``timeout`` the seconds any one call may take (no limit
+    by default; subscriptions are never limited).
+    """
+
+    def __init__(self, target: str | None = None, *, token: str | None = None, tls: TLSLike = None,
+                 chunk_size: int | None = None, timeout: float | None = None) -> None:
+        self._connection = Connection(target, token=token, tls=tls, chunk_size=chunk_size, timeout=timeout)
+        self._channel = self._connection.channel()
+        self._methods = Methods(self._channel)
+
+    @property
+    def target(self) -> str:
+        return self._connection.target
+
+    def close(self) -> None:
+        """Close the channel; calls in flight are cancelled."""
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"tannery.Client({self._connection!r})"
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def _options(self, *, timeout: bool = True) -> dict[str, Any]:
+        return {"metadata": self._connection.metadata, "timeout": self._connection.timeout if timeout else None}
+
+    @contextmanager
+    def _errors(self, sent: _Guarded | None = None) -> Iterator[None]:
+        """Raise a failed call's tannery exception (or the exception that stopped its messages)."""
+        try:
+            yield
+        except grpc.RpcError as error:
+            if sent is not None and sent.error is not None:
+                raise sent.error from None
+            raise rpc_error(error, self._connection.target) from None
+
+    def _unary(self, method: Any, request: Any) -> Any:
+        with self._errors():
+            return method(request, **self._options())
+
+    def _fetch(self, request: archives_pb2.FetchRequest, progress: Progress) -> list[tuple[str, torch.Tensor]]:
+        reader = EntryReader(progress)
+        got: list[tuple[str, torch.Tensor]] = []
+        call = self._methods.fetch(request, **self._options())
+        try:
+            with self._errors():
+                for message in call:
+                    got += reader.feed(message)
+        finally:
+            call.cancel()  # a no-op once the call is over; ends it if reading failed
+        reader.close()
+        return got
+
+    def _transfer(self, archive: str, progress: Progress):
+        def transfer(asks: Sequence[archives_pb2.EntryAsk]) -> list[torch.Tensor]:
+            got = self._fetch(archives_pb2.FetchRequest(archive=archive, entries=asks), progress)
+            return check_fetched([ask.name for ask in asks], got)
+
+        return transfer
+
+    # -- archives ------------------------------------------------------------------------
+
+    def store(self, name: str, value: Any, *, prefix: str = "", replace: bool = False,
+              progress: Progress = None) -> ArchiveInfo:
+        """Store ``value`` as archive ``name``: an Archive, a mapping of names to tensors, an
+        ``nn.Module`` (its state_dict) or a structure ``Archive.of_value`` takes, each entry
+        named under ``prefix``.
+
+        Entries stream one at a time, each tensor's bytes copied once, into its messages.
+        AlreadyExists unless ``replace``; the archive appears whole or not at all.
+        ``progress`` is called with the bytes of each message sent.
+        """
+        archive, rest = archive_to_store(value, prefix)
+        messages = _Guarded(store_messages(name, archive, rest, replace, self._connection.chunk_size, progress))
+        with self._errors(messages):
+            return ArchiveInfo.of(self._methods.store(messages, **self._options()))
+
+    def archive(self, name: str, *, progress: Progress = None) -> RemoteArchive:
+        """The archive ``name`` as a :class:`RemoteArchive` (one Describe; reads fetch only what
+        they return). ``progress`` is called with the bytes of each message received."""
+        return RemoteArchive(self.describe(name), self._transfer(name, progress))
+
+    def fetch(self, name: str, names: Iterable[str] | None = None, prefix: str | None = None, *,
+              progress: Progress = None) -> Archive:
+        """Entries of archive ``name`` in memory: those named (NotFound for one it lacks), or
+        those ``prefix`` owns, or all of them; in one call."""
+        got = self._fetch(fetch_request(name, names, prefix), progress)
+        return MemoryArchive(dict(got))
+
+    def union(self, target: str, sources: Mapping[str, str] | Sequence[str], *, replace: bool = False) -> ArchiveInfo:
+        """A new archive ``target`` of the entries of ``sources``: a mapping of prefix to archive
+        name, or a list of names. No tensor bytes are copied (on the server either)."""
+        return ArchiveInfo.of(self._unary(self._methods.union, union_request(target, sources, replace)))
+
+    def describe(self, name: str) -> ArchiveDescription:
+        """The archive's info and every entry's name, dtype, shape, sizes and digest."""
+        return ArchiveDescription.of(self._unary(self._methods.describe, archives_pb2.DescribeRequest(archive=name)))
+
+    def list(self, prefix: str = "") -> list[ArchiveInfo]:
+        """Every archive whose name starts with ``prefix``, sorted by name (all pages)."""
+        archives: list[ArchiveInfo] = []
+        token = ""
+        while True:
+            page = self._unary(self._methods.list, list_request(prefix, token))
+            archives += (ArchiveInfo.of(info) for info in page.archives)
+            token = page.next_page_token
+            if not token:
+                return archives
+
+    def delete(self, name: str) -> Deleted:
+        """Remove archive ``name`` (NotFound if there is none) and the blobs only it used."""
+        return Deleted.of(self._unary(self._methods.delete, archives_pb2.DeleteRequest(archive=name)))
+
+    def load_state_dict(self, module: torch.nn.Module, name: str, prefix: str = "", strict: bool = True,
+                        *, progress: Progress = None) -> Any:
+        """Fill ``module`` from archive ``name`` (its entries under ``prefix``), as torch's
+        ``load_state_dict`` does, fetching only the entries the module has keys for, in one
+        call. Everything is checked first (ArchiveError naming the entries); returns torch's
+        ``(missing_keys, unexpected_keys)``."""
+        plan = plan_state_dict(module, self.describe(name), prefix, strict)
+        tensors = self.archive(name, progress=progress)._fetch(list(plan.fetch)) if plan.fetch else []
+        return plan.load(module, tensors, strict)
+
+    # -- channels ------------------------------------------------------------------------
+
+    def publish(self, channel: str, tensors: Iterable[Any], *, progress: Progress = None) -> Published:
+        """Publish ``tensors`` (torch tensors or numpy arrays, any iterable, read as sent) on
+        ``channel``, in one stream; returns what was published."""
+        chunk_size = self._connection.chunk_size
+
+        def messages() -> Iterator[bytes]:
+            first = True
+            for index, tensor in enumerate(tensors):
+                yield from publish_messages(tensor, channel if first else None, chunk_size, progress, index)
+                first = False
+            if first:  # no tensor: the call still names its channel
+                yield from _channel_only(channel)
+
+        sent = _Guarded(messages())
+        with self._errors(sent):
+            return Published.of(self._methods.publish(sent, **self._options()))
+
+    def subscribe(self, channel: str, *, progress: Progress = None) -> "Subscription":
+        """Subscribe to ``channel``: an iterator of the tensors published from now on.
+
+        Returns once the server has registered the subscription, so everything published
+        afterwards arrives. ``close()`` it (or leave its ``with`` block) to end it.
+        """
+        call = self._methods.subscribe(channels_pb2.SubscribeRequest(channel=channel),
+                                       **self._options(timeout=False))
+        with self._errors():
+            call.initial_metadata()  # sent by the server once the subscription is registered
+            if call.done() and call.code() is not grpc.StatusCode.OK:
+                raise call  # the RpcError of a refused subscription
+        return Subscription(call, PayloadReader(progress), self._connection.target)
+
+
+def _channel_only(channel: str) -> Iterator[bytes]:
+    yield encode_publish_request(channel, [])
+
+
+class Subscription:
+    """The tensors published on a channel, in order (an iterator and a context manager)."""
+
+    def __init__(self, call: Any, reader: PayloadReader, target: str) -> None:
+        self._call = call
+        self._reader = reader
+        self._target = target
+        self._ready: deque[torch.Tensor] = deque()
+        self._closed = threading.Event()
+
+    def __iter__(self) -> "Subscription":
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        while not self._ready:
+            if self._closed.is_set():
+                raise StopIteration
+            try:
+                chunk = next(self._call)
+            except StopIteration:
+                raise
+            except grpc.RpcError as error:
+                if self._closed.is_set():
+                    raise StopIteration from None
+                raise rpc_error(error, self._target) from None
+            self._ready.extend(self._reader.feed(chunk))
+        return self._ready.popleft()
+
+    def close(self) -> None:
+        """End the subscription (the server forgets it); iterating stops."""
+        self._closed.set()
+        self._call.cancel()
+
+    def __enter__(self) -> "Subscription":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+__all__ = ["Client", "Subscription"]
