@@ -1,0 +1,128 @@
+"""The ``tannery`` command: ``serve`` runs the server, the other subcommands are a client.
+
+Subcommands live in small modules (``archives``, ``channels``); ``output`` formats what
+they print, ``tensorfiles`` reads and writes files, ``connection`` makes the client.
+Building the parser imports neither torch nor the server: ``serve`` hands over to
+``tannery_server.cli`` at once, and the client subcommands import torch-facing modules
+when they run.
+
+Exit status: 0 on success, 1 on a failure (one line on stderr: the server's message, the
+file, or the target that cannot be reached), 2 on a usage error, 130 on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Sequence
+
+from .. import __version__
+from .connection import add_global_options, target_of
+from .errors import error_message
+from .output import Output
+
+#: Set to 1 to get a traceback for an unexpected error (a bug) instead of one line.
+DEBUG_ENV = "TANNERY_DEBUG"
+
+DESCRIPTION = """\
+tannery: store, fetch and stream tensors through a tannery server: checkpoints as
+archives of named tensors, fetched whole or tensor by tensor, and channels that stream
+tensors between processes. The server is --target (or TANNERY_TARGET), localhost:50051
+by default; each subcommand's --help shows its options and examples."""
+
+EPILOG = """\
+examples:
+  tannery serve --data-dir ./tannery-data
+  tannery push model.safetensors --as mnist
+  tannery ls
+  tannery show mnist --json
+  tannery get mnist output_layer.bias
+  tannery pull mnist -o copy.safetensors
+  tannery --target gpu-box:50051 ls
+
+exit status: 0 on success, 1 on failure (the reason on one line on stderr), 2 on a usage
+error, 130 when interrupted (Ctrl-C)."""
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the examples' lines as written; wraps descriptions to the terminal."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text:
+            return super()._fill_text(text, width, indent)
+        return argparse.HelpFormatter._fill_text(self, text, width, indent)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every client subcommand (``serve`` is listed; its own parser is the server's)."""
+    from . import archives, channels
+
+    parser = argparse.ArgumentParser(prog="tannery", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=_Formatter)
+    parser.add_argument("--version", action="version", version=f"tannery {__version__}")
+    add_global_options(parser, on_subcommand=False)
+    common = argparse.ArgumentParser(add_help=False)
+    add_global_options(common, on_subcommand=True)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands.add_parser("serve", help="run the server (tannery serve --help for its flags)", add_help=False)
+    archives.add_commands(commands, common, _Formatter)
+    channels.add_commands(commands, common, _Formatter)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (it never raises, but for SystemExit
+    from --help and usage errors, as argparse does)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if args and args[0] == "serve":
+            from tannery_server.cli import main as serve_main
+
+            return serve_main(args)
+        parsed = build_parser().parse_args(args)
+        out = Output(quiet=bool(parsed.quiet))
+        return _run(parsed, out)
+    except KeyboardInterrupt:
+        print("tannery: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace, out: Output) -> int:
+    """Run the parsed subcommand; a failure becomes one line on stderr and status 1."""
+    try:
+        return int(args.run(args, out) or 0)
+    except KeyboardInterrupt:
+        raise
+    except BrokenPipeError:
+        # stdout was closed early (tannery ls | head): not an error worth a message.
+        _silence_stdout()
+        return 1
+    except Exception as exc:
+        if os.environ.get(DEBUG_ENV):
+            raise
+        message = error_message(exc, target_of(args))
+        if not _expected(exc):
+            message += f" (an unexpected {type(exc).__name__}; {DEBUG_ENV}=1 shows a traceback)"
+        print(f"tannery {args.command}: error: {message}", file=sys.stderr)
+        return 1
+
+
+def _expected(exc: BaseException) -> bool:
+    """Whether ``exc`` is a failure the user can act on (not a bug in tannery)."""
+    from ..errors import ServiceError
+    from .errors import CommandError
+
+    return isinstance(exc, (CommandError, ServiceError, OSError, ValueError, LookupError))
+
+
+def _silence_stdout() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,287 @@
+"""The archive subcommands: push, pull, ls, show, get, union, rm.
+
+Each ``cmd_*`` function runs one subcommand and returns its exit status; torch-facing
+modules are imported inside them, so building the parser imports no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from .connection import connect
+from .errors import CommandError
+from .output import Output, human_size, iso_time, local_time
+
+
+def cmd_push(args: argparse.Namespace, out: Output) -> int:
+    from .tensorfiles import payload_total, read_checkpoint
+
+    archive = read_checkpoint(args.file)
+    total = payload_total(archive)
+    with connect(args) as client, out.transfer(f"push {args.name}", total) as progress:
+        info = client.store(args.name, archive, prefix=args.prefix, replace=args.replace, progress=progress)
+    out.status(f"pushed {args.file} as {info.name}: {_entries(info.entries)}, {human_size(info.nbytes)}")
+    return 0
+
+
+def cmd_pull(args: argparse.Namespace, out: Output) -> int:
+    from ..names import owns
+    from .tensorfiles import check_writable, write_checkpoint
+
+    names = _split_names(args.names) if args.names is not None else None
+    with connect(args) as client:
+        described = {entry.name: entry for entry in entries_of(client.describe(args.name))}
+        if names is not None:
+            missing = [name for name in names if name not in described]
+            if missing:
+                raise CommandError(f"{args.name}: no entry {', '.join(map(repr, missing))} in the archive")
+            selected = names
+        else:
+            selected = [name for name in described if owns(args.prefix or "", name)]
+            if not selected:
+                raise CommandError(f"{args.name}: no entry under the prefix {args.prefix!r}")
+        check_writable(args.output, sorted({described[name].dtype for name in selected}))
+        total = sum(described[name].payload_bytes for name in selected)
+        with out.transfer(f"pull {args.name}", total) as progress:
+            archive = client.fetch(args.name, names=names, prefix=args.prefix or None, progress=progress)
+    paths = write_checkpoint(args.output, archive)
+    nbytes = sum(described[name].nbytes for name in selected)
+    out.status(f"pulled {args.name} into {' and '.join(map(str, paths))}: {_entries(len(selected))}, {human_size(nbytes)}")
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace, out: Output) -> int:
+    with connect(args) as client:
+        archives = list(client.list(prefix=args.prefix or ""))
+    if args.json:
+        out.json([archive_json(info) for info in archives])
+    elif not archives:
+        out.note("no archives" + (f" named {args.prefix}..." if args.prefix else ""))
+    else:
+        rows = [(a.name, str(a.entries), human_size(a.nbytes), local_time(getattr(a, "created", None))) for a in archives]
+        out.table([("NAME", "left"), ("ENTRIES", "right"), ("SIZE", "right"), ("CREATED", "left")], rows)
+    return 0
+
+
+def cmd_show(args: argparse.Namespace, out: Output) -> int:
+    with connect(args) as client:
+        entries = entries_of(client.describe(args.name))
+    nbytes = sum(e.nbytes for e in entries)
+    payload = sum(e.payload_bytes for e in entries)
+    if args.json:
+        out.json({"name": args.name, "entries": [entry_json(e) for e in entries], "nbytes": nbytes,
+                  "payload_bytes": payload})
+        return 0
+    from ..codec import format_shape
+
+    rows = [(e.name, e.dtype, format_shape(e.shape), human_size(e.nbytes)) for e in entries]
+    footer = f"{_entries(len(entries))}, {human_size(nbytes)} ({human_size(payload)} stored with headers)"
+    out.table([("NAME", "left"), ("DTYPE", "left"), ("SHAPE", "left"), ("SIZE", "right")], rows, footer)
+    return 0
+
+
+def cmd_get(args: argparse.Namespace, out: Output) -> int:
+    from ..codec import format_shape
+    from .stats import format_number, preview, statistics
+    from .tensorfiles import save_tensor, to_numpy
+
+    if args.output is not None and not args.output.endswith((".npy", ".pt")):
+        raise CommandError(f"{args.output}: write a .npy or .pt file")
+    with connect(args) as client:
+        remote = client.archive(args.name)
+        info = remote.info(args.entry)
+        tensor = remote.find(args.entry)
+    if args.output is not None:
+        save_tensor(args.output, tensor)
+    array = to_numpy(tensor)
+    stats = statistics(array)
+    shown = preview(array)
+    if args.json:
+        out.json({"archive": args.name, "entry": args.entry, "dtype": info.dtype, "shape": list(info.shape),
+                  "nbytes": info.nbytes, "stats": stats.as_dict(), "preview": shown})
+    else:
+        rows = [("archive", args.name), ("entry", args.entry), ("dtype", info.dtype),
+                ("shape", format_shape(info.shape)), ("size", human_size(info.nbytes)),
+                ("count", str(stats.count))]
+        suffix = " |x|" if stats.of == "abs" else ""
+        rows += [(key + suffix, format_number(getattr(stats, key))) for key in ("min", "max", "mean", "std")]
+        rows += [(key, str(getattr(stats, key))) for key in ("nan", "inf") if getattr(stats, key) is not None]
+        width = max(len(key) for key, _ in rows)
+        for key, value in rows:
+            out.line(f"{key:<{width}}  {value}")
+        out.line(shown)
+    if args.output is not None:
+        out.status(f"wrote {args.output}")
+    return 0
+
+
+def cmd_union(args: argparse.Namespace, out: Output) -> int:
+    sources = union_sources(args.sources, args.prefixed or [])
+    with connect(args) as client:
+        info = client.union(args.target_name, sources, replace=args.replace)
+    out.status(f"created {info.name}: {_entries(info.entries)}, {human_size(info.nbytes)} (no tensor bytes copied)")
+    return 0
+
+
+def union_sources(plain: list[str], prefixed: list[str]) -> dict[str, str] | list[str]:
+    """The sources of a union as the client takes them: a list of names when none has a
+    prefix, otherwise a mapping of prefix to name ("" for the one without)."""
+    if not plain and not prefixed:
+        raise CommandError("no sources: give SRC archives or --prefix P=SRC")
+    if not prefixed:
+        return list(plain)
+    if len(plain) > 1:
+        raise CommandError("with --prefix, at most one source may go without a prefix; give the others --prefix P=SRC")
+    sources: dict[str, str] = {"": plain[0]} if plain else {}
+    for item in prefixed:
+        prefix, sep, name = item.partition("=")
+        if not sep or not prefix or not name:
+            raise CommandError(f"--prefix {item!r}: expected PREFIX=SOURCE, for example --prefix encoder=bert-base")
+        if prefix in sources:
+            raise CommandError(f"--prefix {prefix}: given twice")
+        sources[prefix] = name
+    return sources
+
+
+def cmd_rm(args: argparse.Namespace, out: Output) -> int:
+    with connect(args) as client:
+        for name in args.names:
+            client.delete(name)
+            out.status(f"deleted {name}")
+    return 0
+
+
+# -- records as the JSON output shows them (stable keys, documented in --help) ---------------
+
+
+def archive_json(info: Any) -> dict:
+    return {"name": info.name, "entries": int(info.entries), "nbytes": int(info.nbytes),
+            "payload_bytes": int(info.payload_bytes), "created": iso_time(getattr(info, "created", None))}
+
+
+def entry_json(entry: Any) -> dict:
+    return {"name": entry.name, "dtype": entry.dtype, "shape": [int(d) for d in entry.shape],
+            "nbytes": int(entry.nbytes), "payload_bytes": int(entry.payload_bytes), "digest": entry.digest}
+
+
+def entries_of(description: Any) -> list[Any]:
+    """The entry records of what ``Client.describe`` returns (a list, or a record with ``entries``)."""
+    entries = getattr(description, "entries", description)
+    return list(entries.values() if isinstance(entries, dict) else entries)
+
+
+def _split_names(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise CommandError("--names: no entry names given")
+    return names
+
+
+def _entries(count: int) -> str:
+    return f"{count} entr{'y' if count == 1 else 'ies'}"
+
+
+# -- the parser ----------------------------------------------------------------------------------
+
+JSON_LS = "ls --json prints a list of {name, entries, nbytes, payload_bytes, created (ISO 8601 UTC)}."
+JSON_SHOW = ("show --json prints {name, entries: [{name, dtype, shape, nbytes, payload_bytes, digest}], "
+             "nbytes, payload_bytes} (sizes in bytes: nbytes of tensor data, payload_bytes with headers).")
+JSON_GET = ("get --json prints {archive, entry, dtype, shape, nbytes, stats: {count, of, min, max, mean, std, "
+            "nan, inf}, preview}; statistics cover finite elements (of: 'values', or 'abs' for complex), std is "
+            "the population std, nan/inf are null for dtypes without them.")
+
+
+def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type) -> None:
+    """Register the archive subcommands on ``commands`` (a subparsers action)."""
+
+    def command(name: str, help: str, description: str, examples: str, run: Any) -> argparse.ArgumentParser:
+        parser = commands.add_parser(name, help=help, description=description, parents=[common],
+                                     epilog="examples:\n" + examples, formatter_class=formatter)
+        parser.set_defaults(run=run)
+        return parser
+
+    push = command(
+        "push", "store a checkpoint file as an archive",
+        "Store a checkpoint file on the server as an archive of named tensors. FILE is a .safetensors file, "
+        "a .tannic pair (model.tannic with model.metadata.tannic beside it; it stores no shapes, so its "
+        "entries are stored 1-D) or a torch checkpoint (.pt, .pth, .bin) read with "
+        "torch.load(weights_only=True): every tensor of its dicts and lists becomes an entry named by its "
+        "path (model.layers.0.weight). A progress bar shows bytes, rate and time left.",
+        "  tannery push model.safetensors --as resnet50\n"
+        "  tannery push encoder.pt --as bert --prefix encoder --replace\n",
+        cmd_push,
+    )
+    push.add_argument("file", metavar="FILE", help="the checkpoint file")
+    push.add_argument("--as", dest="name", metavar="NAME", required=True, help="the archive's name")
+    push.add_argument("--prefix", metavar="P", default="", help="store every entry under P (w becomes P.w)")
+    push.add_argument("--replace", action="store_true", help="replace an archive of that name (default: refuse)")
+
+    pull = command(
+        "pull", "write an archive (or part of it) to a file",
+        "Fetch an archive's entries and write them to FILE: a .safetensors file, or a .tannic pair "
+        "(FILE.tannic and FILE.metadata.tannic), by the extension. Entries keep their full names.",
+        "  tannery pull resnet50 -o resnet50.safetensors\n"
+        "  tannery pull bert -o encoder.safetensors --prefix encoder\n"
+        "  tannery pull bert -o two.tannic --names encoder.w,encoder.b\n",
+        cmd_pull,
+    )
+    pull.add_argument("name", metavar="NAME", help="the archive")
+    pull.add_argument("-o", "--output", metavar="FILE", required=True, help="the file to write (.safetensors or .tannic)")
+    which = pull.add_mutually_exclusive_group()
+    which.add_argument("--prefix", metavar="P", help="only the entries under P (P itself and P.*)")
+    which.add_argument("--names", metavar="A,B", help="only these entries, comma-separated")
+
+    ls = command(
+        "ls", "list archives",
+        "List the archives on the server (name, entries, size, creation time), optionally only those whose "
+        "names start with PREFIX. " + JSON_LS,
+        "  tannery ls\n  tannery ls resnet --json\n",
+        cmd_ls,
+    )
+    ls.add_argument("prefix", metavar="PREFIX", nargs="?", default="", help="only archives whose names start with this")
+    ls.add_argument("--json", action="store_true", help="print JSON (keys above)")
+
+    show = command(
+        "show", "list an archive's entries",
+        "Show every entry of an archive (name, dtype, shape, size) and the totals. " + JSON_SHOW,
+        "  tannery show resnet50\n  tannery show resnet50 --json | jq '.entries[].name'\n",
+        cmd_show,
+    )
+    show.add_argument("name", metavar="NAME", help="the archive")
+    show.add_argument("--json", action="store_true", help="print JSON (keys above)")
+
+    get = command(
+        "get", "fetch one entry: dtype, shape, statistics, a preview",
+        "Fetch one entry by name and print its dtype, shape, size, statistics (min, max, mean, std of the "
+        "finite elements; NaN and Inf counts for floats) and a short preview; -o also writes it to a .npy "
+        "(numpy) or .pt (torch.save) file. Only that entry is transferred. " + JSON_GET,
+        "  tannery get resnet50 fc.weight\n  tannery get resnet50 fc.bias -o bias.npy --json\n",
+        cmd_get,
+    )
+    get.add_argument("name", metavar="NAME", help="the archive")
+    get.add_argument("entry", metavar="ENTRY", help="the entry's full name")
+    get.add_argument("-o", "--output", metavar="FILE", help="also write the tensor to FILE.npy or FILE.pt")
+    get.add_argument("--json", action="store_true", help="print JSON (keys above)")
+
+    union = command(
+        "union", "make an archive of other archives' entries",
+        "Create TARGET from the entries of the SRC archives, each source's entries under its prefix when "
+        "given with --prefix P=SRC. No tensor bytes are copied on the server. Entry names must not clash.",
+        "  tannery union model encoder-v2 decoder-v1\n"
+        "  tannery union model --prefix encoder=bert --prefix decoder=gpt2\n",
+        cmd_union,
+    )
+    union.add_argument("target_name", metavar="TARGET", help="the new archive")
+    union.add_argument("sources", metavar="SRC", nargs="*", help="source archives, entries kept as named")
+    union.add_argument("--prefix", dest="prefixed", metavar="P=SRC", action="append",
+                       help="a source whose entries go under P (repeat for several)")
+    union.add_argument("--replace", action="store_true", help="replace an archive named TARGET (default: refuse)")
+
+    rm = command(
+        "rm", "delete archives",
+        "Delete archives; the tensor data no other archive shares is removed from the server.",
+        "  tannery rm resnet50\n  tannery rm old-1 old-2\n",
+        cmd_rm,
+    )
+    rm.add_argument("names", metavar="NAME", nargs="+", help="the archives to delete")

@@ -1,0 +1,75 @@
+"""The global options every client subcommand takes (server, token, TLS, --quiet) and the
+client they make. Each option falls back to its ``TANNERY_*`` environment variable."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from .errors import CommandError
+
+DEFAULT_TARGET = "localhost:50051"
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"", "0", "false", "no", "off"}
+
+
+def add_global_options(parser: argparse.ArgumentParser, *, on_subcommand: bool) -> None:
+    """The options of every client subcommand. They are accepted before the subcommand
+    (``tannery --target h:1 ls``) and after it (``tannery ls --target h:1``); on subcommands
+    their defaults are suppressed, so one given before is not reset after."""
+    default: Any = argparse.SUPPRESS if on_subcommand else None
+    group = parser.add_argument_group("server options")
+    group.add_argument("--target", metavar="HOST:PORT", default=default,
+                       help=f"the server [env TANNERY_TARGET; default {DEFAULT_TARGET}]")
+    group.add_argument("--token", metavar="TOKEN", default=default,
+                       help="bearer token sent with every call [env TANNERY_TOKEN]")
+    group.add_argument("--tls", action="store_true", default=default,
+                       help="connect with TLS (system roots unless --tls-ca) [env TANNERY_TLS=1]")
+    group.add_argument("--tls-ca", metavar="PEM", default=default,
+                       help="CA certificates that sign the server's, a PEM file; implies --tls [env TANNERY_TLS_CA]")
+    group.add_argument("--tls-cert", metavar="PEM", default=default,
+                       help="client certificate for mutual TLS, a PEM file; implies --tls [env TANNERY_TLS_CERT]")
+    group.add_argument("--tls-key", metavar="PEM", default=default,
+                       help="the client certificate's private key, a PEM file [env TANNERY_TLS_KEY]")
+    parser.add_argument("-q", "--quiet", action="store_true", default=default,
+                        help="no progress bars or status lines (results and errors still print)")
+
+
+def target_of(args: argparse.Namespace) -> str:
+    """The server address: --target, then TANNERY_TARGET, then localhost:50051."""
+    return getattr(args, "target", None) or os.environ.get("TANNERY_TARGET") or DEFAULT_TARGET
+
+
+def _env_flag(name: str) -> bool:
+    raw = os.environ.get(name, "").strip().lower()
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise CommandError(f"{name}={os.environ[name]!r}: expected 1/0, true/false, yes/no or on/off")
+
+
+def tls_options(args: argparse.Namespace) -> dict[str, str] | None:
+    """The TLS settings as ``TLS`` keywords (ca, cert, key: PEM file paths), None for plaintext."""
+    ca = getattr(args, "tls_ca", None) or os.environ.get("TANNERY_TLS_CA") or None
+    cert = getattr(args, "tls_cert", None) or os.environ.get("TANNERY_TLS_CERT") or None
+    key = getattr(args, "tls_key", None) or os.environ.get("TANNERY_TLS_KEY") or None
+    wanted = bool(getattr(args, "tls", None)) or _env_flag("TANNERY_TLS") or any((ca, cert, key))
+    if not wanted:
+        return None
+    if bool(cert) != bool(key):
+        raise CommandError("--tls-cert and --tls-key go together (a client certificate and its key)")
+    for flag, path in (("--tls-ca", ca), ("--tls-cert", cert), ("--tls-key", key)):
+        if path and not os.path.isfile(path):
+            raise CommandError(f"{flag} {path}: no such file")
+    return {"ca": ca, "cert": cert, "key": key}
+
+
+def connect(args: argparse.Namespace) -> Any:
+    """A :class:`tannery.Client` for the global options (a context manager)."""
+    from .. import Client, TLS
+
+    tls = tls_options(args)
+    token = getattr(args, "token", None) or os.environ.get("TANNERY_TOKEN") or None
+    return Client(target_of(args), token=token, tls=TLS(**tls) if tls is not None else None)

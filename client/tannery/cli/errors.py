@@ -1,0 +1,39 @@
+"""How a failure reads on the command line: one line on stderr, never a traceback."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class CommandError(Exception):
+    """A failure the command explains itself (a bad file, a bad option value)."""
+
+
+def error_message(exc: BaseException, target: str | None = None) -> str:
+    """One line that says what failed: the server's message for its errors, the file for
+    OS errors, the target for a server that cannot be reached."""
+    from ..errors import Unavailable
+
+    if isinstance(exc, Unavailable):
+        message = str(exc).replace(f" (server {target})", "")
+        text = f"cannot reach the server at {target}: {message}" if target else message
+    elif isinstance(exc, OSError) and exc.filename is not None:
+        text = f"{exc.filename}: {exc.strerror or exc}"
+    elif isinstance(exc, (CommandError, ValueError, LookupError)) or _is_service_error(exc):
+        text = str(exc) or type(exc).__name__
+        if isinstance(exc, KeyError) and exc.args:  # KeyError's str() quotes its argument
+            text = str(exc.args[0])
+    else:
+        text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return one_line(text)
+
+
+def _is_service_error(exc: BaseException) -> bool:
+    from ..errors import ServiceError
+
+    return isinstance(exc, ServiceError)
+
+
+def one_line(text: Any) -> str:
+    """``text`` with its lines joined, so an error is one line."""
+    return " ".join(part.strip() for part in str(text).strip().splitlines() if part.strip())

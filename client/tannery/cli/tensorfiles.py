@@ -1,0 +1,245 @@
+"""Files the command reads and writes: checkpoints (.safetensors, .tannic pairs, torch
+checkpoints) and single tensors (.npy, .pt). Imports torch: subcommands import it inside.
+
+Every malformed or unsupported file is a :class:`CommandError` (or the library's
+FormatError) naming the file; nothing here prints.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import warnings
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from .. import codec
+from ..archive import Archive, named_leaves
+from ..files import load_safetensors, load_tannic, save_safetensors, save_tannic
+from .errors import CommandError
+
+#: Extensions of torch checkpoints, read with ``torch.load(weights_only=True)``.
+TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+#: Dtypes a .npy file cannot record (numpy writes them as raw void bytes).
+_NOT_NPY = frozenset({"bfloat16", "float8_e4m3fn", "float8_e5m2"})
+
+READABLE = ".safetensors, .tannic (a pair) or a torch checkpoint (.pt, .pth, .bin)"
+
+
+def checkpoint_kind(path: str | os.PathLike[str], *, writing: bool = False) -> str:
+    """``"safetensors"``, ``"tannic"`` or ``"torch"`` (reading only) by the file's extension."""
+    name = Path(path).name
+    if name.endswith(".safetensors"):
+        return "safetensors"
+    if name.endswith(".tannic"):
+        return "tannic"
+    if not writing and name.endswith(TORCH_SUFFIXES):
+        return "torch"
+    if writing:
+        raise CommandError(f"{path}: cannot tell the format from the extension; write a .safetensors file or a .tannic pair")
+    raise CommandError(f"{path}: cannot tell the format from the extension; give a {READABLE} file")
+
+
+def read_checkpoint(path: str | os.PathLike[str]) -> Archive:
+    """The archive of a checkpoint file, by extension. Safetensors files and .tannic pairs are
+    memory-mapped (their entries are read as they are sent); a torch checkpoint is loaded.
+
+    A .tannic pair stores no shapes: its entries are 1-D.
+    """
+    kind = checkpoint_kind(path)
+    if kind == "safetensors":
+        return load_safetensors(path)
+    if kind == "tannic":
+        return load_tannic(path)
+    value = load_torch(path)
+    if isinstance(value, torch.Tensor):
+        raise CommandError(f"{path}: one tensor, not a checkpoint of named tensors; publish it, or save a dict")
+    try:
+        archive = Archive.of_value(value)
+    except (TypeError, ValueError) as exc:
+        raise CommandError(f"{path}: {exc}") from None
+    if not len(archive):
+        raise CommandError(f"{path}: no tensors in the checkpoint (a {type(value).__name__})")
+    return archive
+
+
+def load_torch(path: str | os.PathLike[str]) -> Any:
+    """What a torch checkpoint holds, loaded with ``torch.load(weights_only=True)``:
+    tensors and plain containers only (never arbitrary pickled objects)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(2, "No such file", str(path))
+    with warnings.catch_warnings():
+        # torch warns about pickle protocols on stderr; a refusal is reported as an error instead.
+        warnings.simplefilter("ignore")
+        return _load_torch(path)
+
+
+def _load_torch(path: Path) -> Any:
+    try:
+        # mmap keeps a large checkpoint's tensors on disk until they are sent.
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as exc:
+        if "mmap" not in str(exc):
+            raise _torch_error(path, exc) from None
+    except Exception as exc:
+        raise _torch_error(path, exc) from None
+    try:  # an old (non-zip) checkpoint cannot be memory-mapped
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise _torch_error(path, exc) from None
+
+
+def _torch_error(path: Path, exc: BaseException) -> CommandError:
+    """One line for what torch.load refused: the unpickler's own reason when it gave one
+    (``Unsupported global: GLOBAL pathlib.PosixPath ...``), not its advice to load unsafely."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+    marker = "WeightsUnpickler error:"
+    if marker in text:
+        text = text.split(marker, 1)[1]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    detail = lines[0].split(". ")[0].rstrip(".") if lines else type(exc).__name__
+    return CommandError(f"{path}: not a checkpoint torch.load(weights_only=True) can read: {detail}")
+
+
+def payload_total(archive: Archive, names: list[str] | None = None) -> int:
+    """Bytes the entries of ``archive`` take as tannic payloads, headers included."""
+    total = 0
+    for name in archive.names() if names is None else names:
+        info = archive.info(name)
+        dtype = codec.dtype_named(info.dtype)
+        total += len(codec.encode_prefix(dtype, info.shape)) + dtype.buffer_nbytes(math.prod(info.shape))
+    return total
+
+
+def write_checkpoint(path: str | os.PathLike[str], archive: Archive) -> list[Path]:
+    """Write ``archive`` as a .safetensors file or a .tannic pair (by extension); the paths written."""
+    from ..checkpoint import pair_paths
+
+    if checkpoint_kind(path, writing=True) == "safetensors":
+        save_safetensors(path, archive)
+        return [Path(path)]
+    save_tannic(path, archive)
+    return list(pair_paths(path))
+
+
+def check_writable(path: str | os.PathLike[str], dtypes: list[str]) -> None:
+    """Refuse, before anything is transferred, an output the pull could not write: an unknown
+    extension, a missing directory, or a dtype the format lacks (safetensors has no complex128)."""
+    kind = checkpoint_kind(path, writing=True)
+    parent = Path(path).parent
+    if not parent.is_dir():
+        raise CommandError(f"{path}: no directory {str(parent)!r} to write into")
+    if kind == "safetensors":
+        from ..safetensors_format import CODES
+
+        for dtype in dtypes:
+            if dtype not in CODES:
+                raise CommandError(f"{path}: safetensors has no {dtype} dtype; pull into a .tannic pair instead")
+
+
+def read_tensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor of a file with its name, in order: a .npy or .pt tensor, every tensor of a
+    torch checkpoint in the order of its structure, or every entry of a .safetensors file or
+    .tannic pair in name order."""
+    name = Path(path).name
+    if name.endswith(".npy"):
+        yield Path(path).stem, torch.from_numpy(_load_npy(path))
+        return
+    if name.endswith(TORCH_SUFFIXES):
+        value = load_torch(path)
+        if isinstance(value, torch.Tensor):
+            yield Path(path).stem, value
+            return
+        try:
+            leaves = named_leaves(value, "", str(path))
+        except ValueError as exc:
+            raise CommandError(str(exc)) from None
+        if not leaves:
+            raise CommandError(f"{path}: no tensors in the file (a {type(value).__name__})")
+        for leaf_name, leaf in leaves.items():
+            yield leaf_name, leaf if isinstance(leaf, torch.Tensor) else torch.from_numpy(leaf)
+        return
+    if name.endswith((".safetensors", ".tannic")):
+        archive = read_checkpoint(path)
+        for entry in archive.names():
+            yield entry, archive.find(entry)
+        return
+    raise CommandError(f"{path}: cannot tell the format from the extension; give a .npy or .pt tensor, or a {READABLE} file")
+
+
+def _load_npy(path: str | os.PathLike[str]) -> np.ndarray:
+    try:
+        # Copy-on-write map: nothing is read until it is sent, and torch gets a writable array.
+        array = np.load(path, mmap_mode="c", allow_pickle=False)
+    except (ValueError, EOFError) as exc:
+        raise CommandError(f"{path}: not a .npy array: {exc}") from None
+    try:
+        codec.dtype_of_numpy(array.dtype)
+    except TypeError as exc:
+        raise CommandError(f"{path}: {exc}") from None
+    return array
+
+
+def to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's elements as a numpy array, sharing its memory when contiguous (bfloat16 and
+    float8 arrays use ml_dtypes' types)."""
+    tensor = tensor.detach().cpu()
+    dtype = codec.dtype_named(_short(tensor))
+    if dtype.name in _NOT_NPY:
+        tensor = tensor.contiguous()
+        bits = tensor.view(torch.uint8 if dtype.itemsize == 1 else torch.int16)
+        return bits.numpy().view(dtype.numpy)
+    return tensor.resolve_conj().resolve_neg().numpy()
+
+
+def _short(tensor: torch.Tensor) -> str:
+    from ..torch import short_name
+
+    return short_name(tensor.dtype)
+
+
+def save_tensor(path: str | os.PathLike[str], tensor: torch.Tensor) -> None:
+    """Write one tensor as .npy (numpy) or .pt (``torch.save``), by extension, atomically."""
+    path = Path(path)
+    if path.suffix == ".npy":
+        dtype = _short(tensor)
+        if dtype in _NOT_NPY:
+            raise CommandError(f"{path}: a .npy file cannot record {dtype}; write a .pt file instead")
+        array = to_numpy(tensor)
+        _write_atomically(path, lambda f: np.save(f, array, allow_pickle=False))
+    elif path.suffix == ".pt":
+        _write_atomically(path, lambda f: torch.save(tensor.detach().cpu(), f))
+    else:
+        raise CommandError(f"{path}: write a .npy or .pt file")
+
+
+def _write_atomically(path: Path, write: Any) -> None:
+    if not path.parent.is_dir():
+        raise CommandError(f"{path}: no directory {str(path.parent)!r} to write into")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+__all__ = [
+    "READABLE",
+    "check_writable",
+    "checkpoint_kind",
+    "load_torch",
+    "payload_total",
+    "read_checkpoint",
+    "read_tensors",
+    "save_tensor",
+    "to_numpy",
+    "write_checkpoint",
+]
