@@ -102,7 +102,7 @@ def running_server(tmp_path: Path, **config: Any) -> Iterator[InProcessServer]:
     from tannery_server.config import Config
 
     config.setdefault("data_dir", Path(tmp_path) / "data")
-    cfg = Config(host=HOST, port=0, **{"grace_seconds": 5.0, **config})
+    cfg = Config(host=HOST, port=0, **{"grace_seconds": 5.0, "metrics_port": 0, **config})
     server = InProcessServer(cfg)
     try:
         yield server
@@ -141,7 +141,8 @@ class ServerProcess:
             resource.setrlimit(resource.RLIMIT_FSIZE, (self.fsize_limit, self.fsize_limit))
 
     def start(self, timeout: float = 60) -> "ServerProcess":
-        env = {**os.environ, **(self.env or {})}
+        # Metrics on a free port unless asked otherwise (the default, 9090, would be shared).
+        env = {"TANNERY_METRICS_PORT": "0", **os.environ, **(self.env or {})}
         self.log_lines = []
         ready = threading.Event()
         self.process = subprocess.Popen(

@@ -20,7 +20,8 @@ from grpc_reflection.v1alpha import reflection
 
 from tannery.v1 import archives_pb2, channels_pb2
 
-from . import archives
+from . import archives, tls
+from .auth import AuthInterceptor, Tokens, load_tokens
 from .calllog import CallLogInterceptor
 from .config import Config
 from .storage import Storage
@@ -40,6 +41,8 @@ class RunningServer:
     config: Config
     storage: Storage
     health: health.aio.HealthServicer
+    #: Port of the metrics endpoint (None when metrics are off).
+    metrics_port: int | None = None
     _closers: list[Callable[[], Awaitable[Any] | Any]] = field(default_factory=list)
     #: Run while calls drain: they end calls that would otherwise never finish (subscriptions).
     _enders: list[Callable[[], Awaitable[Any]]] = field(default_factory=list)
@@ -67,43 +70,93 @@ class RunningServer:
         log.info("stopped")
 
 
-def _register_channels(server: grpc.aio.Server, config: Config, enders: list) -> bool:
+def _register_channels(server: grpc.aio.Server, config: Config, enders: list):
+    """The Channels servicer, registered (None when this build has no Channels service)."""
     try:
         from .channels import ChannelsServicer
     except ModuleNotFoundError as exc:
         if exc.name != f"{__package__}.channels":
             raise
         log.warning("the Channels service is not installed (no %s.channels); serving Archives only", __package__)
-        return False
+        return None
     from tannery.v1 import channels_pb2_grpc
 
     servicer = ChannelsServicer(config)
     channels_pb2_grpc.add_ChannelsServicer_to_server(servicer, server)
     enders.append(servicer.close)
-    return True
+    return servicer
+
+
+def _security_summary(config: Config, tokens: Tokens) -> str:
+    """How the server is protected, for the start-up line; warns about what is open."""
+    where = f"{config.host}:{config.port}"
+    if config.tls_client_ca is not None:
+        transport = "mutual TLS"
+    elif config.tls_cert is not None:
+        transport = "TLS"
+    else:
+        transport = "plaintext"
+    if tokens:
+        access = f"{tokens.count('write')} write and {tokens.count('read')} read tokens"
+        if config.tls_cert is None:
+            log.warning("tokens are configured without TLS: they cross the network in clear text "
+                        "(set TANNERY_TLS_CERT and TANNERY_TLS_KEY)")
+    else:
+        access = "no tokens"
+        who = "any client with a certificate of the client CA" if config.tls_client_ca else "anyone who reaches " + where
+        log.warning("no tokens configured: the server is open, %s may read, write and delete archives "
+                    "(set TANNERY_TOKENS_FILE or TANNERY_TOKENS)", who)
+    return f"{transport}, {access}"
 
 
 async def start(config: Config) -> RunningServer:
-    """Open storage, build the server with every service, bind, start; health SERVING."""
+    """Check the security settings, open storage, build the server with every service, bind,
+    start metrics, start; health SERVING. A bad tokens or TLS file raises ValueError first."""
+    tokens = load_tokens(config.tokens_file, config.tokens)
+    credentials = tls.server_credentials(config)
+    security = _security_summary(config, tokens)
     storage = await asyncio.to_thread(Storage.open_local, config.data_dir)
     closers: list = []
     enders: list = []
+    metrics_port = None
     try:
-        server = grpc.aio.server(interceptors=[CallLogInterceptor()])
+        metrics = None
+        observers = []
+        if config.metrics:
+            from .metrics import ServerMetrics  # prometheus_client is loaded only when asked for
+
+            metrics = ServerMetrics()
+            metrics.watch_storage(storage)
+            observers.append(metrics.observe_call)
+        interceptors: list = [CallLogInterceptor(observers)]
+        if tokens:
+            interceptors.append(AuthInterceptor(tokens))  # inside the call log: refusals are logged and counted
+        server = grpc.aio.server(interceptors=interceptors)
         archives_servicer = archives.ArchivesServicer(storage, config)
         archives.add_to_server(archives_servicer, server)
         closers.append(archives_servicer.close)
         services = [ARCHIVES]
-        if _register_channels(server, config, enders):
+        channels_servicer = _register_channels(server, config, enders)
+        if channels_servicer is not None:
             services.append(CHANNELS)
+            if metrics is not None:
+                metrics.watch_hub(channels_servicer.hub)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        reflection.enable_server_reflection(
-            [*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
-        )
-        port = server.add_insecure_port(f"{config.host}:{config.port}")
+        if config.reflection:
+            reflection.enable_server_reflection(
+                [*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+                server,
+            )
+        address = f"{config.host}:{config.port}"
+        port = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
         if port == 0:
             raise OSError(f"cannot listen on {config.host}:{config.port}")
+        if metrics is not None:
+            closers.append(metrics.close)
+            metrics_host = config.metrics_host or config.host
+            metrics_port = metrics.serve(metrics_host, config.metrics_port)
+            log.info("metrics on http://%s:%d/metrics", metrics_host, metrics_port)
         await server.start()
     except BaseException:
         for close in [*enders, *reversed(closers)]:
@@ -114,8 +167,8 @@ async def start(config: Config) -> RunningServer:
         raise
     for name in ("", *services):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    running = RunningServer(server, port, config, storage, health_servicer, closers, enders)
-    log.info("serving on %s (data directory %s)", running.target, config.data_dir.resolve())
+    running = RunningServer(server, port, config, storage, health_servicer, metrics_port, closers, enders)
+    log.info("serving on %s (%s; data directory %s)", running.target, security, config.data_dir.resolve())
     return running
 
 

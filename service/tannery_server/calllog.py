@@ -1,9 +1,10 @@
-"""One log line per call: method, what it worked on (archive or channel), bytes, status, duration.
+"""One log line per call: method, what it worked on (archive or channel), bytes, status,
+duration and peer.
 
 :class:`CallLogInterceptor` wraps every handler (health and reflection calls excepted). It
-counts the bytes of streamed messages itself; a servicer names what the call works on
-with ``current_call().note("archive", name)`` and may add to ``current_call().bytes``
-what the interceptor cannot see.
+counts the bytes of the messages received and sent itself (serialized sizes); a servicer
+names what the call works on with ``current_call().note("archive", name)``. Observers
+given to the interceptor (the metrics) see each finished call once, with the same record.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import grpc
 
@@ -28,10 +29,21 @@ _QUIET_SERVICES = ("/grpc.health.v1.", "/grpc.reflection.")
 class CallRecord:
     method: str
     fields: dict[str, Any] = field(default_factory=dict)
-    bytes: int = 0
+    #: Serialized bytes of the messages received from and sent to the client.
+    received: int = 0
+    sent: int = 0
+    peer: str = ""
+
+    @property
+    def bytes(self) -> int:
+        return self.received + self.sent
 
     def note(self, key: str, value: Any) -> None:
         self.fields[key] = value
+
+
+#: Told of every finished call: its record, status name and duration in seconds.
+CallObserver = Callable[[CallRecord, str, float], None]
 
 
 _current: contextvars.ContextVar[CallRecord | None] = contextvars.ContextVar("tannery_call", default=None)
@@ -54,35 +66,70 @@ def _status(exc: BaseException | None, context: grpc.aio.ServicerContext) -> str
     return "UNKNOWN"
 
 
-def _emit(record: CallRecord, status: str, started: float) -> None:
+def _emit(record: CallRecord, status: str, started: float, observers: Sequence[CallObserver]) -> None:
     duration = time.perf_counter() - started
-    fields = {"method": record.method, **record.fields, "bytes": record.bytes, "status": status,
-              "duration_ms": round(duration * 1000, 3)}
+    fields = {"method": record.method, **record.fields, "bytes": record.bytes, "bytes_in": record.received,
+              "bytes_out": record.sent, "status": status, "duration_ms": round(duration * 1000, 3),
+              "peer": record.peer}
     text = " ".join(f"{k}={v}" for k, v in fields.items())
     log.info(text, extra={"fields": fields})
+    for observe in observers:
+        try:
+            observe(record, status, duration)
+        except Exception:  # an observer's bug must not fail the call
+            log.exception("call observer %r failed", observe)
 
 
-def _counting(fn: Callable[[Any], Any] | None) -> Callable[[Any], Any] | None:
-    """A (de)serializer that also adds the size of each message to the current call."""
+def _counting_requests(fn: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """A request deserializer that also adds the size of each message to the current call."""
     if fn is None:
         return None
 
-    def wrapped(value: Any) -> Any:
-        result = fn(value)
+    def wrapped(data: bytes) -> Any:
         record = _current.get()
         if record is not None:
-            record.bytes += len(value if isinstance(value, (bytes, bytearray)) else result)
-        return result
+            record.received += len(data)
+        return fn(data)
 
     return wrapped
 
 
-def _wrap(behavior: Callable, method: str) -> Callable:
+def _counting_responses(fn: Callable[[Any], bytes] | None) -> Callable[[Any], bytes] | None:
+    """A response serializer that also adds the size of each message to the current call."""
+    if fn is None:
+        return None
+
+    def wrapped(message: Any) -> bytes:
+        data = fn(message)
+        record = _current.get()
+        if record is not None:
+            record.sent += len(data)
+        return data
+
+    return wrapped
+
+
+def _size(message: Any) -> int:
+    """The serialized size of a unary message (its (de)serializer runs outside the call's context)."""
+    if isinstance(message, (bytes, bytearray, memoryview)):
+        return len(message)
+    byte_size = getattr(message, "ByteSize", None)
+    return byte_size() if byte_size is not None else 0
+
+
+def _start(method: str, request: Any, context: grpc.aio.ServicerContext, request_streaming: bool) -> CallRecord:
+    record = CallRecord(method, peer=context.peer() or "")
+    if not request_streaming:
+        record.received = _size(request)
+    _current.set(record)
+    return record
+
+
+def _wrap(behavior: Callable, method: str, request_streaming: bool, observers: Sequence[CallObserver]) -> Callable:
     if inspect.isasyncgenfunction(behavior):
 
         async def streaming(request: Any, context: grpc.aio.ServicerContext):
-            record = CallRecord(method)
-            _current.set(record)
+            record = _start(method, request, context, request_streaming)
             started, error = time.perf_counter(), None
             try:
                 async for item in behavior(request, context):
@@ -91,26 +138,32 @@ def _wrap(behavior: Callable, method: str) -> Callable:
                 error = exc
                 raise
             finally:
-                _emit(record, _status(error, context), started)
+                _emit(record, _status(error, context), started, observers)
 
         return streaming
 
     async def unary(request: Any, context: grpc.aio.ServicerContext):
-        record = CallRecord(method)
-        _current.set(record)
+        record = _start(method, request, context, request_streaming)
         started, error = time.perf_counter(), None
         try:
-            return await behavior(request, context)
+            response = await behavior(request, context)
+            record.sent += _size(response)
+            return response
         except BaseException as exc:
             error = exc
             raise
         finally:
-            _emit(record, _status(error, context), started)
+            _emit(record, _status(error, context), started, observers)
 
     return unary
 
 
 class CallLogInterceptor(grpc.aio.ServerInterceptor):
+    """Logs each call (and tells ``observers``) once it is over."""
+
+    def __init__(self, observers: Sequence[CallObserver] = ()) -> None:
+        self.observers = tuple(observers)
+
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         method_path = handler_call_details.method
@@ -120,11 +173,11 @@ class CallLogInterceptor(grpc.aio.ServerInterceptor):
         kind = ("stream_" if handler.request_streaming else "unary_") + (
             "stream" if handler.response_streaming else "unary"
         )
-        changes = {kind: _wrap(getattr(handler, kind), method)}
+        changes = {kind: _wrap(getattr(handler, kind), method, handler.request_streaming, self.observers)}
         if handler.request_streaming:
-            changes["request_deserializer"] = _counting(handler.request_deserializer)
+            changes["request_deserializer"] = _counting_requests(handler.request_deserializer)
         if handler.response_streaming:
-            changes["response_serializer"] = _counting(handler.response_serializer)
+            changes["response_serializer"] = _counting_responses(handler.response_serializer)
         return handler._replace(**changes)
 
 

@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Sequence
 
+from .auth import TOKENS_HELP
 from .config import Config, env_name, parse_value
 
 # (field, help) for every setting a flag sets; defaults and environment variables are added.
@@ -20,11 +21,32 @@ _FLAGS = [
     ("max_name_bytes", "longest archive or entry name, in UTF-8 bytes"),
     ("max_entries", "most entries in one archive"),
     ("grace_seconds", "seconds calls in flight get to finish on SIGTERM/SIGINT"),
-    ("log_format", "'text' or 'json': one line per call with method, archive, bytes, status, duration"),
+    ("log_format", "'text' or 'json': one line per call with method, archive or channel, bytes, status, "
+                   "duration, peer"),
     ("channel_buffer_bytes", "bytes a channel subscriber may have queued before publishers wait for it"),
     ("channel_timeout_seconds", "seconds a publisher waits for a full subscriber before dropping it"),
     ("io_threads", "threads reading and writing blob files"),
+    ("tls_cert", "PEM file of the server's TLS certificate (and its chain): TLS when set, with --tls-key"),
+    ("tls_key", "PEM file of the TLS certificate's private key (unencrypted)"),
+    ("tls_client_ca", "PEM file of the CAs that sign client certificates: mutual TLS, every client must "
+                      "present a certificate they signed"),
+    ("tokens_file", "file of bearer tokens and their roles (format at the end); without tokens the server is open"),
+    ("tokens", "tokens inline: 'tok1:write,sha256:<hex>:read' (prefer a file: environments leak)"),
+    ("reflection", "on or off: gRPC server reflection (answers without a token)"),
+    ("metrics", "on or off: Prometheus metrics over HTTP at /metrics"),
+    ("metrics_host", "address of the metrics endpoint; empty for the same as --host"),
+    ("metrics_port", "port of the metrics endpoint; 0 picks a free one"),
 ]
+#: Settings whose values are never shown (as defaults or anywhere else).
+_SECRET = {"tokens"}
+
+
+def _shown(default: object) -> str:
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    if default is None or default == "":
+        return "unset"
+    return str(default)
 
 
 def build_parser(prog: str = "tannery") -> argparse.ArgumentParser:
@@ -36,6 +58,7 @@ def build_parser(prog: str = "tannery") -> argparse.ArgumentParser:
         description="Run the tannery server (Archives and Channels, health, reflection) until SIGTERM or "
         "SIGINT. Each flag defaults to its TANNERY_* environment variable, then to the default shown. "
         "Sizes accept binary units: 1MiB, 64M, 2GiB.",
+        epilog=TOKENS_HELP,
     )
     defaults = Config()
     for name, text in _FLAGS:
@@ -44,7 +67,7 @@ def build_parser(prog: str = "tannery") -> argparse.ArgumentParser:
             dest=name,
             type=lambda raw, name=name: parse_value(name, raw),
             default=None,
-            help=f"{text} [env {env_name(name)}; default {getattr(defaults, name)}]",
+            help=f"{text} [env {env_name(name)}" + ("]" if name in _SECRET else f"; default {_shown(getattr(defaults, name))}]"),
         )
     return parser
 
@@ -58,13 +81,18 @@ def main(argv: Sequence[str] | None = None, prog: str = "tannery") -> int:
         except ValueError as exc:
             parser.error(str(exc))
         from . import app
+        from .auth import TokenError
         from .calllog import configure_logging
         from .storage import DataDirectoryInUse
+        from .tls import TLSError
 
         configure_logging(config.log_format)
         try:
             app.run(config)
-        except DataDirectoryInUse as exc:
+        except (DataDirectoryInUse, TokenError, TLSError) as exc:
+            print(f"tannery serve: {exc}", file=sys.stderr)
+            return 1
+        except OSError as exc:  # an address in use, for the gRPC or the metrics port
             print(f"tannery serve: {exc}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -43,11 +43,36 @@ class Config:
     channel_timeout_seconds: float = 10.0
     #: Threads that read and write blob files (many Fetch calls proceed in parallel).
     io_threads: int = 16
-    # TLS, tokens and metrics settings are added here by the issue that brings them.
+    #: PEM files of the server's certificate (with its chain) and private key: TLS when set.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    #: PEM file of the CAs that sign client certificates: mutual TLS when set.
+    tls_client_ca: Path | None = None
+    #: A file of bearer tokens and their roles (see :mod:`tannery_server.auth`).
+    tokens_file: Path | None = None
+    #: Tokens given inline, ``token:role,sha256:<hex>:role`` (never printed).
+    tokens: str = field(default="", repr=False)
+    #: Serve gRPC server reflection (answers without a token).
+    reflection: bool = True
+    #: Serve Prometheus metrics over HTTP.
+    metrics: bool = True
+    #: Address of the metrics endpoint; empty for the same as ``host``.
+    metrics_host: str = ""
+    #: Port of the metrics endpoint; 0 picks a free one (the log says which).
+    metrics_port: int = 9090
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir))
+        for name in _PATH_FIELDS:
+            value = getattr(self, name)
+            object.__setattr__(self, name, Path(value) if value not in (None, "") else None)
         problems = []
+        if not 0 <= self.metrics_port <= 65535:
+            problems.append(f"metrics_port {self.metrics_port} is not in 0..65535")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            problems.append("tls_cert and tls_key go together: set both or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            problems.append("tls_client_ca (mutual TLS) needs tls_cert and tls_key as well")
         if not 0 <= self.port <= 65535:
             problems.append(f"port {self.port} is not in 0..65535")
         if not 4096 <= self.chunk_size <= 3 * MiB:
@@ -82,6 +107,12 @@ class Config:
         return dataclasses.replace(self, **changes)
 
 
+#: Settings that name a file; unset (None) by default.
+_PATH_FIELDS = ("tls_cert", "tls_key", "tls_client_ca", "tokens_file")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
 def env_name(field_name: str) -> str:
     return "TANNERY_" + field_name.upper()
 
@@ -94,7 +125,10 @@ def parse_value(field_name: str, raw: str) -> Any:
     default = getattr(_DEFAULTS, field_name)
     try:
         if isinstance(default, bool):
-            return raw.strip().lower() in ("1", "true", "yes", "on")
+            word = raw.strip().lower()
+            if word not in _TRUE + _FALSE:
+                raise ValueError(word)
+            return word in _TRUE
         if isinstance(default, int):
             return parse_size(raw)
         if isinstance(default, float):
@@ -103,6 +137,8 @@ def parse_value(field_name: str, raw: str) -> Any:
             return Path(raw)
         return raw
     except ValueError:
+        if isinstance(default, bool):
+            raise ValueError(f"{env_name(field_name)}: {raw!r} is not on or off (also 1/0, true/false, yes/no)") from None
         raise ValueError(f"{env_name(field_name)}: cannot read {raw!r} as {type(default).__name__}") from None
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 #: A piece of a payload as queued: the message to send and the payload bytes it carries.
 Piece = tuple[object, int]
@@ -102,12 +102,14 @@ class Subscription:
 class Channel:
     """The subscribers of one channel name and the lock that orders its payloads."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, on_drop: Callable[[], None] | None = None) -> None:
         self.name = name
         #: Subscriptions in the order they came (a dict as an ordered set).
         self.subscriptions: dict[Subscription, None] = {}
         self.publishers = 0
         self._lock = asyncio.Lock()
+        #: Called once for each subscriber dropped for falling behind (the hub counts them).
+        self._on_drop = on_drop
 
     async def relay(self, pieces: Sequence[Piece], size: int, timeout: float) -> int:
         """Queue one whole payload for every current subscriber; returns how many were dropped.
@@ -139,6 +141,8 @@ class Channel:
                     )
                     self.subscriptions.pop(subscription, None)
                     dropped += 1
+                    if self._on_drop is not None:
+                        self._on_drop()
             return dropped
 
 
@@ -150,14 +154,24 @@ class Hub:
         self.timeout = timeout
         self.channels: dict[str, Channel] = {}
         self.closed = False
+        #: Subscribers dropped for falling behind since the hub was made (for the metrics).
+        self.dropped_subscribers = 0
         self._subscriptions = 0
         self._idle = asyncio.Event()
         self._idle.set()
 
+    @property
+    def subscribers(self) -> int:
+        """Subscriptions registered now, on every channel."""
+        return self._subscriptions
+
+    def _count_drop(self) -> None:
+        self.dropped_subscribers += 1
+
     def _channel(self, name: str) -> Channel:
         channel = self.channels.get(name)
         if channel is None:
-            channel = self.channels[name] = Channel(name)
+            channel = self.channels[name] = Channel(name, self._count_drop)
         return channel
 
     def _forget_if_unused(self, channel: Channel) -> None:

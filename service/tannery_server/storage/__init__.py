@@ -1,7 +1,8 @@
 """Where archives live: a catalog (SQLite) and content-addressed blobs (files), behind
 the small :class:`Catalog` and :class:`BlobStore` protocols of :mod:`.base`."""
 
-from .base import ArchiveRecord, BlobFile, BlobInfo, BlobStore, Catalog, EntryRecord, Limits, TempBlob
+from .base import (ArchiveRecord, BlobFile, BlobInfo, BlobStore, Catalog, CatalogTotals, EntryRecord, Limits,
+                   TempBlob)
 from .storage import Collected, DataDirectoryInUse, DataDirectoryLock, PayloadWriter, Storage
 
 __all__ = [
@@ -10,6 +11,7 @@ __all__ = [
     "BlobInfo",
     "BlobStore",
     "Catalog",
+    "CatalogTotals",
     "Collected",
     "DataDirectoryInUse",
     "DataDirectoryLock",

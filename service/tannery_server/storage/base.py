@@ -63,6 +63,18 @@ class ArchiveRecord:
 
 
 @dataclass(frozen=True)
+class CatalogTotals:
+    """How much the catalog holds (what the metrics report)."""
+
+    archives: int
+    #: Payload bytes of every archive's entries; an entry shared by two archives counts twice.
+    archive_bytes: int
+    #: Distinct payloads (blobs) recorded, and their bytes: what the blob store holds.
+    blobs: int
+    blob_bytes: int
+
+
+@dataclass(frozen=True)
 class Limits:
     """The bounds an archive must stay within (the catalog checks them for unions)."""
 
@@ -125,6 +137,10 @@ class Catalog(Protocol):
 
     def forget_unreferenced_blobs(self) -> int:
         """Drop blob rows no entry references; returns how many."""
+        ...
+
+    def totals(self) -> CatalogTotals:
+        """Counts and sizes of the archives and blobs recorded now."""
         ...
 
     def close(self) -> None: ...

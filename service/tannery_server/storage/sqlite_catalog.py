@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from ..failures import AlreadyExists, InvalidArgument, LimitExceeded, NotFound
-from .base import ArchiveRecord, BlobInfo, EntryRecord, Limits
+from .base import ArchiveRecord, BlobInfo, CatalogTotals, EntryRecord, Limits
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS archives (
@@ -145,6 +145,15 @@ class SqliteCatalog:
             "SELECT digest, size, block_size, block_crcs FROM blobs WHERE digest = ?", (digest,)
         ).fetchone()
         return BlobInfo(*row) if row else None
+
+    def totals(self) -> CatalogTotals:
+        conn = self._reader()
+        archives, archive_bytes = conn.execute(
+            "SELECT count(*), coalesce(sum(payload_bytes), 0) FROM archives WHERE substr(name, 1, 1) != ?",
+            (_BUILDING[0],),
+        ).fetchone()
+        blobs, blob_bytes = conn.execute("SELECT count(*), coalesce(sum(size), 0) FROM blobs").fetchone()
+        return CatalogTotals(archives, archive_bytes, blobs, blob_bytes)
 
     def referenced_digests(self) -> set[str]:
         return {row[0] for row in self._reader().execute("SELECT DISTINCT digest FROM entries")}

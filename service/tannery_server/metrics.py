@@ -1,0 +1,138 @@
+"""Prometheus metrics over HTTP: calls, bytes, durations, what the store holds, channel subscribers.
+
+Each server has its own registry (so servers in one process do not mix their numbers):
+
+- ``tannery_calls_total{method, code}``, ``tannery_received_bytes_total{method}``,
+  ``tannery_sent_bytes_total{method}`` and ``tannery_call_duration_seconds{method}``,
+  counted once per call by :meth:`ServerMetrics.observe_call`, an observer of the call log;
+- ``tannery_archives``, ``tannery_archive_bytes``, ``tannery_blobs`` and
+  ``tannery_stored_bytes``, read from the catalog at each scrape (one small query, on a
+  thread of its own so the scrape never waits for the event loop);
+- ``tannery_channel_subscribers``, ``tannery_channels`` and
+  ``tannery_channel_dropped_subscribers_total``, read from the channel hub;
+- the process and Python collectors of ``prometheus_client`` (CPU, memory, file descriptors, GC).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterator
+
+from prometheus_client import (CollectorRegistry, Counter, GCCollector, Histogram, PlatformCollector,
+                               ProcessCollector, start_http_server)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from .calllog import CallRecord
+from .storage import Storage
+
+log = logging.getLogger("tannery_server.metrics")
+
+#: Call durations from a millisecond (a Describe) to ten minutes (a large Store or a Subscribe).
+DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                    120.0, 300.0, 600.0)
+#: Seconds a scrape waits for the catalog's totals before leaving them out.
+CATALOG_TIMEOUT = 5.0
+
+
+class _CatalogCollector:
+    """Gauges of what the catalog holds, queried when scraped."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        # One thread, so one SQLite reader connection, whichever HTTP thread scrapes.
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="tannery-metrics")
+        self._closed = False
+
+    def collect(self) -> Iterator[Metric]:
+        if self._closed:
+            return
+        try:
+            totals = self._executor.submit(self.storage.catalog.totals).result(CATALOG_TIMEOUT)
+        except Exception as exc:  # a scrape must not fail for this; the gap shows on the graphs
+            log.warning("metrics: cannot read the catalog's totals: %s", exc)
+            return
+        yield GaugeMetricFamily("tannery_archives", "Archives in the store.", value=totals.archives)
+        yield GaugeMetricFamily("tannery_archive_bytes", "Payload bytes of all archives (an entry shared by "
+                                "two archives counts twice).", value=totals.archive_bytes)
+        yield GaugeMetricFamily("tannery_blobs", "Distinct payloads stored.", value=totals.blobs)
+        yield GaugeMetricFamily("tannery_stored_bytes", "Bytes of the distinct payloads stored (what the blob "
+                                "files hold).", value=totals.blob_bytes)
+
+    def close(self) -> None:
+        self._closed = True
+        self._executor.shutdown(wait=True)
+
+
+class _HubCollector:
+    """Channel subscribers now, and those dropped for falling behind, read from the hub."""
+
+    def __init__(self, hub: object) -> None:
+        self.hub = hub
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("tannery_channels", "Channels with a subscriber or publisher attached.",
+                                value=len(getattr(self.hub, "channels", ())))
+        yield GaugeMetricFamily("tannery_channel_subscribers", "Subscribe calls attached to a channel now.",
+                                value=getattr(self.hub, "subscribers", 0))
+        yield CounterMetricFamily("tannery_channel_dropped_subscribers", "Subscribers dropped because their "
+                                  "buffer stayed full longer than the channel timeout.",
+                                  value=getattr(self.hub, "dropped_subscribers", 0))
+
+
+class ServerMetrics:
+    """The metrics of one server and, once :meth:`serve` is called, their HTTP endpoint."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        self.calls = Counter("tannery_calls", "Calls handled, by method and status code.", ["method", "code"],
+                             registry=self.registry)
+        self.received = Counter("tannery_received_bytes", "Bytes of request messages received, by method.",
+                                ["method"], registry=self.registry)
+        self.sent = Counter("tannery_sent_bytes", "Bytes of response messages sent, by method.", ["method"],
+                            registry=self.registry)
+        self.duration = Histogram("tannery_call_duration_seconds", "Call durations, by method.", ["method"],
+                                  buckets=DURATION_BUCKETS, registry=self.registry)
+        self._catalog: _CatalogCollector | None = None
+        self._http = None
+        self._thread: threading.Thread | None = None
+        self.port: int | None = None
+
+    def observe_call(self, record: CallRecord, status: str, duration: float) -> None:
+        """Count one finished call (a :data:`~tannery_server.calllog.CallObserver`)."""
+        self.calls.labels(record.method, status).inc()
+        self.received.labels(record.method).inc(record.received)
+        self.sent.labels(record.method).inc(record.sent)
+        self.duration.labels(record.method).observe(duration)
+
+    def watch_storage(self, storage: Storage) -> None:
+        self._catalog = _CatalogCollector(storage)
+        self.registry.register(self._catalog)
+
+    def watch_hub(self, hub: object) -> None:
+        self.registry.register(_HubCollector(hub))
+
+    def serve(self, host: str, port: int) -> int:
+        """Start the HTTP endpoint (``/metrics``) on ``host:port``; returns the port (``port`` 0 picks one)."""
+        self._http, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        self.port = self._http.server_port
+        return self.port
+
+    def close(self) -> None:
+        """Stop the endpoint, then stop reading the catalog (before the storage closes)."""
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+        if self._thread is not None:
+            self._thread.join(10)
+            self._thread = None
+        if self._catalog is not None:
+            self._catalog.close()
+
+
+__all__ = ["DURATION_BUCKETS", "ServerMetrics"]
