@@ -5,10 +5,11 @@ messages. Streaming (:class:`FetchStream`) runs in a worker thread and yields en
 ``FetchResponse`` messages of exactly ``chunk_size`` bytes of payload (the last of each
 entry shorter), verifying what it serves:
 
-- a whole entry (cast or not) is hashed as it is read, and the last message of the entry
-  is held back until the SHA-256 matches, so a corrupted blob is never served whole;
-- a row range reads only the 1 MiB blocks that cover it, each checked against the CRC-32
-  recorded when it was stored, before any of its bytes is sent.
+every byte sent comes from a block (1 MiB) checked against the CRC-32 recorded when it
+was stored, and no message leaves before the blocks it holds are checked, so a corrupted
+blob is DATA_LOSS and none of its corrupted bytes is served. A whole entry reads every
+block; a row range reads only the blocks that cover it. (The SHA-256 that names a blob is
+checked on demand by :meth:`Storage.scrub`, not on every read: it costs 3x the CRCs.)
 
 Memory stays bounded: a float cast converts one window of elements at a time.
 """
@@ -16,6 +17,7 @@ Memory stays bounded: a float cast converts one window of elements at a time.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
@@ -26,7 +28,7 @@ from tannery.v1 import archives_pb2
 
 from .failures import DataLoss, InvalidArgument, Mismatch, NotFound
 from .storage import BlobFile, BlobInfo, EntryRecord, Storage
-from .storage.integrity import Sha256Check, check_block
+from .storage.integrity import BlockCheck, check_block
 from tannery.wire import encode_fetch_response, encode_varint
 
 _FLOATS = "float16, bfloat16, float32 or float64"
@@ -184,6 +186,13 @@ class FetchStream:
         for plan in self.plans:
             yield from self._entry(plan)
 
+    def _blob_info(self, entry: EntryRecord, what: str) -> BlobInfo:
+        """The checksums of a pinned blob (whole entries look them up as they are served)."""
+        info = self.storage.catalog.blob(entry.digest)
+        if info is None:
+            raise DataLoss(f"{what}: stored blob {entry.digest} has no checksums in the catalog")
+        return info
+
     def _entry(self, plan: Plan) -> Iterator[bytes]:
         what = f"entry {plan.entry.name!r}"
         try:
@@ -196,27 +205,17 @@ class FetchStream:
                     f"{what}: stored blob {plan.entry.digest} has {blob.size} bytes, {plan.entry.payload_bytes} "
                     "were stored"
                 )
-            if plan.prefix is None and plan.blob is None:
-                yield from _whole_payload(blob, plan.entry, self.chunk_size, what)
+            info = plan.blob or self._blob_info(plan.entry, what)
+            if plan.prefix is None:
+                yield from _whole_payload(blob, plan.entry, info, self.chunk_size, what)
                 return
-            if plan.blob is None:
-                pieces = _read_whole(blob, plan, self.chunk_size, what)
-            else:
-                pieces = _read_blocks(blob, plan, what)
+            pieces = _read_blocks(blob, info, plan.start, plan.stop, what)
             if plan.source.is_bool and plan.blob is not None:
                 pieces = _shift_bits(pieces, plan.skip_bits, plan.send_bits)
             elif plan.target is not None:
                 pieces = _cast(pieces, plan.source, plan.target, self.chunk_size)
-            if plan.prefix is not None:
-                pieces = _chain([memoryview(plan.prefix)], pieces)
-            # Hold back each entry's last message until the reads (and so the checks) are done.
-            held: bytes | None = None
-            for message in _messages(plan.entry.name, pieces, self.chunk_size):
-                if held is not None:
-                    yield held
-                held = message
-            if held is not None:
-                yield held
+            # Each block is checked as it is read, before any of its bytes reach a message.
+            yield from _messages(plan.entry.name, _chain([memoryview(plan.prefix)], pieces), self.chunk_size)
         finally:
             blob.close()
 
@@ -244,14 +243,15 @@ def _messages(name: str, pieces: Iterable[memoryview], chunk_size: int) -> Itera
         yield encode_fetch_response(name if first else None, parts)
 
 
-def _whole_payload(blob: BlobFile, entry: EntryRecord, chunk_size: int, what: str) -> Iterator[bytes]:
+def _whole_payload(blob: BlobFile, entry: EntryRecord, info: BlobInfo, chunk_size: int, what: str) -> Iterator[bytes]:
     """An entry's payload as stored, the fast path: each chunk is read from the file
-    straight into the message being built (one copy in all), and the last message is held
-    back until the SHA-256 of the whole matches."""
-    check = Sha256Check(what, entry.digest)
+    straight into the message being built (one copy in all), and a message is sent only
+    once every block it holds has matched its CRC-32 (with chunks of the block size, at
+    once; smaller chunks wait for the end of their block)."""
+    check = BlockCheck(what, info)
+    held: deque[tuple[int, bytes]] = deque()  # messages and where their bytes end
     buffer = bytearray(chunk_size + 64 + 4 * len(entry.name))
     view = memoryview(buffer)
-    held: bytes | None = None
     for offset in range(0, max(entry.payload_bytes, 1), chunk_size):
         size = min(chunk_size, entry.payload_bytes - offset)
         framing = encode_fetch_response(entry.name if offset == 0 else None, []) + b"\x12" + encode_varint(size)
@@ -261,41 +261,23 @@ def _whole_payload(blob: BlobFile, entry: EntryRecord, chunk_size: int, what: st
         if got != size:
             raise DataLoss(f"{what}: stored blob {entry.digest} is truncated at byte {offset + got}")
         check.update(view[start : start + size])
-        if held is not None:
-            yield held
-        held = bytes(view[: start + size])
-    check.verify()
-    if held is not None:
-        yield held
+        held.append((offset + size, bytes(view[: start + size])))
+        while held and held[0][0] <= check.verified:
+            yield held.popleft()[1]
+    if check.verified != info.size or info.size != entry.payload_bytes:
+        raise DataLoss(f"{what}: stored blob {entry.digest}: {check.verified} of {info.size} bytes checked")
+    while held:
+        yield held.popleft()[1]
 
 
-def _read_whole(blob: BlobFile, plan: Plan, window: int, what: str) -> Iterator[memoryview]:
-    """Bytes [start, stop) of the blob, reading and hashing all of it; DataLoss at the end if
-    the hash is not the blob's name. Windows are aligned on ``start`` so that elements are
-    never split across pieces."""
-    check = Sha256Check(what, plan.entry.digest)
-    for lo, hi, send in ((0, plan.start, False), (plan.start, plan.stop, True), (plan.stop, blob.size, False)):
-        for offset in range(lo, hi, window):
-            size = min(window, hi - offset)
-            data = blob.read(offset, size)
-            if len(data) != size:
-                raise DataLoss(f"{what}: stored blob {plan.entry.digest} is truncated at byte {offset + len(data)}")
-            check.update(data)
-            if send:
-                yield memoryview(data)
-    check.verify()
-
-
-def _read_blocks(blob: BlobFile, plan: Plan, what: str) -> Iterator[memoryview]:
+def _read_blocks(blob: BlobFile, info: BlobInfo, start: int, stop: int, what: str) -> Iterator[memoryview]:
     """Bytes [start, stop) of the blob, each covering block checked against its CRC-32 first."""
-    info = plan.blob
-    assert info is not None
     size = info.block_size
-    for index in range(plan.start // size, -(-plan.stop // size)):
+    for index in range(start // size, -(-stop // size)):
         offset = index * size
         data = blob.read(offset, min(size, info.size - offset))
         check_block(what, info, index, data)
-        lo, hi = max(plan.start, offset), min(plan.stop, offset + len(data))
+        lo, hi = max(start, offset), min(stop, offset + len(data))
         yield memoryview(data)[lo - offset : hi - offset]
 
 

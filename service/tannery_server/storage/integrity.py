@@ -1,8 +1,10 @@
 """Checksums of stored payloads: a SHA-256 of the whole, and a CRC-32 per block.
 
-The SHA-256 names the blob and is checked again whenever a whole payload is served.
-The block CRCs (zlib.crc32, several GB/s and it releases the GIL) let a row range be
-checked by reading only the blocks that cover it.
+The SHA-256 names the blob (equal payloads are stored once) and is computed while a
+payload is received; :func:`verify_digest` checks it again on demand (a scrub). What is
+served is checked by the block CRCs (zlib.crc32: about 3x cheaper than SHA-256 here, and
+it releases the GIL): each block is checked before any of its bytes are sent, whether the
+whole payload or a row range is asked for, so a corrupted block is never served.
 """
 
 from __future__ import annotations
@@ -50,24 +52,13 @@ class PayloadDigest:
         return BlobInfo(self._sha.hexdigest(), self.size, self.block_size, crcs)
 
 
-class Sha256Check:
-    """Hashes a blob as it is read, to compare with its name at the end."""
-
-    def __init__(self, what: str, digest: str) -> None:
-        self.what = what
-        self.digest = digest
-        self._sha = hashlib.sha256()
-
-    def update(self, data: bytes | memoryview) -> None:
-        self._sha.update(data)
-
-    def verify(self) -> None:
-        actual = self._sha.hexdigest()
-        if actual != self.digest:
-            raise DataLoss(f"{self.what}: stored blob {self.digest} no longer matches its digest (reads as {actual})")
+def _corrupted(what: str, blob: BlobInfo, index: int) -> DataLoss:
+    return DataLoss(
+        f"{what}: stored blob {blob.digest} no longer matches its digest: its checksum in block {index} differs"
+    )
 
 
-def check_block(what: str, blob: BlobInfo, index: int, data: bytes) -> None:
+def check_block(what: str, blob: BlobInfo, index: int, data: bytes | memoryview) -> None:
     """DataLoss unless ``data`` is block ``index`` of ``blob`` as it was stored."""
     expected_size = min(blob.block_size, blob.size - index * blob.block_size)
     if len(data) != expected_size:
@@ -75,4 +66,50 @@ def check_block(what: str, blob: BlobInfo, index: int, data: bytes) -> None:
             f"{what}: stored blob {blob.digest} is truncated: block {index} has {len(data)} of {expected_size} bytes"
         )
     if zlib.crc32(data) != blob.crc(index):
-        raise DataLoss(f"{what}: stored blob {blob.digest} no longer matches its checksum in block {index}")
+        raise _corrupted(what, blob, index)
+
+
+class BlockCheck:
+    """Checks a blob read from its start, in pieces of any sizes, block by block.
+
+    :attr:`verified` is how many bytes from the start have been checked: a reader sends
+    bytes only below it.
+    """
+
+    def __init__(self, what: str, blob: BlobInfo) -> None:
+        self.what = what
+        self.blob = blob
+        self.verified = 0
+        self._index = 0
+        self._crc = 0
+        self._in_block = 0
+
+    def update(self, data: bytes | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        block_size = self.blob.block_size
+        while view.nbytes:
+            expected = min(block_size, self.blob.size - self._index * block_size)
+            take = min(expected - self._in_block, view.nbytes)
+            if take <= 0:
+                raise DataLoss(f"{self.what}: stored blob {self.blob.digest} has more than {self.blob.size} bytes")
+            self._crc = zlib.crc32(view[:take], self._crc)
+            self._in_block += take
+            view = view[take:]
+            if self._in_block == expected:
+                if self._crc != self.blob.crc(self._index):
+                    raise _corrupted(self.what, self.blob, self._index)
+                self.verified += expected
+                self._index += 1
+                self._crc = self._in_block = 0
+
+
+def verify_digest(read_into, size: int, digest: str, window: int = BLOCK_SIZE) -> bool:
+    """Whether the ``size`` bytes ``read_into(buffer, offset)`` gives hash to ``digest`` (a scrub)."""
+    sha = hashlib.sha256()
+    buffer = memoryview(bytearray(window))
+    for offset in range(0, size, window):
+        piece = buffer[: min(window, size - offset)]
+        if read_into(piece, offset) != piece.nbytes:
+            return False
+        sha.update(piece)
+    return sha.hexdigest() == digest
