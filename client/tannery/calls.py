@@ -334,6 +334,8 @@ class StateDictPlan:
     fetch: dict[str, str]
     missing: list[str]
     unexpected: list[str]
+    #: The asks of the entries to fetch, in ``fetch``'s order (checked again by the server).
+    asks: list[archives_pb2.EntryAsk]
 
     def load(self, module: torch.nn.Module, tensors: Sequence[torch.Tensor], strict: bool) -> Any:
         """Copy the fetched tensors into ``module``; torch's (missing_keys, unexpected_keys)."""
@@ -392,7 +394,7 @@ def plan_state_dict(module: torch.nn.Module, description: ArchiveDescription, pr
         if unexpected:
             found.append(f"entries the module has no key for: {_names_text(unexpected)}")
         raise ArchiveError(f"{where}: {under}: " + "; ".join(found) + " (strict=False to load the rest)")
-    return StateDictPlan(fetch, missing, unexpected)
+    return StateDictPlan(fetch, missing, unexpected, [entry_ask(entries[name]) for name in fetch])
 
 
 def list_request(prefix: str, page_token: str) -> archives_pb2.ListRequest:

@@ -191,7 +191,7 @@ class Client:
         call. Everything is checked first (ArchiveError naming the entries); returns torch's
         ``(missing_keys, unexpected_keys)``."""
         plan = plan_state_dict(module, self.describe(name), prefix, strict)
-        tensors = self.archive(name, progress=progress)._fetch(list(plan.fetch)) if plan.fetch else []
+        tensors = self._transfer(name, progress)(plan.asks) if plan.asks else []
         return plan.load(module, tensors, strict)
 
     # -- channels ------------------------------------------------------------------------

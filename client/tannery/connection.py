@@ -167,11 +167,10 @@ def service_error(
 
 
 def rpc_error(error: grpc.RpcError, target: str) -> Exception:
-    """:func:`service_error` for a synchronous call's ``grpc.RpcError``."""
-    call = error if isinstance(error, grpc.Call) else None
-    if call is None:
+    """:func:`service_error` for a failed call's ``grpc.RpcError`` (sync, or aio's ``AioRpcError``)."""
+    if not callable(getattr(error, "code", None)):
         return service_error(grpc.StatusCode.UNKNOWN, str(error), (), target)
-    return service_error(call.code(), call.details(), call.trailing_metadata(), target)
+    return service_error(error.code(), error.details(), error.trailing_metadata(), target)
 
 
 __all__ = ["Connection", "DEFAULT_CHUNK_SIZE", "DEFAULT_TARGET", "TLS", "TLSLike", "rpc_error", "service_error"]

@@ -1,0 +1,315 @@
+"""``tannery.aio.Client``: the asyncio client, with the methods of ``tannery.Client``, awaitable.
+
+::
+
+    async with tannery.aio.Client("localhost:50051") as client:
+        await client.store("resnet", model)
+        weights = await client.archive("resnet")
+        w = await weights.tensor("fc.weight", [10, 512], torch.float32)
+        async with client.subscribe("frames") as frames:
+            async for tensor in frames:
+                ...
+
+Create it inside the event loop that uses it. What is sent and received is built by
+:mod:`tannery.calls`, as for the synchronous client; this module only waits differently.
+
+A refused Store or Publish reports the server's status: grpc.aio may replace it with
+INTERNAL ("Failed execute_batch") when the server ends a client-streaming call while the
+client is still writing (grpc/grpc#36066), so :class:`_FinalStatus` keeps the status the
+call first ended with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Coroutine
+
+import grpc
+import torch
+
+from .archive import Archive, MemoryArchive
+from .calls import (
+    ArchiveDescription, ArchiveInfo, Deleted, EntryReader, Methods, PayloadReader, Progress, Published,
+    archive_to_store, check_fetched, fetch_request, list_request, plan_state_dict, publish_messages, store_messages,
+    union_request,
+)
+from .connection import Connection, TLSLike, rpc_error, service_error
+from .remote import AsyncRemoteArchive
+from .v1 import archives_pb2, channels_pb2
+from .wire import encode_publish_request
+
+
+def _result_now(coroutine: Coroutine[Any, Any, Any]) -> Any:
+    """The result of a coroutine that completes without waiting (a finished call's status)."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return done.value
+    coroutine.close()
+    raise RuntimeError("the call's status is not there yet")
+
+
+class _FinalStatus:
+    """The status a call ended with, taken the moment it ended.
+
+    grpc.aio overwrites a call's status with INTERNAL when a write fails after the server
+    ended the call (grpc/grpc#36066); the server's status, seen first, is kept here.
+    """
+
+    def __init__(self, call: grpc.aio.Call) -> None:
+        self.status: tuple[grpc.StatusCode, str, Any] | None = None
+        call.add_done_callback(self._ended)
+
+    def _ended(self, call: grpc.aio.Call) -> None:
+        try:
+            self.status = (_result_now(call.code()), _result_now(call.details()), _result_now(call.trailing_metadata()))
+        except RuntimeError:
+            self.status = None
+
+    def error(self, error: grpc.aio.AioRpcError, target: str) -> Exception:
+        if self.status is not None and self.status[0] is not grpc.StatusCode.INTERNAL:
+            return service_error(*self.status, target)
+        return rpc_error(error, target)
+
+
+class Client:
+    """An asyncio connection to a tannery server: ``tannery.Client``'s methods, awaitable.
+
+    Arguments as for :class:`tannery.Client`. Use ``async with`` or ``await close()``.
+    """
+
+    def __init__(self, target: str | None = None, *, token: str | None = None, tls: TLSLike = None,
+                 chunk_size: int | None = None, timeout: float | None = None) -> None:
+        self._connection = Connection(target, token=token, tls=tls, chunk_size=chunk_size, timeout=timeout)
+        self._channel = self._connection.aio_channel()
+        self._methods = Methods(self._channel)
+
+    @property
+    def target(self) -> str:
+        return self._connection.target
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "Client":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"tannery.aio.Client({self._connection!r})"
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def _options(self, *, timeout: bool = True) -> dict[str, Any]:
+        return {"metadata": self._connection.metadata, "timeout": self._connection.timeout if timeout else None}
+
+    def _error(self, error: grpc.RpcError) -> Exception:
+        return rpc_error(error, self._connection.target)
+
+    async def _unary(self, method: Any, request: Any) -> Any:
+        try:
+            return await method(request, **self._options())
+        except grpc.RpcError as error:
+            raise self._error(error) from None
+
+    async def _send(self, method: Any, messages: Iterable[bytes] | AsyncIterable[bytes]) -> Any:
+        """A client-streaming call: write ``messages``, then the server's answer or its status."""
+        call = method(**self._options())
+        final = _FinalStatus(call)
+        try:
+            ended = await _write_all(call, messages)
+        except BaseException:
+            call.cancel()  # the messages failed (or we were cancelled): the call ends, the error stands
+            raise
+        try:
+            if not ended:
+                await call.done_writing()
+            return await call
+        except grpc.aio.AioRpcError as error:
+            raise final.error(error, self._connection.target) from None
+        except asyncio.InvalidStateError:  # done_writing on a call that just ended
+            try:
+                return await call
+            except grpc.aio.AioRpcError as error:
+                raise final.error(error, self._connection.target) from None
+
+    async def _fetch(self, request: archives_pb2.FetchRequest, progress: Progress) -> list[tuple[str, torch.Tensor]]:
+        reader = EntryReader(progress)
+        got: list[tuple[str, torch.Tensor]] = []
+        call = self._methods.fetch(request, **self._options())
+        try:
+            async for message in call:
+                got += reader.feed(message)
+        except grpc.RpcError as error:
+            raise self._error(error) from None
+        finally:
+            call.cancel()
+        reader.close()
+        return got
+
+    def _transfer(self, archive: str, progress: Progress):
+        async def transfer(asks: Sequence[archives_pb2.EntryAsk]) -> list[torch.Tensor]:
+            got = await self._fetch(archives_pb2.FetchRequest(archive=archive, entries=asks), progress)
+            return check_fetched([ask.name for ask in asks], got)
+
+        return transfer
+
+    # -- archives ------------------------------------------------------------------------
+
+    async def store(self, name: str, value: Any, *, prefix: str = "", replace: bool = False,
+                    progress: Progress = None) -> ArchiveInfo:
+        """As :meth:`tannery.Client.store`."""
+        archive, rest = archive_to_store(value, prefix)
+        messages = store_messages(name, archive, rest, replace, self._connection.chunk_size, progress)
+        return ArchiveInfo.of(await self._send(self._methods.store, messages))
+
+    async def archive(self, name: str, *, progress: Progress = None) -> AsyncRemoteArchive:
+        """As :meth:`tannery.Client.archive`; the reads of the archive are coroutines."""
+        return AsyncRemoteArchive(await self.describe(name), self._transfer(name, progress))
+
+    async def fetch(self, name: str, names: Iterable[str] | None = None, prefix: str | None = None, *,
+                    progress: Progress = None) -> Archive:
+        """As :meth:`tannery.Client.fetch`."""
+        return MemoryArchive(dict(await self._fetch(fetch_request(name, names, prefix), progress)))
+
+    async def union(self, target: str, sources: Mapping[str, str] | Sequence[str], *,
+                    replace: bool = False) -> ArchiveInfo:
+        """As :meth:`tannery.Client.union`."""
+        return ArchiveInfo.of(await self._unary(self._methods.union, union_request(target, sources, replace)))
+
+    async def describe(self, name: str) -> ArchiveDescription:
+        """As :meth:`tannery.Client.describe`."""
+        request = archives_pb2.DescribeRequest(archive=name)
+        return ArchiveDescription.of(await self._unary(self._methods.describe, request))
+
+    async def list(self, prefix: str = "") -> list[ArchiveInfo]:
+        """As :meth:`tannery.Client.list`."""
+        archives: list[ArchiveInfo] = []
+        token = ""
+        while True:
+            page = await self._unary(self._methods.list, list_request(prefix, token))
+            archives += (ArchiveInfo.of(info) for info in page.archives)
+            token = page.next_page_token
+            if not token:
+                return archives
+
+    async def delete(self, name: str) -> Deleted:
+        """As :meth:`tannery.Client.delete`."""
+        return Deleted.of(await self._unary(self._methods.delete, archives_pb2.DeleteRequest(archive=name)))
+
+    async def load_state_dict(self, module: torch.nn.Module, name: str, prefix: str = "", strict: bool = True,
+                              *, progress: Progress = None) -> Any:
+        """As :meth:`tannery.Client.load_state_dict`."""
+        plan = plan_state_dict(module, await self.describe(name), prefix, strict)
+        tensors = await self._transfer(name, progress)(plan.asks) if plan.asks else []
+        return plan.load(module, tensors, strict)
+
+    # -- channels ------------------------------------------------------------------------
+
+    async def publish(self, channel: str, tensors: Iterable[Any] | AsyncIterable[Any], *,
+                      progress: Progress = None) -> Published:
+        """As :meth:`tannery.Client.publish`; ``tensors`` may also be an async iterable."""
+        chunk_size = self._connection.chunk_size
+
+        async def messages():
+            index = 0
+            async for tensor in _aiter(tensors):
+                for message in publish_messages(tensor, channel if index == 0 else None, chunk_size, progress, index):
+                    yield message
+                index += 1
+            if index == 0:
+                yield encode_publish_request(channel, [])
+
+        return Published.of(await self._send(self._methods.publish, messages()))
+
+    def subscribe(self, channel: str, *, progress: Progress = None) -> "AsyncSubscription":
+        """Subscribe to ``channel``: ``await`` it (or ``async with`` it) to register the
+        subscription on the server, then ``async for`` the tensors published from then on."""
+        return AsyncSubscription(self, channel, progress)
+
+
+async def _aiter(items: Iterable[Any] | AsyncIterable[Any]):
+    if isinstance(items, AsyncIterable):
+        async for item in items:
+            yield item
+    else:
+        for item in items:
+            yield item
+
+
+async def _write_all(call: Any, messages: Iterable[bytes] | AsyncIterable[bytes]) -> bool:
+    """Write every message; True if the call ended first (its status says why)."""
+    async for message in _aiter(messages):
+        try:
+            await call.write(message)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            return True
+    return False
+
+
+class AsyncSubscription:
+    """The tensors published on a channel, in order: ``await`` it or ``async with`` it to
+    register, then ``async for``; :meth:`close` (or leaving the block) ends it."""
+
+    def __init__(self, client: Client, channel: str, progress: Progress) -> None:
+        self._client = client
+        self._channel = channel
+        self._reader = PayloadReader(progress)
+        self._call: Any = None
+        self._ready: deque[torch.Tensor] = deque()
+        self._closed = False
+
+    async def _start(self) -> "AsyncSubscription":
+        if self._call is None:
+            request = channels_pb2.SubscribeRequest(channel=self._channel)
+            self._call = self._client._methods.subscribe(request, **self._client._options(timeout=False))
+            await self._call.initial_metadata()  # sent once the subscription is registered
+            if self._call.done() and await self._call.code() is not grpc.StatusCode.OK:
+                code, details = await self._call.code(), await self._call.details()
+                raise service_error(code, details, await self._call.trailing_metadata(), self._client.target)
+        return self
+
+    def __await__(self):
+        return self._start().__await__()
+
+    async def __aenter__(self) -> "AsyncSubscription":
+        return await self._start()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __aiter__(self) -> "AsyncSubscription":
+        return self
+
+    async def __anext__(self) -> torch.Tensor:
+        await self._start()
+        while not self._ready:
+            if self._closed:
+                raise StopAsyncIteration
+            try:
+                message = await self._call.read()
+            except grpc.RpcError as error:
+                if self._closed:
+                    raise StopAsyncIteration from None
+                raise self._client._error(error) from None
+            except asyncio.CancelledError:
+                if self._closed:
+                    raise StopAsyncIteration from None
+                raise
+            if message is grpc.aio.EOF:
+                raise StopAsyncIteration
+            self._ready.extend(self._reader.feed(message))
+        return self._ready.popleft()
+
+    def close(self) -> None:
+        """End the subscription (the server forgets it); iterating stops."""
+        self._closed = True
+        if self._call is not None:
+            self._call.cancel()
+
+
+__all__ = ["AsyncRemoteArchive", "AsyncSubscription", "Client"]
