@@ -87,9 +87,8 @@ def _register_channels(server: grpc.aio.Server, config: Config, enders: list):
     return servicer
 
 
-def _security_summary(config: Config, tokens: Tokens) -> str:
+def _security_summary(config: Config, tokens: Tokens, where: str) -> str:
     """How the server is protected, for the start-up line; warns about what is open."""
-    where = f"{config.host}:{config.port}"
     if config.tls_client_ca is not None:
         transport = "mutual TLS"
     elif config.tls_cert is not None:
@@ -114,7 +113,6 @@ async def start(config: Config) -> RunningServer:
     start metrics, start; health SERVING. A bad tokens or TLS file raises ValueError first."""
     tokens = load_tokens(config.tokens_file, config.tokens)
     credentials = tls.server_credentials(config)
-    security = _security_summary(config, tokens)
     storage = await asyncio.to_thread(Storage.open_local, config.data_dir)
     closers: list = []
     enders: list = []
@@ -168,6 +166,7 @@ async def start(config: Config) -> RunningServer:
     for name in ("", *services):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     running = RunningServer(server, port, config, storage, health_servicer, metrics_port, closers, enders)
+    security = _security_summary(config, tokens, running.target)
     log.info("serving on %s (%s; data directory %s)", running.target, security, config.data_dir.resolve())
     return running
 
