@@ -70,6 +70,11 @@ class InProcessServer:
         """The server's :class:`tannery_server.storage.Storage` (for white-box checks)."""
         return self._running.storage
 
+    @property
+    def metrics_port(self) -> int | None:
+        """Port of the server's metrics endpoint (None when metrics are off)."""
+        return self._running.metrics_port
+
     def channel(self) -> grpc.Channel:
         """A new channel to the server, closed by :meth:`stop`."""
         channel = grpc.insecure_channel(self.target)
