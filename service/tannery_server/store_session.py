@@ -89,7 +89,7 @@ class StoreSession:
 
     def _start_entry(self, name: str) -> None:
         if self._deframer.inside_payload:
-            got = f"{self._writer.digest.size} of {self._payload_size} bytes" if self._writer else "in its header"
+            got = f"{self._writer.size} of {self._payload_size} bytes" if self._writer else "in its header"
             raise BadPayload(f"entry {name!r} starts before the payload of entry {self._entry!r} ended: {got}")
         self._require_payload()
         check_entry_name(name, self.config.max_name_bytes)

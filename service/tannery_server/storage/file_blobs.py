@@ -75,7 +75,11 @@ class FileTempBlob:
         if target.exists():
             self.path.unlink(missing_ok=True)
             return False
-        target.parent.mkdir(exist_ok=True)
+        try:
+            target.parent.mkdir()
+            self._store.new_directories.add(target.parent)  # blobs/ itself needs an fsync now
+        except FileExistsError:
+            pass
         os.rename(self.path, target)
         return True
 
@@ -95,6 +99,8 @@ class FileBlobStore:
         self.tmp = self.root / "tmp"
         self.blobs.mkdir(parents=True, exist_ok=True)
         self.tmp.mkdir(parents=True, exist_ok=True)
+        #: Subdirectories of ``blobs`` created since ``blobs`` was last fsynced.
+        self.new_directories: set[Path] = set()
 
     def path(self, digest: str) -> Path:
         if not _DIGEST.fullmatch(digest):
@@ -117,8 +123,10 @@ class FileBlobStore:
             directories.add(path.parent)
         for directory in sorted(directories):
             fsync_directory(directory)
-        if directories:
+        created = directories & self.new_directories
+        if created:  # an fsync of blobs/ after the mkdir makes the new subdirectory durable
             fsync_directory(self.blobs)
+            self.new_directories -= created
 
     def open(self, digest: str) -> FileBlob:
         return FileBlob(self.path(digest))

@@ -15,6 +15,7 @@ import os
 import threading
 import time
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence, TypeVar
@@ -64,16 +65,47 @@ class Collected:
     bytes: int = 0
 
 
+#: Hashes pieces of payloads while their bytes are written (hashlib and zlib release the
+#: GIL, so hashing one piece overlaps writing it and receiving the next).
+_HASHING = ThreadPoolExecutor(max(2, os.cpu_count() or 2), thread_name_prefix="tannery-hash")
+#: Pieces smaller than this are hashed inline: a thread hand-off would cost more.
+HASH_INLINE_BELOW = 256 << 10
+
+
 class PayloadWriter:
-    """One payload going to a temporary blob, hashed as it is written."""
+    """One payload going to a temporary blob, hashed as it is written.
+
+    A large piece is hashed by another thread while this one writes it; that hash is
+    awaited before the next piece is hashed (so pieces are hashed in order) and by
+    :meth:`finish`. At most one piece per payload is in flight.
+    """
 
     def __init__(self, temp: TempBlob, block_size: int) -> None:
         self.temp = temp
         self.digest = PayloadDigest(block_size)
+        #: Bytes written so far.
+        self.size = 0
+        self._hashing: Future | None = None
 
     def write(self, data: memoryview | bytes) -> None:
-        self.temp.write(data)
-        self.digest.update(data)
+        view = memoryview(data)
+        self._wait()
+        if view.nbytes < HASH_INLINE_BELOW:
+            self.digest.update(view)
+        else:
+            self._hashing = _HASHING.submit(self.digest.update, view)
+        self.temp.write(view)
+        self.size += view.nbytes
+
+    def finish(self) -> BlobInfo:
+        """The payload's digest and block checksums, once every piece is hashed."""
+        self._wait()
+        return self.digest.finish()
+
+    def _wait(self) -> None:
+        if self._hashing is not None:
+            hashing, self._hashing = self._hashing, None
+            hashing.result()
 
 
 class Storage:
@@ -170,7 +202,7 @@ class Storage:
 
     def publish(self, writer: PayloadWriter) -> BlobInfo:
         """Make a written payload a blob, pinned until :meth:`release`."""
-        blob = writer.digest.finish()
+        blob = writer.finish()
         with self._gc_lock:
             self._pins[blob.digest] += 1
         try:
