@@ -1,0 +1,208 @@
+#!/usr/bin/env bash
+# Smoke test of the container: build the image, run it with a volume and a tokens file,
+# wait until healthy, store and fetch an archive from the host through tannery.Client,
+# check that a call without a token and a write with a read token are refused, restart the
+# container (SIGTERM, graceful) and check the archive is still there byte for byte.
+#
+#   docker/smoke-test.sh
+#   CONTAINER_ENGINE=podman BASE_IMAGE=localhost/python-base:bookworm docker/smoke-test.sh
+#
+# Settings: CONTAINER_ENGINE (docker), BASE_IMAGE (the Dockerfile's default), IMAGE
+# (tannery:smoke, kept afterwards for reuse), PYTHON (the repository's .venv, else python3:
+# it needs the tannery client with torch). Exits non-zero naming the step that failed; the
+# container, its volume and the temporary files are removed in any case.
+set -Eeuo pipefail
+
+ENGINE=${CONTAINER_ENGINE:-docker}
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+IMAGE=${IMAGE:-tannery:smoke}
+if [[ -z ${PYTHON:-} ]]; then
+  if [[ -x $ROOT/.venv/bin/python ]]; then PYTHON=$ROOT/.venv/bin/python; else PYTHON=python3; fi
+fi
+RUN_ID=$$-$RANDOM
+NAME=tannery-smoke-$RUN_ID
+VOLUME=tannery-smoke-$RUN_ID
+WORK=$(mktemp -d)
+STEP=setup
+STARTED=$SECONDS
+# The client must not pick up TLS or token settings from the caller's environment.
+unset TANNERY_TOKEN TANNERY_TLS_CA TANNERY_TLS_CERT TANNERY_TLS_KEY TANNERY_TARGET
+
+# The engine, without podman's complaint that it has no systemd to schedule health checks
+# on (wait_healthy runs them itself).
+engine() { "$ENGINE" "$@" 2> >(grep -v 'unable to get systemd connection' >&2); }
+say() { printf '[smoke %3ds] %s\n' "$((SECONDS - STARTED))" "$*"; }
+step() { STEP=$1; say "$1"; }
+
+cleanup() {
+  local status=$?
+  trap - EXIT ERR
+  if ((status != 0)); then
+    say "FAILED at step: $STEP (exit status $status)"
+    if engine inspect "$NAME" >/dev/null 2>&1; then
+      say "last lines of the container's log:"
+      engine logs --tail 30 "$NAME" 2>&1 | sed 's/^/    /' || true
+    fi
+  fi
+  engine rm -f -t 0 "$NAME" >/dev/null 2>&1 || engine rm -f "$NAME" >/dev/null 2>&1 || true
+  engine volume rm -f "$VOLUME" >/dev/null 2>&1 || true
+  rm -rf "$WORK"
+  if ((status == 0)); then say "PASSED"; fi
+  exit "$status"
+}
+trap cleanup EXIT
+trap 'exit $?' ERR
+
+free_port() { "$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+
+# Waits until the container's health check passes (podman without systemd runs no timer:
+# the check is run here instead).
+wait_healthy() {
+  local deadline=$((SECONDS + ${1:-90}))
+  while ((SECONDS < deadline)); do
+    local running
+    running=$(engine inspect -f '{{.State.Running}}' "$NAME")
+    [[ $running == true ]] || { say "the container is not running"; return 1; }
+    if [[ $ENGINE == *podman* ]]; then
+      if engine healthcheck run "$NAME" >/dev/null 2>&1; then return 0; fi
+    else
+      [[ $(engine inspect -f '{{.State.Health.Status}}' "$NAME") == healthy ]] && return 0
+    fi
+    sleep 1
+  done
+  say "not healthy after ${1:-90} s"
+  return 1
+}
+
+# ---------------------------------------------------------------------------------------
+step "build the image $IMAGE with $ENGINE"
+build_args=(-f "$ROOT/docker/Dockerfile" -t "$IMAGE")
+[[ $ENGINE == *podman* ]] && build_args+=(--format docker)  # OCI images drop HEALTHCHECK
+[[ -n ${BASE_IMAGE:-} ]] && build_args+=(--build-arg "BASE_IMAGE=$BASE_IMAGE")
+engine build "${build_args[@]}" "$ROOT" >"$WORK/build.log" 2>&1 || { tail -30 "$WORK/build.log"; false; }
+size=$(engine image inspect -f '{{.Size}}' "$IMAGE")
+say "image size: $((size / 1000000)) MB"
+engine run --rm --entrypoint python3 "$IMAGE" -c \
+  'import importlib.util as u, os; assert u.find_spec("torch") is None, "torch"; assert os.getuid() != 0, "root"'
+
+step "write a tokens file (a hashed write token, a raw read token)"
+WRITE_TOKEN=$("$PYTHON" -c 'import secrets; print(secrets.token_urlsafe(24))')
+READ_TOKEN=$("$PYTHON" -c 'import secrets; print(secrets.token_urlsafe(24))')
+write_hash=$(printf %s "$WRITE_TOKEN" | sha256sum | cut -d' ' -f1)
+printf '# smoke test tokens\nsha256:%s write\n%s read  # the reader\n' "$write_hash" "$READ_TOKEN" >"$WORK/tokens"
+chmod 0644 "$WORK/tokens" && chmod 0755 "$WORK"
+
+step "start the container with a volume and the tokens file"
+GRPC_PORT=$(free_port)
+METRICS_PORT=$(free_port)
+engine volume create "$VOLUME" >/dev/null
+# The same port inside and out: it works with a bridge network (docker) and with the host's
+# network (podman as configured on these machines).
+engine run -d --name "$NAME" \
+  -v "$VOLUME:/data" \
+  -v "$WORK/tokens:/run/tannery/tokens:ro" \
+  -e TANNERY_TOKENS_FILE=/run/tannery/tokens \
+  -e TANNERY_PORT="$GRPC_PORT" -e TANNERY_METRICS_PORT="$METRICS_PORT" \
+  -e TANNERY_LOG_FORMAT=json -e TANNERY_GRACE_SECONDS=20 \
+  -p "127.0.0.1:$GRPC_PORT:$GRPC_PORT" -p "127.0.0.1:$METRICS_PORT:$METRICS_PORT" \
+  "$IMAGE" >/dev/null
+
+step "wait until the container is healthy"
+wait_healthy 90
+
+export SMOKE_TARGET="127.0.0.1:$GRPC_PORT" SMOKE_METRICS="http://127.0.0.1:$METRICS_PORT/metrics"
+export SMOKE_WRITE_TOKEN=$WRITE_TOKEN SMOKE_READ_TOKEN=$READ_TOKEN SMOKE_DIGESTS=$WORK/digests
+
+step "store and fetch an archive through tannery.Client"
+"$PYTHON" - <<'EOF'
+import hashlib, os
+import torch
+import tannery
+from tannery.torch import serialize
+
+target, write, read = os.environ["SMOKE_TARGET"], os.environ["SMOKE_WRITE_TOKEN"], os.environ["SMOKE_READ_TOKEN"]
+torch.manual_seed(0)
+tensors = {"layer.weight": torch.randn(256, 128), "layer.bias": torch.randn(128).to(torch.bfloat16),
+           "steps": torch.arange(1000, dtype=torch.int64), "mask": torch.rand(64, 3) > 0.5}
+with tannery.Client(target, token=write) as client:
+    info = client.store("smoke", tensors)
+    assert info.entries == len(tensors), info
+    archive = client.fetch("smoke")
+    fetched = {name: archive.find(name) for name in archive.names()}
+assert fetched.keys() == tensors.keys(), fetched.keys()
+for name, tensor in tensors.items():
+    assert serialize(fetched[name]) == serialize(tensor), f"{name} differs"
+with open(os.environ["SMOKE_DIGESTS"], "w") as out:
+    for name in sorted(tensors):
+        out.write(f"{name} {hashlib.sha256(serialize(tensors[name])).hexdigest()}\n")
+print(f"    stored and fetched {len(tensors)} tensors, {info.payload_bytes} payload bytes")
+EOF
+
+step "refuse a call without a token and a write with the read token"
+"$PYTHON" - <<'EOF'
+import os, urllib.request
+import torch
+import tannery
+
+target, read = os.environ["SMOKE_TARGET"], os.environ["SMOKE_READ_TOKEN"]
+with tannery.Client(target) as anonymous:
+    try:
+        anonymous.list()
+    except tannery.Unauthenticated as error:
+        print(f"    without a token: Unauthenticated ({error})")
+    else:
+        raise SystemExit("a call without a token was answered")
+with tannery.Client(target, token="not-" + read) as stranger:
+    try:
+        stranger.describe("smoke")
+    except tannery.Unauthenticated:
+        print("    unknown token: Unauthenticated")
+    else:
+        raise SystemExit("a call with an unknown token was answered")
+with tannery.Client(target, token=read) as reader:
+    assert [a.name for a in reader.list()] == ["smoke"]
+    for attempt in (lambda: reader.store("intruder", {"x": torch.zeros(3)}), lambda: reader.delete("smoke")):
+        try:
+            attempt()
+        except tannery.PermissionDenied as error:
+            print(f"    write with the read token: PermissionDenied ({error})")
+        else:
+            raise SystemExit("a write with a read-only token was accepted")
+    assert [a.name for a in reader.list()] == ["smoke"], "the refused writes changed the store"
+metrics = urllib.request.urlopen(os.environ["SMOKE_METRICS"], timeout=10).read().decode()
+for line in ('tannery_calls_total{code="UNAUTHENTICATED",method="List"} 1.0',
+             'tannery_calls_total{code="PERMISSION_DENIED",method="Store"} 1.0', "tannery_archives 1.0"):
+    assert line in metrics, f"metrics lack {line!r}"
+print("    metrics count the refusals; tannery_archives 1.0")
+EOF
+
+step "restart the container (SIGTERM, graceful shutdown)"
+engine restart -t 40 "$NAME" >/dev/null
+engine logs "$NAME" 2>&1 | grep -q '"message": "stopped"' \
+  || { say "the log has no graceful 'stopped' line"; false; }
+say "the server stopped gracefully"
+
+step "wait until the restarted container is healthy"
+wait_healthy 90
+
+step "fetch the archive again and compare it byte for byte"
+"$PYTHON" - <<'EOF'
+import hashlib, os
+import tannery
+from tannery.torch import serialize
+
+with open(os.environ["SMOKE_DIGESTS"]) as lines:
+    expected = dict(line.split() for line in lines)
+with tannery.Client(os.environ["SMOKE_TARGET"], token=os.environ["SMOKE_READ_TOKEN"]) as client:
+    archive = client.fetch("smoke")
+    got = {name: hashlib.sha256(serialize(archive.find(name))).hexdigest() for name in archive.names()}
+assert got == expected, (got, expected)
+print(f"    {len(got)} tensors identical after the restart")
+EOF
+
+step "check the server's log lines"
+logs=$(engine logs "$NAME" 2>&1)
+grep -q '"status": "UNAUTHENTICATED"' <<<"$logs" || { say "no UNAUTHENTICATED call line"; false; }
+if grep -q -e "$WRITE_TOKEN" -e "$READ_TOKEN" <<<"$logs"; then say "a token appears in the log"; false; fi
+say "one JSON line per call, no token in the log"
+step done
