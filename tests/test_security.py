@@ -524,3 +524,28 @@ def test_serve_help_explains_the_tokens_file(capsys):
                   "TANNERY_TOKENS", "TANNERY_REFLECTION", "TANNERY_METRICS_PORT", "sha256:<64 hex",
                   "authorization: Bearer"):
         assert words in text, words
+
+
+def test_tannery_client_with_mutual_tls_and_tokens(tmp_path, pki):
+    torch = pytest.importorskip("torch")
+    import tannery
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{WRITE_TOKEN} write\n{READ_TOKEN} read\n")
+    tls = tannery.TLS(ca=pki["ca"], cert=pki["client_cert"], key=pki["client_key"])
+    tensors = {"w": torch.randn(8, 4), "b": torch.arange(4, dtype=torch.int16)}
+    with running_server(tmp_path, tls_cert=pki["server_cert"], tls_key=pki["server_key"], tls_client_ca=pki["ca"],
+                        tokens_file=tokens) as server:
+        with tannery.Client(server.target, token=WRITE_TOKEN, tls=tls) as writer:
+            assert writer.store("model", tensors).entries == 2
+        with tannery.Client(server.target, token=READ_TOKEN, tls=tls) as reader:
+            fetched = reader.fetch("model")
+            assert all(torch.equal(fetched.find(name), tensor) for name, tensor in tensors.items())
+            with pytest.raises(tannery.PermissionDenied, match="Delete needs a write token"):
+                reader.delete("model")
+        with tannery.Client(server.target, tls=tls) as anonymous:
+            with pytest.raises(tannery.Unauthenticated, match="needs a token"):
+                anonymous.list()
+        with tannery.Client(server.target, token=READ_TOKEN, tls=tannery.TLS(ca=pki["ca"])) as no_certificate:
+            with pytest.raises(tannery.Unavailable):
+                no_certificate.list()
