@@ -127,6 +127,14 @@ class BlockingSubscription:
         self.close()
 
 
+@pytest.fixture(autouse=True)
+def no_client_environment(monkeypatch):
+    """The clients' defaults come from TANNERY_* variables: none of the caller's apply here."""
+    for name in ("TANNERY_TARGET", "TANNERY_TOKEN", "TANNERY_TLS", "TANNERY_TLS_CA", "TANNERY_TLS_CERT",
+                 "TANNERY_TLS_KEY"):
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.fixture(params=["sync", "aio"])
 def connect(request):
     """``connect(target, **options)``: a client of the parametrized kind, closed at the end."""
@@ -653,3 +661,57 @@ def test_tokens_are_sent_and_refusals_mapped(tmp_path, connect):
             reader.delete("m")
         with pytest.raises(tannery.Unauthenticated):
             connect(secured.target, token="wrong").describe("m")
+
+
+def test_a_failing_source_raises_its_own_error_and_stores_nothing(client):
+    class Failing(tannery.archive.MemoryArchive):
+        def _fetch(self, names):
+            if names == ["b"]:
+                raise RuntimeError("the disk went away while reading b")
+            return super()._fetch(names)
+
+    source = Failing({"a": torch.zeros(5000), "b": torch.ones(5000)})
+    with pytest.raises(RuntimeError, match="the disk went away while reading b"):
+        client.store("m", source)
+    assert client.list() == []
+
+
+# -- TLS ------------------------------------------------------------------------------------------
+
+from .test_security import pki  # noqa: E402,F401  (the test CA, server and client certificates)
+
+
+def test_tls_and_mutual_tls(tmp_path, connect, pki, monkeypatch):
+    with running_server(tmp_path, tls_cert=pki["server_cert"], tls_key=pki["server_key"],
+                        tls_client_ca=pki["ca"]) as secured:
+        mutual = tannery.TLS(ca=pki["ca"], cert=pki["client_cert"], key=pki["client_key"])
+        client = connect(secured.target, tls=mutual)
+        client.store("m", {"w": torch.arange(3.0)})
+        assert torch.equal(client.archive("m").tensor("w", [3], torch.float32), torch.arange(3.0))
+        named = tannery.TLS(ca=pki["ca"], cert=pki["client_cert"], key=pki["client_key"], server_name="store.test")
+        assert [i.name for i in connect(f"127.0.0.1:{secured.port}", tls=named).list()] == ["m"]
+        for refused in (tannery.TLS(ca=pki["ca"]),  # no client certificate
+                        tannery.TLS(ca=pki["stranger_ca"], cert=pki["client_cert"], key=pki["client_key"]),
+                        False):  # plaintext
+            with pytest.raises(tannery.Unavailable):
+                connect(secured.target, tls=refused, timeout=10).list()
+        # TANNERY_TLS_* are the defaults, and tls=False overrides them.
+        monkeypatch.setenv("TANNERY_TLS_CA", str(pki["ca"]))
+        monkeypatch.setenv("TANNERY_TLS_CERT", str(pki["client_cert"]))
+        monkeypatch.setenv("TANNERY_TLS_KEY", str(pki["client_key"]))
+        assert len(connect(secured.target).list()) == 1
+        with pytest.raises(tannery.Unavailable):
+            connect(secured.target, tls=False, timeout=10).list()
+        monkeypatch.setenv("TANNERY_TARGET", secured.target)
+        assert len(connect(None).list()) == 1
+
+
+def test_bad_tls_settings_are_named(tmp_path, connect):
+    with pytest.raises(ValueError, match="a client certificate needs its key"):
+        tannery.TLS(cert=tmp_path / "c.pem")
+    with pytest.raises(OSError, match="TLS ca file '.*missing.pem'"):
+        connect("127.0.0.1:1", tls=tannery.TLS(ca=tmp_path / "missing.pem"))
+    with pytest.raises(TypeError, match="tls is None, a bool or a tannery.TLS"):
+        connect("127.0.0.1:1", tls="yes")
+    with pytest.raises(ValueError, match="chunk_size 0 is not in"):
+        connect("127.0.0.1:1", chunk_size=0)

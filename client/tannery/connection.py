@@ -6,8 +6,8 @@ builds the channel credentials and options, and carries the token as call metada
 public API, with the server's message.
 
 Environment: ``TANNERY_TARGET`` (default ``localhost:50051``), ``TANNERY_TOKEN``, and
-``TANNERY_TLS_CA``, ``TANNERY_TLS_CERT``, ``TANNERY_TLS_KEY`` (paths; any of them turns
-TLS on when ``tls`` is not given).
+``TANNERY_TLS_CA``, ``TANNERY_TLS_CERT``, ``TANNERY_TLS_KEY`` (paths; any of them, or
+``TANNERY_TLS=1``, turns TLS on when ``tls`` is not given).
 """
 
 from __future__ import annotations
@@ -53,9 +53,12 @@ class TLS:
 
     @staticmethod
     def from_env(env: Mapping[str, str]) -> "TLS | None":
-        """TLS from ``TANNERY_TLS_CA``/``_CERT``/``_KEY``, or None when none is set."""
+        """TLS from ``TANNERY_TLS_CA``/``_CERT``/``_KEY`` (or ``TANNERY_TLS=1`` for the system's
+        roots), None when none is set."""
         values = {field: env.get(f"TANNERY_TLS_{field.upper()}") or None for field in ("ca", "cert", "key")}
-        return TLS(**values) if any(values.values()) else None
+        if any(values.values()) or env.get("TANNERY_TLS", "").lower() in ("1", "true", "yes", "on"):
+            return TLS(**values)
+        return None
 
 
 TLSLike = Union[TLS, bool, None]
