@@ -2,7 +2,9 @@
 # Smoke test of the container: build the image, run it with a volume and a tokens file,
 # wait until healthy, store and fetch an archive from the host through tannery.Client,
 # check that a call without a token and a write with a read token are refused, restart the
-# container (SIGTERM, graceful) and check the archive is still there byte for byte.
+# container (SIGTERM, graceful) and check the archive is still there byte for byte; then
+# replace the container by one with TLS on the same volume, wait until its health check
+# (over TLS) passes, and fetch the archive over TLS. Needs openssl on the host.
 #
 #   docker/smoke-test.sh
 #   CONTAINER_ENGINE=podman BASE_IMAGE=localhost/python-base:bookworm docker/smoke-test.sh
@@ -98,14 +100,17 @@ METRICS_PORT=$(free_port)
 engine volume create "$VOLUME" >/dev/null
 # The same port inside and out: it works with a bridge network (docker) and with the host's
 # network (podman as configured on these machines).
-engine run -d --name "$NAME" \
-  -v "$VOLUME:/data" \
-  -v "$WORK/tokens:/run/tannery/tokens:ro" \
-  -e TANNERY_TOKENS_FILE=/run/tannery/tokens \
-  -e TANNERY_PORT="$GRPC_PORT" -e TANNERY_METRICS_PORT="$METRICS_PORT" \
-  -e TANNERY_LOG_FORMAT=json -e TANNERY_GRACE_SECONDS=20 \
-  -p "127.0.0.1:$GRPC_PORT:$GRPC_PORT" -p "127.0.0.1:$METRICS_PORT:$METRICS_PORT" \
-  "$IMAGE" >/dev/null
+start_container() {
+  engine run -d --name "$NAME" \
+    -v "$VOLUME:/data" \
+    -v "$WORK/tokens:/run/tannery/tokens:ro" \
+    -e TANNERY_TOKENS_FILE=/run/tannery/tokens \
+    -e TANNERY_PORT="$GRPC_PORT" -e TANNERY_METRICS_PORT="$METRICS_PORT" \
+    -e TANNERY_LOG_FORMAT=json -e TANNERY_GRACE_SECONDS=20 \
+    -p "127.0.0.1:$GRPC_PORT:$GRPC_PORT" -p "127.0.0.1:$METRICS_PORT:$METRICS_PORT" \
+    "$@" "$IMAGE" >/dev/null
+}
+start_container
 
 step "wait until the container is healthy"
 wait_healthy 90
@@ -200,8 +205,47 @@ assert got == expected, (got, expected)
 print(f"    {len(got)} tensors identical after the restart")
 EOF
 
+step "replace the container by one with TLS, on the same volume (as an upgrade would)"
+mkdir "$WORK/tls"
+openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 1 -subj /CN=tannery-smoke \
+  -addext "subjectAltName=DNS:localhost,IP:127.0.0.1" \
+  -keyout "$WORK/tls/server-key.pem" -out "$WORK/tls/server.pem" 2>/dev/null
+chmod 0755 "$WORK/tls" && chmod 0644 "$WORK/tls/server.pem" "$WORK/tls/server-key.pem"  # readable by uid 10001
+engine logs "$NAME" >"$WORK/plaintext.log" 2>&1
+engine stop -t 40 "$NAME" >/dev/null
+engine rm "$NAME" >/dev/null
+start_container -v "$WORK/tls:/run/tannery/tls:ro" \
+  -e TANNERY_TLS_CERT=/run/tannery/tls/server.pem -e TANNERY_TLS_KEY=/run/tannery/tls/server-key.pem
+
+step "wait until the TLS container is healthy (the health check speaks TLS)"
+wait_healthy 90
+
+step "fetch the archive over TLS; a plaintext client is refused"
+export SMOKE_CA=$WORK/tls/server.pem
+"$PYTHON" - <<'EOF2'
+import hashlib, os
+import tannery
+from tannery.torch import serialize
+
+with open(os.environ["SMOKE_DIGESTS"]) as lines:
+    expected = dict(line.split() for line in lines)
+target, read = os.environ["SMOKE_TARGET"], os.environ["SMOKE_READ_TOKEN"]
+with tannery.Client(target, token=read, tls=tannery.TLS(ca=os.environ["SMOKE_CA"])) as client:
+    archive = client.fetch("smoke")
+    got = {name: hashlib.sha256(serialize(archive.find(name))).hexdigest() for name in archive.names()}
+assert got == expected, (got, expected)
+print(f"    {len(got)} tensors identical over TLS")
+with tannery.Client(target, token=read, tls=False, timeout=10) as plaintext:
+    try:
+        plaintext.list()
+    except tannery.Unavailable:
+        print("    plaintext client: Unavailable")
+    else:
+        raise SystemExit("a plaintext client was answered by the TLS server")
+EOF2
+
 step "check the server's log lines"
-logs=$(engine logs "$NAME" 2>&1)
+logs=$(cat "$WORK/plaintext.log"; engine logs "$NAME" 2>&1)
 grep -q '"status": "UNAUTHENTICATED"' <<<"$logs" || { say "no UNAUTHENTICATED call line"; false; }
 if grep -q -e "$WRITE_TOKEN" -e "$READ_TOKEN" <<<"$logs"; then say "a token appears in the log"; false; fi
 say "one JSON line per call, no token in the log"
