@@ -4,37 +4,36 @@ Side by side in one run with the baseline, a bare grpc.aio relay of bytes messag
 generic handler, no protobuf, no codec: each published message is put on a bounded
 queue per subscriber and written out as it is). Both servers run as subprocesses (the
 tannery one is ``python -m tannery_server serve``); the publisher and subscribers run in
-this process, so on a small machine the client shares the cost of every subscriber and
-wall-clock rates are bound by it: the servers' CPU time per GiB delivered is printed too.
-
-    .venv/bin/python -m tests.benchmarks.bench_channels [--mib 128] [--latency-rounds 2000]
+this process (raw grpc.aio stubs), so on a small machine the client shares the cost of
+every subscriber and wall-clock rates are bound by it: the servers' CPU time per GiB
+delivered is given too. ``python -m tests.benchmarks --cases channels``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import re
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import grpc
 import numpy as np
 
 from tannery import codec
 from tannery.v1 import channels_pb2, channels_pb2_grpc
-from tests.server_harness import ServerProcess
+
+from .harness import (GiB, CaseResult, Options, Subprocess, Table, alternate, cpu_seconds, fmt_ratio, fmt_size,
+                      fmt_time, percentile, tannery_server)
 
 MiB = 1 << 20
 CHUNK = MiB
+PAYLOAD = 4 * MiB
+LATENCY_PAYLOAD = 4096
 RELAY = "bench.Relay"
+INTRO = __doc__.split("\n\n", 1)[1].strip()
 
 
 # -- the baseline: a bare relay --------------------------------------------------------------
@@ -78,30 +77,13 @@ async def serve_relay(port: int, queue_messages: int) -> None:
     await server.wait_for_termination()
 
 
-@contextmanager
-def bench_server(*flags: str) -> Iterator[tuple[str, int]]:
-    """This module run as a server (``--serve-relay``); yields its target and pid."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tests.benchmarks.bench_channels", *flags], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        line = process.stdout.readline()
-        match = re.search(r"serving on (\S+)", line)
-        if not match:
-            raise RuntimeError(f"the server did not start: {line!r}")
-        yield match.group(1), process.pid
-    finally:
-        process.terminate()
-        process.wait(10)
-
-
 # -- clients: the same shapes over both servers ------------------------------------------------
 
 
 class Tannery:
     """Raw Channels stubs."""
 
-    name = "app"
+    name = "tannery"
 
     def __init__(self, channel: grpc.aio.Channel) -> None:
         self.stub = channels_pb2_grpc.ChannelsStub(channel)
@@ -201,64 +183,89 @@ async def latency(kind: type, target: str, rounds: int) -> list[float]:
         return times
 
 
-def percentile(values: list[float], q: int) -> float:
-    return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else values[0]
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time a process has used so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-async def run(args: argparse.Namespace, servers: dict[type, tuple[str, int]]) -> None:
-    targets = {kind: target for kind, (target, _) in servers.items()}
-    chunks = payload_stream(args.mib * MiB)
+def measure(options: Options, servers: dict[type, tuple[str, int]], mib: int, rounds: int) -> CaseResult:
+    result = CaseResult("channels", "Channels: one publisher, many subscribers", INTRO)
+    chunks = payload_stream(mib * MiB)
     total = sum(map(len, chunks))
-    kinds = list(targets)
-    print(f"throughput: one publisher, {total / MiB:.0f} MiB of 4 MiB payloads in 1 MiB chunks; MiB/s per subscriber")
-    print(f"{'subscribers':>11}" + "".join(f"  {k.name:>10}" for k in kinds) + "".join(f"  {k.name + '/relay':>16}" for k in kinds[1:])
-          + "".join(f"  {'cpu s/GiB ' + k.name:>20}" for k in kinds))
-    for subscribers in args.subscribers:
-        rates, cpu = {}, {}
+    payloads = total // PAYLOAD
+    kinds = list(servers)
+    throughput_table = Table(
+        f"Throughput: {fmt_size(total)} in {payloads} payloads of {fmt_size(PAYLOAD)}",
+        ["subscribers", "server", "median MiB/s per subscriber", "spread", "tensors/s delivered (all subscribers)",
+         "vs bare relay", "server CPU s/GiB delivered"],
+        note="From the first byte published to the last one received by every subscriber; tensors/s counts "
+             "every delivery (payloads x subscribers).")
+    series: dict[str, dict] = {"throughput": {}, "latency": {}}
+    for subscribers in (1, 4) if options.quick else (1, 4, 16):
+        cpu: dict[type, list[float]] = {k: [] for k in kinds}
+
+        def round_of(kind: type):
+            def one() -> float:
+                target, pid = servers[kind]
+                used = cpu_seconds(pid)
+                seconds = asyncio.run(throughput(kind, target, subscribers, chunks))
+                cpu[kind].append((cpu_seconds(pid) - used) / (subscribers * total / GiB))
+                return seconds
+            return one
+
+        timings = alternate({k.name: round_of(k) for k in kinds}, options.repetitions())
+        base = timings[Relay.name]["time"].median
         for kind in kinds:
-            pid = servers[kind][1]
-            used = cpu_seconds(pid)
-            seconds = min([await throughput(kind, targets[kind], subscribers, chunks) for _ in range(args.repeat)])
-            cpu[kind] = (cpu_seconds(pid) - used) / (args.repeat * subscribers * total / (1 << 30))
-            rates[kind] = total / seconds / MiB
-        line = f"{subscribers:>11}" + "".join(f"  {rates[k]:>10.0f}" for k in kinds)
-        line += "".join(f"  {rates[k] / rates[kinds[0]]:>16.2f}" for k in kinds[1:])
-        print(line + "".join(f"  {cpu[k]:>20.2f}" for k in kinds))
-    print(f"latency: one 4 KiB payload published, then read by one subscriber ({args.latency_rounds} rounds)")
-    print(f"{'':>11}  {'p50 us':>8}  {'p99 us':>8}  {'p50/relay':>9}  {'p99/relay':>9}")
-    base = None
+            samples = timings[kind.name]["time"]
+            throughput_table.add(subscribers, kind.name, f"{total / samples.median / MiB:.0f}",
+                                 f"{total / samples.high / MiB:.0f} – {total / samples.low / MiB:.0f}",
+                                 f"{payloads * subscribers / samples.median:.0f}", fmt_ratio(base / samples.median),
+                                 f"{statistics.median(cpu[kind]):.2f}")
+            series["throughput"].setdefault(kind.name, []).append([subscribers, total / samples.median])
+    latency_table = Table(f"Latency of one {fmt_size(LATENCY_PAYLOAD)} payload, publisher to subscriber",
+                          ["server", "p50", "p90", "p99", "p50 vs bare relay", "p99 vs bare relay"],
+                          note=f"{rounds} round trips per repetition, {options.repetitions()} repetitions "
+                               "alternating; percentiles over all of them.")
+    times: dict[str, list[float]] = {k.name: [] for k in kinds}
+
+    def latency_round(kind: type):
+        def one() -> float:
+            got = asyncio.run(latency(kind, servers[kind][0], rounds))
+            times[kind.name].extend(got)
+            return statistics.median(got)
+        return one
+
+    alternate({k.name: latency_round(k) for k in kinds}, options.repetitions())
+    base50, base99 = percentile(times[Relay.name], 50), percentile(times[Relay.name], 99)
     for kind in kinds:
-        times = await latency(kind, targets[kind], args.latency_rounds)
-        p50, p99 = percentile(times, 50) * 1e6, percentile(times, 99) * 1e6
-        base = base or (p50, p99)
-        print(f"{kind.name:>11}  {p50:>8.0f}  {p99:>8.0f}  {p50 / base[0]:>9.2f}  {p99 / base[1]:>9.2f}")
+        values = times[kind.name]
+        p50, p90, p99 = (percentile(values, q) for q in (50, 90, 99))
+        latency_table.add(kind.name, fmt_time(p50), fmt_time(p90), fmt_time(p99), fmt_ratio(p50 / base50),
+                          fmt_ratio(p99 / base99))
+        series["latency"][kind.name] = {str(q): percentile(values, q) for q in (50, 75, 90, 95, 99, 99.9)}
+    result.tables += [throughput_table, latency_table]
+    result.data = series
+    return result
+
+
+def run(options: Options) -> CaseResult:
+    mib = 64 if options.quick else 256
+    rounds = 500 if options.quick else 2000
+    queue = str(64 * MiB // CHUNK)  # the relay buffers as much as a subscriber's default bound
+    with (
+        tempfile.TemporaryDirectory(dir=options.tmp) as tmp,
+        tannery_server(Path(tmp) / "data") as app,
+        Subprocess("-m", "tests.benchmarks.bench_channels", "--serve-relay", "--queue", queue) as relay,
+    ):
+        servers = {Relay: (relay.target, relay.pid), Tannery: (app.target, app.pid)}
+        return measure(options, servers, mib, rounds)
 
 
 def main() -> None:
+    """The bare relay's server (``--serve-relay``); the benchmark itself runs from the suite."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mib", type=int, default=128, help="MiB published per throughput run")
-    parser.add_argument("--subscribers", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--repeat", type=int, default=2, help="runs per figure (the fastest is kept)")
-    parser.add_argument("--latency-rounds", type=int, default=2000)
-    parser.add_argument("--serve-relay", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--queue", type=int, default=64, help=argparse.SUPPRESS)
+    parser.add_argument("--serve-relay", action="store_true")
+    parser.add_argument("--queue", type=int, default=64)
     args = parser.parse_args()
     if args.serve_relay:
         asyncio.run(serve_relay(0, args.queue))
         return
-    queue = str(64 * MiB // CHUNK)  # the relay buffers as much as a subscriber's default bound
-    with (
-        tempfile.TemporaryDirectory() as tmp,
-        ServerProcess(Path(tmp) / "data") as app,
-        bench_server("--serve-relay", "--queue", queue) as relay,
-    ):
-        asyncio.run(run(args, {Relay: relay, Tannery: (app.target, app.pid)}))
+    parser.error("run the benchmark with: python -m tests.benchmarks --cases channels")
 
 
 if __name__ == "__main__":

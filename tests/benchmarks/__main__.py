@@ -1,0 +1,76 @@
+"""Run the benchmark suite: ``python -m tests.benchmarks [--quick] [--cases ...] [--sizes ...]``.
+
+Each case writes ``bench-results/<case>.md`` (printed too) and ``<case>.json``; the plots
+are drawn from the JSON into ``docs/bench/`` (``--no-plots`` to skip). ``make bench`` runs
+this with ``BENCH_ARGS``, for example ``make bench BENCH_ARGS="--quick --cases transport"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+from pathlib import Path
+
+from .harness import Options, environment, free_memory, load_average, parse_size
+
+#: Case name -> module (each has ``run(options) -> CaseResult``), in the order they run.
+CASES = {
+    "codec": "bench_codec",
+    "transport": "bench_transport",
+    "fetch": "bench_fetch_by_name",
+    "channels": "bench_channels",
+    "memory": "bench_memory",
+    "scale": "bench_scale",
+}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m tests.benchmarks", description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES), metavar="CASE",
+                        help=f"cases to run (default all: {' '.join(CASES)})")
+    parser.add_argument("--quick", action="store_true", help="small sizes and 3 repetitions (a few minutes)")
+    parser.add_argument("--sizes", nargs="+", type=parse_size, metavar="SIZE",
+                        help="sizes for the cases that take sizes (e.g. 1MiB 64MiB 1GiB), instead of their own")
+    parser.add_argument("--reps", type=int, help="repetitions of each competitor (default 5, 3 with --quick)")
+    parser.add_argument("--only", nargs="+", metavar="WORD",
+                        help="only the competitors whose names contain one of these words (baselines always run)")
+    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="where the tables go")
+    parser.add_argument("--plots", type=Path, default=Path("docs/bench"), help="where the PNG plots go")
+    parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--tmp", type=Path, default=None, help="parent of the temporary data (default: $TMPDIR)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    options = Options(quick=args.quick, sizes=args.sizes, reps=args.reps, only=args.only)
+    if args.tmp is not None:
+        options.tmp = args.tmp
+    started = time.perf_counter()
+    print(f"# tannery benchmarks ({'quick' if args.quick else 'full'}): {' '.join(args.cases)}", flush=True)
+    print(environment(), flush=True)
+    written = []
+    for case in args.cases:
+        module = importlib.import_module(f"{__package__}.{CASES[case]}")
+        print(f"\n... {case} (load average {load_average()})", flush=True)
+        case_started = time.perf_counter()
+        result = module.run(options)
+        result.seconds = time.perf_counter() - case_started
+        path = result.write(args.out, environment(f"{'quick' if args.quick else 'full'} mode"))
+        print(path.read_text(), flush=True)
+        written.append(path)
+        free_memory()
+    if not args.no_plots:
+        from . import plots
+
+        for path in plots.draw(args.out, args.plots, [c for c in args.cases]):
+            print(f"plot: {path}")
+    print(f"\n{len(written)} cases in {time.perf_counter() - started:.0f} s; tables in {args.out}/; "
+          f"load average {load_average()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
