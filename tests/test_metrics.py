@@ -148,7 +148,7 @@ def test_metrics_can_be_switched_off(tmp_path):
 
 def test_a_busy_metrics_port_stops_the_start(tmp_path):
     with running_server(tmp_path / "one") as first:
-        with pytest.raises(OSError):
+        with pytest.raises(OSError, match=f"cannot serve metrics on 127.0.0.1:{first.metrics_port}: .*--metrics-port"):
             with running_server(tmp_path / "two", metrics_port=first.metrics_port):
                 pass
 

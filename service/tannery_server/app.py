@@ -153,7 +153,12 @@ async def start(config: Config) -> RunningServer:
         if metrics is not None:
             closers.append(metrics.close)
             metrics_host = config.metrics_host or config.host
-            metrics_port = metrics.serve(metrics_host, config.metrics_port)
+            try:
+                metrics_port = metrics.serve(metrics_host, config.metrics_port)
+            except OSError as exc:
+                raise OSError(exc.errno, f"cannot serve metrics on {metrics_host}:{config.metrics_port}: "
+                              f"{exc.strerror or exc} (set TANNERY_METRICS_PORT / --metrics-port, or "
+                              f"TANNERY_METRICS=off)") from None
             log.info("metrics on http://%s:%d/metrics", metrics_host, metrics_port)
         await server.start()
     except BaseException:
