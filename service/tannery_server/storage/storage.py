@@ -22,7 +22,7 @@ from typing import Callable, Iterable, Sequence, TypeVar
 
 from .base import ArchiveRecord, BlobFile, BlobInfo, BlobStore, Catalog, EntryRecord, Limits, TempBlob
 from .file_blobs import FileBlobStore
-from .integrity import BLOCK_SIZE, PayloadDigest
+from .integrity import BLOCK_SIZE, PayloadDigest, verify_digest
 from .sqlite_catalog import SqliteCatalog
 
 log = logging.getLogger("tannery_server.storage")
@@ -234,3 +234,22 @@ class Storage:
 
     def open_blob(self, digest: str) -> BlobFile:
         return self.blobs.open(digest)
+
+    def scrub(self) -> list[str]:
+        """Re-hash every referenced blob and compare it with its name (the SHA-256 a Fetch no
+        longer recomputes: it checks the cheaper block CRCs); the digests of blobs that are
+        missing, of the wrong size, or no longer match."""
+        bad = []
+        for digest in sorted(self.catalog.referenced_digests()):
+            info = self.catalog.blob(digest)
+            try:
+                blob = self.blobs.open(digest)
+            except FileNotFoundError:
+                bad.append(digest)
+                continue
+            try:
+                if info is None or blob.size != info.size or not verify_digest(blob.read_into, blob.size, digest):
+                    bad.append(digest)
+            finally:
+                blob.close()
+        return bad
