@@ -124,6 +124,7 @@ async def start(config: Config) -> RunningServer:
             from .metrics import ServerMetrics  # prometheus_client is loaded only when asked for
 
             metrics = ServerMetrics()
+            closers.append(metrics.close)
             metrics.watch_storage(storage)
             observers.append(metrics.observe_call)
         interceptors: list = [CallLogInterceptor(observers)]
@@ -151,7 +152,6 @@ async def start(config: Config) -> RunningServer:
         if port == 0:
             raise OSError(f"cannot listen on {config.host}:{config.port}")
         if metrics is not None:
-            closers.append(metrics.close)
             metrics_host = config.metrics_host or config.host
             try:
                 metrics_port = metrics.serve(metrics_host, config.metrics_port)
