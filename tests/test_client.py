@@ -550,6 +550,8 @@ def test_publish_progress_and_an_empty_publish(client):
 
 
 def test_a_bad_tensor_in_a_publish_raises_its_own_error(client):
+    with pytest.raises(TypeError, match=r"for one tensor t, give \[t\]"):
+        client.publish("c", torch.ones(3))  # not three payloads of its rows
     with client.subscribe("c") as frames:
         with pytest.raises(TypeError, match="Client.publish: tensor 1: str is not a tensor"):
             client.publish("c", [torch.ones(1), "nope"])

@@ -32,8 +32,8 @@ import torch
 from .archive import Archive, MemoryArchive
 from .calls import (
     ArchiveDescription, ArchiveInfo, Deleted, EntryReader, Methods, PayloadReader, Progress, Published,
-    archive_to_store, check_fetched, fetch_request, list_request, plan_state_dict, publish_messages, store_messages,
-    union_request,
+    archive_to_store, check_fetched, check_tensors, fetch_request, list_request, plan_state_dict, publish_messages,
+    store_messages, union_request,
 )
 from .connection import Connection, TLSLike, rpc_error, service_error
 from .remote import AsyncRemoteArchive
@@ -213,6 +213,7 @@ class Client:
     async def publish(self, channel: str, tensors: Iterable[Any] | AsyncIterable[Any], *,
                       progress: Progress = None) -> Published:
         """As :meth:`tannery.Client.publish`; ``tensors`` may also be an async iterable."""
+        check_tensors(tensors)
         chunk_size = self._connection.chunk_size
 
         async def messages():

@@ -201,6 +201,12 @@ def store_messages(
                 progress(sum(piece.nbytes for piece in chunk))
 
 
+def check_tensors(tensors: Any) -> None:
+    """A publish takes an iterable of tensors: one tensor (iterable over its rows) is refused."""
+    if isinstance(tensors, (torch.Tensor, np.ndarray)):
+        raise TypeError("Client.publish: tensors is an iterable of tensors; for one tensor t, give [t]")
+
+
 def publish_messages(
     tensor: Any, channel: str | None, chunk_size: int, progress: Progress = None, index: int = 0
 ) -> Iterator[bytes]:
@@ -416,6 +422,7 @@ __all__ = [
     "StateDictPlan",
     "archive_to_store",
     "check_fetched",
+    "check_tensors",
     "entry_ask",
     "fetch_request",
     "list_request",

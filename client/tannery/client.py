@@ -28,8 +28,8 @@ import torch
 from .archive import Archive, MemoryArchive
 from .calls import (
     ArchiveDescription, ArchiveInfo, Deleted, EntryReader, Methods, PayloadReader, Progress, Published,
-    archive_to_store, check_fetched, fetch_request, list_request, plan_state_dict, publish_messages, store_messages,
-    union_request,
+    archive_to_store, check_fetched, check_tensors, fetch_request, list_request, plan_state_dict, publish_messages,
+    store_messages, union_request,
 )
 from .connection import Connection, TLSLike, rpc_error
 from .remote import RemoteArchive
@@ -141,7 +141,7 @@ class Client:
 
         Entries stream one at a time, each tensor's bytes copied once, into its messages.
         AlreadyExists unless ``replace``; the archive appears whole or not at all.
-        ``progress`` is called with the bytes of each message sent.
+        ``progress`` is called with the tensor bytes (payload bytes) of each message sent.
         """
         archive, rest = archive_to_store(value, prefix)
         messages = _Guarded(store_messages(name, archive, rest, replace, self._connection.chunk_size, progress))
@@ -150,7 +150,7 @@ class Client:
 
     def archive(self, name: str, *, progress: Progress = None) -> RemoteArchive:
         """The archive ``name`` as a :class:`RemoteArchive` (one Describe; reads fetch only what
-        they return). ``progress`` is called with the bytes of each message received."""
+        they return). ``progress`` is called with the payload bytes of each message received."""
         return RemoteArchive(self.describe(name), self._transfer(name, progress))
 
     def fetch(self, name: str, names: Iterable[str] | None = None, prefix: str | None = None, *,
@@ -199,6 +199,7 @@ class Client:
     def publish(self, channel: str, tensors: Iterable[Any], *, progress: Progress = None) -> Published:
         """Publish ``tensors`` (torch tensors or numpy arrays, any iterable, read as sent) on
         ``channel``, in one stream; returns what was published."""
+        check_tensors(tensors)
         chunk_size = self._connection.chunk_size
 
         def messages() -> Iterator[bytes]:
