@@ -35,7 +35,8 @@ def cmd_pull(args: argparse.Namespace, out: Output) -> int:
         if names is not None:
             missing = [name for name in names if name not in described]
             if missing:
-                raise CommandError(f"{args.name}: no entry {', '.join(map(repr, missing))} in the archive")
+                raise CommandError(f"{args.name}: no entry {', '.join(map(repr, missing))} in the archive"
+                                   + _did_you_mean(missing[0], list(described)))
             selected = names
         else:
             selected = [name for name in described if owns(args.prefix or "", name)]
@@ -90,6 +91,8 @@ def cmd_get(args: argparse.Namespace, out: Output) -> int:
         raise CommandError(f"{args.output}: write a .npy or .pt file")
     with connect(args) as client:
         remote = client.archive(args.name)
+        if args.entry not in remote:
+            raise CommandError(f"{args.name}: no entry {args.entry!r} in the archive{_did_you_mean(args.entry, remote.names())}")
         info = remote.info(args.entry)
         tensor = remote.find(args.entry)
     if args.output is not None:
@@ -147,8 +150,9 @@ def union_sources(plain: list[str], prefixed: list[str]) -> dict[str, str] | lis
 def cmd_rm(args: argparse.Namespace, out: Output) -> int:
     with connect(args) as client:
         for name in args.names:
-            client.delete(name)
-            out.status(f"deleted {name}")
+            deleted = client.delete(name)
+            freed = getattr(deleted, "bytes_freed", None)
+            out.status(f"deleted {name}" + (f" ({human_size(freed)} freed)" if freed is not None else ""))
     return 0
 
 
@@ -171,11 +175,25 @@ def entries_of(description: Any) -> list[Any]:
     return list(entries.values() if isinstance(entries, dict) else entries)
 
 
+def _did_you_mean(name: str, names: list[str]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, names, n=3)
+    return f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+
+
 def _split_names(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",") if name.strip()]
     if not names:
         raise CommandError("--names: no entry names given")
     return names
+
+
+def name_arg(text: str) -> str:
+    """An archive, entry or channel name on the command line: not empty."""
+    if not text:
+        raise argparse.ArgumentTypeError("a name cannot be empty")
+    return text
 
 
 def _entries(count: int) -> str:
@@ -213,7 +231,7 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
         cmd_push,
     )
     push.add_argument("file", metavar="FILE", help="the checkpoint file")
-    push.add_argument("--as", dest="name", metavar="NAME", required=True, help="the archive's name")
+    push.add_argument("--as", dest="name", metavar="NAME", type=name_arg, required=True, help="the archive's name")
     push.add_argument("--prefix", metavar="P", default="", help="store every entry under P (w becomes P.w)")
     push.add_argument("--replace", action="store_true", help="replace an archive of that name (default: refuse)")
 
@@ -226,7 +244,7 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
         "  tannery pull bert -o two.tannic --names encoder.w,encoder.b\n",
         cmd_pull,
     )
-    pull.add_argument("name", metavar="NAME", help="the archive")
+    pull.add_argument("name", metavar="NAME", type=name_arg, help="the archive")
     pull.add_argument("-o", "--output", metavar="FILE", required=True, help="the file to write (.safetensors or .tannic)")
     which = pull.add_mutually_exclusive_group()
     which.add_argument("--prefix", metavar="P", help="only the entries under P (P itself and P.*)")
@@ -248,7 +266,7 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
         "  tannery show resnet50\n  tannery show resnet50 --json | jq '.entries[].name'\n",
         cmd_show,
     )
-    show.add_argument("name", metavar="NAME", help="the archive")
+    show.add_argument("name", metavar="NAME", type=name_arg, help="the archive")
     show.add_argument("--json", action="store_true", help="print JSON (keys above)")
 
     get = command(
@@ -259,8 +277,8 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
         "  tannery get resnet50 fc.weight\n  tannery get resnet50 fc.bias -o bias.npy --json\n",
         cmd_get,
     )
-    get.add_argument("name", metavar="NAME", help="the archive")
-    get.add_argument("entry", metavar="ENTRY", help="the entry's full name")
+    get.add_argument("name", metavar="NAME", type=name_arg, help="the archive")
+    get.add_argument("entry", metavar="ENTRY", type=name_arg, help="the entry's full name")
     get.add_argument("-o", "--output", metavar="FILE", help="also write the tensor to FILE.npy or FILE.pt")
     get.add_argument("--json", action="store_true", help="print JSON (keys above)")
 
@@ -272,8 +290,8 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
         "  tannery union model --prefix encoder=bert --prefix decoder=gpt2\n",
         cmd_union,
     )
-    union.add_argument("target_name", metavar="TARGET", help="the new archive")
-    union.add_argument("sources", metavar="SRC", nargs="*", help="source archives, entries kept as named")
+    union.add_argument("target_name", metavar="TARGET", type=name_arg, help="the new archive")
+    union.add_argument("sources", metavar="SRC", type=name_arg, nargs="*", help="source archives, entries kept as named")
     union.add_argument("--prefix", dest="prefixed", metavar="P=SRC", action="append",
                        help="a source whose entries go under P (repeat for several)")
     union.add_argument("--replace", action="store_true", help="replace an archive named TARGET (default: refuse)")
@@ -284,4 +302,4 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
         "  tannery rm resnet50\n  tannery rm old-1 old-2\n",
         cmd_rm,
     )
-    rm.add_argument("names", metavar="NAME", nargs="+", help="the archives to delete")
+    rm.add_argument("names", metavar="NAME", type=name_arg, nargs="+", help="the archives to delete")

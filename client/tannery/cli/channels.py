@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from .archives import name_arg
 from .connection import connect
 from .errors import CommandError
 from .output import Output, human_size
@@ -86,7 +87,7 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
         "receive them. Every file is opened before the first tensor is sent.",
         epilog="examples:\n  tannery publish activations x.npy y.npy\n  tannery publish weights model.safetensors\n",
     )
-    publish.add_argument("channel", metavar="CHANNEL", help="the channel's name (any name is a channel)")
+    publish.add_argument("channel", metavar="CHANNEL", type=name_arg, help="the channel's name (any name is a channel)")
     publish.add_argument("files", metavar="FILE", nargs="+", help="tensor or checkpoint files")
     publish.set_defaults(run=cmd_publish)
 
@@ -98,7 +99,7 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
         "'subscribed to CHANNEL' goes to stderr once the subscription is registered.",
         epilog="examples:\n  tannery subscribe activations\n  tannery subscribe activations -n 2 -o received/\n",
     )
-    subscribe.add_argument("channel", metavar="CHANNEL", help="the channel's name")
+    subscribe.add_argument("channel", metavar="CHANNEL", type=name_arg, help="the channel's name")
     subscribe.add_argument("-n", "--count", metavar="COUNT", type=int, help="stop after COUNT tensors")
     subscribe.add_argument("-o", "--output", metavar="DIR", help="write each tensor to DIR (created if missing)")
     subscribe.set_defaults(run=cmd_subscribe)

@@ -7,6 +7,7 @@ script can read stdout while a person watches the bar. Nothing here imports torc
 from __future__ import annotations
 
 import datetime as dt
+import io
 import json
 import sys
 from contextlib import contextmanager
@@ -99,10 +100,20 @@ class Output:
             table.add_column(header, justify=justify, no_wrap=True, overflow="fold")
         for row in rows:
             table.add_row(*row)
-        console = self._console(self.stdout)
-        console.print(table)
+        if _isatty(self.stdout):
+            console = self._console(self.stdout)
+            console.print(table)
+            if footer:
+                console.print(footer, highlight=False, markup=False)
+            return
+        # Off a terminal: plain text, no trailing spaces, one row per line.
+        console = self._console(io.StringIO())
+        with console.capture() as captured:
+            console.print(table)
+        for line in captured.get().splitlines():
+            print(line.rstrip(), file=self.stdout)
         if footer:
-            console.print(footer, highlight=False, markup=False)
+            print(footer, file=self.stdout)
 
     @staticmethod
     def _console(stream: Any) -> Any:
