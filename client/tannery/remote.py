@@ -160,11 +160,15 @@ class AsyncRemoteArchive:
         return name in self._planner
 
     async def _answer(self, read: Callable[[RemoteArchive], Any],
-                      finish: Callable[[list[str], list[torch.Tensor]], Any] = lambda names, tensors: tensors[0]) -> Any:
+                      finish: Callable[[list[str], list[torch.Tensor]], Any] | None = None) -> Any:
+        """``read`` on the planning archive: its answer, or (where it would transfer) the
+        transfer's tensors passed through ``finish`` (default: the one tensor)."""
         try:
             return read(self._planner)
         except _Asked as asked:
             tensors = await self._transfer(asked.asks)
+            if finish is None:
+                return tensors[0]
             return finish([ask.name for ask in asked.asks], tensors)
 
     async def find(self, name: str) -> torch.Tensor | None:
