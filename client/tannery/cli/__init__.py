@@ -20,8 +20,8 @@ import time
 from typing import Sequence
 
 from .. import __version__
-from .connection import add_global_options, target_of
-from .errors import error_message
+from .connection import add_global_options, target_of, tls_options
+from .errors import error_message, hint
 from .output import Output
 
 #: Set to 1 to get a traceback for an unexpected error (a bug) instead of one line.
@@ -123,11 +123,18 @@ def _run(args: argparse.Namespace, out: Output) -> int:
     except Exception as exc:
         if os.environ.get(DEBUG_ENV):
             raise
-        message = error_message(exc, target_of(args))
+        message = error_message(exc, target_of(args)) + hint(exc, _using_tls(args))
         if not _expected(exc):
             message += f" (an unexpected {type(exc).__name__}; {DEBUG_ENV}=1 shows a traceback)"
         print(f"tannery {args.command}: error: {message}", file=sys.stderr)
         return 1
+
+
+def _using_tls(args: argparse.Namespace) -> bool:
+    try:
+        return tls_options(args) is not None
+    except Exception:
+        return False
 
 
 def _expected(exc: BaseException) -> bool:

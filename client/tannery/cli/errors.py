@@ -37,3 +37,20 @@ def _is_service_error(exc: BaseException) -> bool:
 def one_line(text: Any) -> str:
     """``text`` with its lines joined, so an error is one line."""
     return " ".join(part.strip() for part in str(text).strip().splitlines() if part.strip())
+
+
+def hint(exc: BaseException, using_tls: bool) -> str:
+    """A short suggestion for the failures whose remedy is a flag, or ""."""
+    from ..errors import Unauthenticated, Unavailable
+
+    if isinstance(exc, Unauthenticated):
+        return " (give --token, or set TANNERY_TOKEN)"
+    if isinstance(exc, Unavailable):
+        text = str(exc)
+        if not using_tls and "Socket closed" in text:
+            return " (if the server uses TLS, give --tls-ca CA.pem or --tls)"
+        if using_tls and "Socket closed" in text:
+            return " (if the server asks for a client certificate, give --tls-cert and --tls-key)"
+        if using_tls and "WRONG_VERSION_NUMBER" in text:
+            return " (the server does not seem to use TLS: leave out --tls)"
+    return ""
