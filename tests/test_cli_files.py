@@ -392,3 +392,13 @@ def test_a_pickle_bomb_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert main(["push", str(path), "--as", "x", "--target", "127.0.0.1:1"]) == 1
     out = capsys.readouterr()
     assert "ran!" not in out.out and "not a checkpoint torch.load(weights_only=True) can read" in out.err
+
+
+def test_json_keeps_shapes_on_one_line_and_strings_intact() -> None:
+    from tannery.cli.output import compact_json
+
+    value = {"shape": [10, 64], "empty": [], "stats": {"min": -1.5e-3}, "preview": "[\n 0.1, ..., 2 ]",
+             "entries": [{"shape": [3]}], "names": ["a", "b"]}
+    text = compact_json(value)
+    assert json.loads(text) == value
+    assert '"shape": [10, 64]' in text and '"shape": [3]' in text and '"names": [\n' in text

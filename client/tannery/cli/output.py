@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as dt
 import io
 import json
+import re
 import sys
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
@@ -56,6 +57,16 @@ def local_time(value: Any) -> str:
     return "-" if when is None else when.astimezone().strftime("%Y-%m-%d %H:%M:%S")
 
 
+#: A list of numbers that json.dumps spread over lines (a raw newline never occurs inside a JSON string).
+_NUMBER_LIST = re.compile(r"\[\n\s*([-+0-9.eE,\s]*?)\n\s*\]")
+
+
+def compact_json(value: Any) -> str:
+    """``value`` as JSON indented by two, with lists of numbers such as shapes on one line."""
+    text = json.dumps(value, indent=2, allow_nan=False)
+    return _NUMBER_LIST.sub(lambda m: "[" + " ".join(m.group(1).split()) + "]", text)
+
+
 class Output:
     """Where a command writes: stdout for results, stderr for progress and errors.
 
@@ -83,9 +94,8 @@ class Output:
             print(text, file=self.stderr, flush=True)
 
     def json(self, value: Any) -> None:
-        """``value`` as indented JSON on stdout."""
-        json.dump(value, self.stdout, indent=2, allow_nan=False)
-        self.stdout.write("\n")
+        """``value`` as indented JSON on stdout, lists of numbers (shapes) on one line."""
+        print(compact_json(value), file=self.stdout)
 
     def table(self, columns: Sequence[tuple[str, str]], rows: Sequence[Sequence[str]], footer: str | None = None) -> None:
         """A table on stdout: ``columns`` are (header, justify) pairs, ``rows`` strings.
