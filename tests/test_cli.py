@@ -105,7 +105,9 @@ def test_safetensors_file_pushed_then_every_tensor_fetched_by_name(cli: Cli, tmp
         assert entry["nbytes"] == tensor.numel() * tensor.element_size() or entry["dtype"] == "bool"
     for name, tensor in theirs.items():
         out = tmp_path / f"{name}.pt"
-        cli.ok("get", "foreign", name, "-o", str(out), "--json")
+        code, printed, err = cli("get", "foreign", name, "-o", str(out), "--json")
+        assert code == 0 and err == f"wrote {out}\n"
+        assert json.loads(printed)["shape"] == list(tensor.shape)
         assert _same(torch.load(out, weights_only=True), tensor), name
 
 
@@ -144,7 +146,7 @@ def test_tannic_pairs_pushed_then_fetched_byte_for_byte(cli: Cli, tannic_nn: Pat
         name: ("float32", [nbytes // 4]) for name, _, nbytes in TANNIC_NN[stem]}
     for name, offset, nbytes in TANNIC_NN[stem]:
         out = tmp_path / f"{name}.npy"
-        cli.ok("get", stem, name, "-o", str(out), "--json")
+        cli.ok("get", stem, name, "-o", str(out), "-q")
         raw = data[HEADER_BYTES + offset : HEADER_BYTES + offset + nbytes]
         array = np.load(out)
         assert array.dtype == np.float32 and array.tobytes() == raw, name

@@ -113,7 +113,9 @@ def _is_grpc_thread(thread: threading.Thread) -> bool:
 def _run(args: argparse.Namespace, out: Output) -> int:
     """Run the parsed subcommand; a failure becomes one line on stderr and status 1."""
     try:
-        return int(args.run(args, out) or 0)
+        status = int(args.run(args, out) or 0)
+        sys.stdout.flush()  # here, so that a closed pipe is caught below rather than at exit
+        return status
     except KeyboardInterrupt:
         raise
     except BrokenPipeError:

@@ -115,7 +115,7 @@ def cmd_get(args: argparse.Namespace, out: Output) -> int:
             out.line(f"{key:<{width}}  {value}")
         out.line(shown)
     if args.output is not None:
-        out.status(f"wrote {args.output}")
+        (out.note if args.json else out.status)(f"wrote {args.output}")  # stdout stays JSON only
     return 0
 
 
