@@ -20,8 +20,8 @@ from tannery.cli import main
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("TANNERY_TARGET", "TANNERY_TOKEN", "TANNERY_TLS", "TANNERY_TLS_CA", "TANNERY_TLS_CERT",
-                 "TANNERY_TLS_KEY", "TANNERY_DEBUG"):
+    for name in ("TANNERY_TARGET", "TANNERY_TOKEN", "TANNERY_TLS", "TANNERY_TLS_CA", "TANNERY_CLIENT_CERT",
+                 "TANNERY_CLIENT_KEY", "TANNERY_DEBUG"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -539,6 +539,6 @@ def test_tls_and_mutual_tls(tmp_path: Path, capsys: pytest.CaptureFixture[str], 
         err = cli.fails("ls", "--tls-ca", str(ca.path))  # no client certificate
         assert err.endswith(" (if the server asks for a client certificate, give --tls-cert and --tls-key)\n")
         monkeypatch.setenv("TANNERY_TLS_CA", str(ca.path))
-        monkeypatch.setenv("TANNERY_TLS_CERT", str(client_cert))
-        monkeypatch.setenv("TANNERY_TLS_KEY", str(client_key))
+        monkeypatch.setenv("TANNERY_CLIENT_CERT", str(client_cert))
+        monkeypatch.setenv("TANNERY_CLIENT_KEY", str(client_key))
         assert cli.json("ls") == []

@@ -292,7 +292,7 @@ def test_global_options_before_or_after_the_subcommand() -> None:
 
 
 def test_tls_options(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    for name in ("TANNERY_TLS", "TANNERY_TLS_CA", "TANNERY_TLS_CERT", "TANNERY_TLS_KEY"):
+    for name in ("TANNERY_TLS", "TANNERY_TLS_CA", "TANNERY_CLIENT_CERT", "TANNERY_CLIENT_KEY"):
         monkeypatch.delenv(name, raising=False)
     parser = build_parser()
     assert tls_options(parser.parse_args(["ls"])) is None

@@ -130,8 +130,8 @@ class BlockingSubscription:
 @pytest.fixture(autouse=True)
 def no_client_environment(monkeypatch):
     """The clients' defaults come from TANNERY_* variables: none of the caller's apply here."""
-    for name in ("TANNERY_TARGET", "TANNERY_TOKEN", "TANNERY_TLS", "TANNERY_TLS_CA", "TANNERY_TLS_CERT",
-                 "TANNERY_TLS_KEY"):
+    for name in ("TANNERY_TARGET", "TANNERY_TOKEN", "TANNERY_TLS", "TANNERY_TLS_CA", "TANNERY_CLIENT_CERT",
+                 "TANNERY_CLIENT_KEY"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -705,8 +705,8 @@ def test_tls_and_mutual_tls(tmp_path, connect, pki, monkeypatch):
                 connect(secured.target, tls=refused, timeout=10).list()
         # TANNERY_TLS_* are the defaults, and tls=False overrides them.
         monkeypatch.setenv("TANNERY_TLS_CA", str(pki["ca"]))
-        monkeypatch.setenv("TANNERY_TLS_CERT", str(pki["client_cert"]))
-        monkeypatch.setenv("TANNERY_TLS_KEY", str(pki["client_key"]))
+        monkeypatch.setenv("TANNERY_CLIENT_CERT", str(pki["client_cert"]))
+        monkeypatch.setenv("TANNERY_CLIENT_KEY", str(pki["client_key"]))
         assert len(connect(secured.target).list()) == 1
         with pytest.raises(tannery.Unavailable):
             connect(secured.target, tls=False, timeout=10).list()
@@ -723,3 +723,15 @@ def test_bad_tls_settings_are_named(tmp_path, connect):
         connect("127.0.0.1:1", tls="yes")
     with pytest.raises(ValueError, match="chunk_size 0 is not in"):
         connect("127.0.0.1:1", chunk_size=0)
+
+
+def test_the_servers_certificate_variables_do_not_become_the_clients():
+    """The server reads TANNERY_TLS_CERT/KEY as its own certificate; a client in the same
+    shell must not present it (the client's are TANNERY_CLIENT_CERT/KEY)."""
+    from tannery.connection import Connection
+
+    server_env = {"TANNERY_TLS_CERT": "server.pem", "TANNERY_TLS_KEY": "server.key"}
+    assert Connection(env=server_env).tls is None
+    client_env = {"TANNERY_TLS_CA": "ca.pem", "TANNERY_CLIENT_CERT": "c.pem", "TANNERY_CLIENT_KEY": "c.key"}
+    tls = Connection(env={**server_env, **client_env}).tls
+    assert (tls.ca, tls.cert, tls.key) == ("ca.pem", "c.pem", "c.key")

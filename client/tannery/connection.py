@@ -6,8 +6,10 @@ builds the channel credentials and options, and carries the token as call metada
 public API, with the server's message.
 
 Environment: ``TANNERY_TARGET`` (default ``localhost:50051``), ``TANNERY_TOKEN``, and
-``TANNERY_TLS_CA``, ``TANNERY_TLS_CERT``, ``TANNERY_TLS_KEY`` (paths; any of them, or
-``TANNERY_TLS=1``, turns TLS on when ``tls`` is not given).
+``TANNERY_TLS_CA`` (the CA that signed the server's certificate), ``TANNERY_CLIENT_CERT``
+and ``TANNERY_CLIENT_KEY`` (a client certificate for mutual TLS): paths; any of them, or
+``TANNERY_TLS=1``, turns TLS on when ``tls`` is not given. The client's certificate has
+names of its own because the server reads ``TANNERY_TLS_CERT``/``_KEY`` as *its* certificate.
 """
 
 from __future__ import annotations
@@ -53,15 +55,17 @@ class TLS:
 
     @staticmethod
     def from_env(env: Mapping[str, str]) -> "TLS | None":
-        """TLS from ``TANNERY_TLS_CA``/``_CERT``/``_KEY`` (or ``TANNERY_TLS=1`` for the system's
-        roots), None when none is set."""
-        values = {field: env.get(f"TANNERY_TLS_{field.upper()}") or None for field in ("ca", "cert", "key")}
+        """TLS from ``TANNERY_TLS_CA``, ``TANNERY_CLIENT_CERT`` and ``TANNERY_CLIENT_KEY`` (or
+        ``TANNERY_TLS=1`` for the system's roots), None when none is set."""
+        values = {field: env.get(name) or None for field, name in ENV_TLS.items()}
         if any(values.values()) or env.get("TANNERY_TLS", "").lower() in ("1", "true", "yes", "on"):
             return TLS(**values)
         return None
 
 
 TLSLike = Union[TLS, bool, None]
+#: The client's TLS settings by ``TLS`` field.
+ENV_TLS = {"ca": "TANNERY_TLS_CA", "cert": "TANNERY_CLIENT_CERT", "key": "TANNERY_CLIENT_KEY"}
 
 
 def _read(path: str | os.PathLike[str] | None, what: str) -> bytes | None:

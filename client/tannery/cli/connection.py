@@ -29,9 +29,9 @@ def add_global_options(parser: argparse.ArgumentParser, *, on_subcommand: bool) 
     group.add_argument("--tls-ca", metavar="PEM", default=default,
                        help="CA certificates that sign the server's, a PEM file; implies --tls [env TANNERY_TLS_CA]")
     group.add_argument("--tls-cert", metavar="PEM", default=default,
-                       help="client certificate for mutual TLS, a PEM file; implies --tls [env TANNERY_TLS_CERT]")
+                       help="client certificate for mutual TLS, a PEM file; implies --tls [env TANNERY_CLIENT_CERT]")
     group.add_argument("--tls-key", metavar="PEM", default=default,
-                       help="the client certificate's private key, a PEM file [env TANNERY_TLS_KEY]")
+                       help="the client certificate's private key, a PEM file [env TANNERY_CLIENT_KEY]")
     parser.add_argument("-q", "--quiet", action="store_true", default=default,
                         help="no progress bars or status lines (results and errors still print)")
 
@@ -52,9 +52,10 @@ def _env_flag(name: str) -> bool:
 
 def tls_options(args: argparse.Namespace) -> dict[str, str] | None:
     """The TLS settings as ``TLS`` keywords (ca, cert, key: PEM file paths), None for plaintext."""
-    ca = getattr(args, "tls_ca", None) or os.environ.get("TANNERY_TLS_CA") or None
-    cert = getattr(args, "tls_cert", None) or os.environ.get("TANNERY_TLS_CERT") or None
-    key = getattr(args, "tls_key", None) or os.environ.get("TANNERY_TLS_KEY") or None
+    from ..connection import ENV_TLS
+
+    ca, cert, key = (getattr(args, f"tls_{field}", None) or os.environ.get(ENV_TLS[field]) or None
+                     for field in ("ca", "cert", "key"))
     wanted = bool(getattr(args, "tls", None)) or _env_flag("TANNERY_TLS") or any((ca, cert, key))
     if not wanted:
         return None
