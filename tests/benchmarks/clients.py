@@ -13,6 +13,7 @@ import io
 import os
 import socket
 import struct
+import warnings
 from pathlib import Path
 from typing import Iterator
 
@@ -246,7 +247,9 @@ class ArrowFlight:
         table = self.client.do_get(self.flight.Ticket(b"t")).read_all()
         column = table.column(0)
         array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
-        return torch.from_numpy(array.to_numpy(zero_copy_only=False))
+        with warnings.catch_warnings():  # Arrow's memory is read-only: torch warns, and shares it all the same
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(array.to_numpy(zero_copy_only=False))
 
     def clear(self) -> None:
         list(self.client.do_action(self.flight.Action("clear", b"")))
