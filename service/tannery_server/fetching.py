@@ -9,7 +9,7 @@ every byte sent comes from a block (1 MiB) checked against the CRC-32 recorded w
 was stored, and no message leaves before the blocks it holds are checked, so a corrupted
 blob is DATA_LOSS and none of its corrupted bytes is served. A whole entry reads every
 block; a row range reads only the blocks that cover it. (The SHA-256 that names a blob is
-checked on demand by :meth:`Storage.scrub`, not on every read: it costs 3x the CRCs.)
+checked on demand by :meth:`Storage.scrub`, not on every read: it costs twice the CRCs.)
 
 Memory stays bounded: a float cast converts one window of elements at a time.
 """

@@ -2,7 +2,7 @@
 
 The SHA-256 names the blob (equal payloads are stored once) and is computed while a
 payload is received; :func:`verify_digest` checks it again on demand (a scrub). What is
-served is checked by the block CRCs (zlib.crc32: about 3x cheaper than SHA-256 here, and
+served is checked by the block CRCs (zlib.crc32: half the cost of SHA-256 here, and
 it releases the GIL): each block is checked before any of its bytes are sent, whether the
 whole payload or a row range is asked for, so a corrupted block is never served.
 """
