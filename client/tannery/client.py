@@ -17,6 +17,7 @@ Every failure raises a tannery exception with the server's message (``NotFound``
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -99,12 +100,20 @@ class Client:
 
     @contextmanager
     def _errors(self, sent: _Guarded | None = None) -> Iterator[None]:
-        """Raise a failed call's tannery exception (or the exception that stopped its messages)."""
+        """Raise a failed call's tannery exception (or the exception that stopped its messages).
+
+        For a streaming upload (``sent``), first wait for gRPC's request-sending thread: after
+        a refused call it lingers up to 0.1 s, and a program that exits meanwhile aborts inside
+        gRPC's C++ code ("terminate called without an active exception").
+        """
+        started = set(threading.enumerate()) if sent is not None else set()
         try:
             yield
         except grpc.RpcError as error:
-            if sent is not None and sent.error is not None:
-                raise sent.error from None
+            if sent is not None:
+                _join_new_grpc_threads(started)
+                if sent.error is not None:
+                    raise sent.error from None
             raise rpc_error(error, self._connection.target) from None
 
     def _unary(self, method: Any, request: Any) -> Any:
@@ -227,6 +236,15 @@ class Client:
             if call.done() and call.code() is not grpc.StatusCode.OK:
                 raise call  # the RpcError of a refused subscription
         return Subscription(call, PayloadReader(progress), self._connection.target)
+
+
+def _join_new_grpc_threads(started: set[threading.Thread], timeout: float = 2.0) -> None:
+    """Wait (bounded) for the gRPC threads that were not running in ``started`` to end."""
+    deadline = time.monotonic() + timeout
+    for thread in threading.enumerate():
+        target = getattr(thread, "_target", None)
+        if thread not in started and (getattr(target, "__module__", None) or "").startswith("grpc"):
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def _channel_only(channel: str) -> Iterator[bytes]:

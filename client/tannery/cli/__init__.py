@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import threading
-import time
 from typing import Sequence
 
 from .. import __version__
@@ -85,29 +83,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parsed = build_parser().parse_args(args)
         # gRPC's C core logs failed TLS handshakes and the like on stderr; the error line says it.
         os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-        started = set(threading.enumerate())
-        try:
-            return _run(parsed, Output(quiet=bool(parsed.quiet)))
-        finally:
-            _settle(started)
+        return _run(parsed, Output(quiet=bool(parsed.quiet)))
     except KeyboardInterrupt:
         print("tannery: interrupted", file=sys.stderr)
         return 130
-
-
-def _settle(started: set[threading.Thread], timeout: float = 2.0) -> None:
-    """Wait a little for gRPC's threads the command started: the request-sending thread of a
-    refused Store or Publish lingers up to 0.1 s after the call ended, and the process exiting
-    while it is inside gRPC's C++ code aborts ("terminate called without an active exception")."""
-    deadline = time.monotonic() + timeout
-    for thread in threading.enumerate():
-        if thread not in started and thread.daemon and _is_grpc_thread(thread):
-            thread.join(max(0.0, deadline - time.monotonic()))
-
-
-def _is_grpc_thread(thread: threading.Thread) -> bool:
-    target = getattr(thread, "_target", None)
-    return (getattr(target, "__module__", None) or "").startswith("grpc")
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:
