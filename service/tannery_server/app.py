@@ -198,11 +198,13 @@ async def serve(config: Config) -> None:
     # A write past RLIMIT_FSIZE must fail with EFBIG (answered RESOURCE_EXHAUSTED), not kill us.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     tune_malloc()
-    running = await start(config)
+    # Handlers first: a SIGTERM that arrives while storage opens stops the server once it is
+    # up, gracefully, instead of killing it.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    running = await start(config)
     try:
         await stop.wait()
         log.info("shutting down: finishing calls in flight (grace %.1f s)", config.grace_seconds)
