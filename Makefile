@@ -13,7 +13,7 @@ setup: $(STAMP)
 # Python 3.12 although it runs on 3.11.
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[torch,dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[client,dev]'
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --ignore-requires-python -c constraints.txt pytannic
 	touch $@
 
@@ -24,7 +24,7 @@ test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[torch,dev,bench]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[client,dev,bench]'
 	$(PY) -m tests.benchmarks $(BENCH_ARGS)
 
 # Regenerates the Python modules of protos/ into client/tannery/v1 (they are committed).

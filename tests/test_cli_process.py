@@ -64,6 +64,15 @@ def test_help_needs_no_torch(argv: list[str]) -> None:
         assert "--data-dir" in result.stdout
 
 
+def test_a_client_command_without_torch_says_which_extra_to_install() -> None:
+    """The server image has no torch: a client subcommand there names the remedy, in one line."""
+    result = subprocess.run([sys.executable, "-c", _WITHOUT_TORCH.replace('assert "torch"', "# "), "ls"],
+                            capture_output=True, text=True, timeout=60, env=_env())
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.count("\n") == 1
+    assert 'pip install "tannery[client]"' in result.stderr
+
+
 def test_serve_runs_without_torch(tmp_path: Path) -> None:
     """`tannery serve` itself starts (and stops on SIGTERM) with torch unimportable."""
     process = subprocess.Popen(

@@ -121,9 +121,9 @@ def _using_tls(args: argparse.Namespace) -> bool:
 def _expected(exc: BaseException) -> bool:
     """Whether ``exc`` is a failure the user can act on (not a bug in tannery)."""
     from ..errors import ServiceError
-    from .errors import CommandError
+    from .errors import CommandError, missing_extra
 
-    return isinstance(exc, (CommandError, ServiceError, OSError, ValueError, LookupError))
+    return isinstance(exc, (CommandError, ServiceError, OSError, ValueError, LookupError)) or missing_extra(exc)
 
 
 def _silence_stdout() -> None:

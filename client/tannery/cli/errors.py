@@ -5,6 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 
+#: The packages of the ``client`` extra, which a server-only install (the image) lacks.
+CLIENT_EXTRA = ("torch", "safetensors", "rich")
+
+
 class CommandError(Exception):
     """A failure the command explains itself (a bad file, a bad option value)."""
 
@@ -14,6 +18,9 @@ def error_message(exc: BaseException, target: str | None = None) -> str:
     OS errors, the target for a server that cannot be reached."""
     from ..errors import Unavailable
 
+    if missing_extra(exc):
+        return (f"{exc.name} is not installed: the client commands need the client extra "  # type: ignore[attr-defined]
+                '(pip install "tannery[client]")')
     if isinstance(exc, Unavailable):
         message = str(exc).replace(f" (server {target})", "")
         text = f"cannot reach the server at {target}: {message}" if target else message
@@ -26,6 +33,11 @@ def error_message(exc: BaseException, target: str | None = None) -> str:
     else:
         text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     return one_line(text)
+
+
+def missing_extra(exc: BaseException) -> bool:
+    """Whether ``exc`` is the import of a package of the client extra that is not installed."""
+    return isinstance(exc, ModuleNotFoundError) and exc.name in CLIENT_EXTRA
 
 
 def _is_service_error(exc: BaseException) -> bool:
