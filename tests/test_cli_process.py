@@ -43,10 +43,12 @@ def _read_line(stream, timeout: float = 60) -> str:
     return stream.readline()
 
 
-# Blocks torch and the server's modules from being imported, then runs the command.
+# Blocks the client extra (torch, safetensors, rich: what the server image lacks) from being
+# imported, then runs the command.
 _WITHOUT_TORCH = """
 import sys
-sys.modules["torch"] = None  # any import of torch now raises ImportError
+for name in ("torch", "safetensors", "rich"):
+    sys.modules[name] = None  # any import of it now raises ImportError
 from tannery.cli import main
 code = main(sys.argv[1:])
 assert "torch" not in [m for m in sys.modules if sys.modules[m] is not None], "torch was imported"
