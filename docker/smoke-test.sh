@@ -28,7 +28,7 @@ WORK=$(mktemp -d)
 STEP=setup
 STARTED=$SECONDS
 # The client must not pick up TLS or token settings from the caller's environment.
-unset TANNERY_TOKEN TANNERY_TLS_CA TANNERY_TLS_CERT TANNERY_TLS_KEY TANNERY_TARGET
+unset TANNERY_TOKEN TANNERY_TLS TANNERY_TLS_CA TANNERY_CLIENT_CERT TANNERY_CLIENT_KEY TANNERY_TLS_CERT TANNERY_TLS_KEY TANNERY_TARGET
 
 # The engine, without podman's complaint that it has no systemd to schedule health checks
 # on (wait_healthy runs them itself).
