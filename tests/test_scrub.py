@@ -55,3 +55,41 @@ def test_a_large_piece_hashed_on_another_thread_gives_the_same_digest(tmp_path):
         storage.release([blob.digest], collect=True)
     finally:
         storage.close()
+
+
+def test_the_scrub_command_reports_damaged_blobs_with_the_entries_that_use_them(tmp_path, capsys):
+    from tannery.cli import main
+
+    data_dir = tmp_path / "data"
+    storage = Storage.open_local(data_dir)
+    payloads = {"w": os.urandom(5000), "b": os.urandom(70)}
+    try:
+        _store(storage, "model", payloads)
+        _store(storage, "copy", {"w2": payloads["w"]})  # the same blob, stored once
+    finally:
+        storage.close()
+    assert main(["scrub", "--data-dir", str(data_dir)]) == 0
+    assert capsys.readouterr().out == "checked 2 blobs: all match\n"
+
+    digest = hashlib.sha256(payloads["w"]).hexdigest()
+    blob = data_dir / "blobs" / digest[:2] / digest
+    blob.write_bytes(b"\x00" + blob.read_bytes()[1:])
+    assert main(["scrub", "--data-dir", str(data_dir)]) == 1
+    assert capsys.readouterr().out == (
+        f"blob {digest} is missing or no longer matches its SHA-256; used by copy:w2, model:w\n"
+        "checked 2 blobs: 1 damaged\n"
+    )
+
+
+def test_the_scrub_command_refuses_a_data_directory_in_use_or_absent(tmp_path, capsys):
+    from tannery.cli import main
+
+    storage = Storage.open_local(tmp_path / "data")
+    try:
+        assert main(["scrub", "--data-dir", str(tmp_path / "data")]) == 1
+        assert "stop the server first" in capsys.readouterr().err
+    finally:
+        storage.close()
+    assert main(["scrub", "--data-dir", str(tmp_path / "absent")]) == 1
+    assert "no tannery data directory" in capsys.readouterr().err
+    assert not (tmp_path / "absent").exists()

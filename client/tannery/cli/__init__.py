@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_global_options(common, on_subcommand=True)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.add_parser("serve", help="run the server (tannery serve --help for its flags)", add_help=False)
+    commands.add_parser("scrub", help="check every stored blob against its SHA-256, server stopped (tannery scrub --help)",
+                        add_help=False)
     archives.add_commands(commands, common, _Formatter)
     channels.add_commands(commands, common, _Formatter)
     return parser
@@ -76,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from --help and usage errors, as argparse does)."""
     args = list(sys.argv[1:] if argv is None else argv)
     try:
-        if args and args[0] == "serve":
+        if args and args[0] in ("serve", "scrub"):
             from tannery_server.cli import main as serve_main
 
             return serve_main(args)

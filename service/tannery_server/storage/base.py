@@ -135,6 +135,10 @@ class Catalog(Protocol):
         """Every digest some entry references (start-up garbage collection)."""
         ...
 
+    def referrers(self, digest: str) -> list[tuple[str, str]]:
+        """The (archive, entry) pairs whose payload is this blob, sorted."""
+        ...
+
     def forget_unreferenced_blobs(self) -> int:
         """Drop blob rows no entry references; returns how many."""
         ...

@@ -158,6 +158,14 @@ class SqliteCatalog:
     def referenced_digests(self) -> set[str]:
         return {row[0] for row in self._reader().execute("SELECT DISTINCT digest FROM entries")}
 
+    def referrers(self, digest: str) -> list[tuple[str, str]]:
+        rows = self._reader().execute(
+            "SELECT a.name, e.name FROM entries e JOIN archives a ON a.id = e.archive_id "
+            "WHERE e.digest = ? AND substr(a.name, 1, 1) != ? ORDER BY a.name, e.name",
+            (digest, _BUILDING[0]),
+        )
+        return [(archive, entry) for archive, entry in rows]
+
     def unreferenced(self, digests: Iterable[str]) -> list[BlobInfo]:
         conn = self._reader()
         out = []
