@@ -1,0 +1,41 @@
+"""The Reframer's gather buffers at each size class: heap, a map allocated whole, a growing map."""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+import pytest
+
+from tannery import codec
+from tannery.codec import DTYPES, Reframer, encode_prefix, parse, to_numpy
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("size", [MiB + 5, codec.MAP_GATHER + 7, codec.EAGER_GATHER + 3 * MiB + 1])
+@pytest.mark.parametrize("huge_pages", [False, True])
+def test_split_payloads_are_gathered_aligned_writable_and_whole(size, huge_pages, monkeypatch):
+    monkeypatch.setattr(codec, "HUGE_PAGES", huge_pages)
+    data = bytearray(encode_prefix(DTYPES["uint8"], (size,)))
+    data += np.random.default_rng(size).integers(0, 256, size, np.uint8).tobytes()
+    view = memoryview(data)
+    reframer = Reframer()
+    out = [p for start in range(0, len(data), 300_001) for p in reframer.feed(view[start : start + 300_001])]
+    reframer.close()
+    (gathered,) = out
+    assert gathered.nbytes == len(data) and gathered == view and not gathered.readonly
+    array = to_numpy(gathered)
+    assert (array.ctypes.data % codec.ALIGNMENT) == 0
+    assert np.shares_memory(array, np.frombuffer(gathered, np.uint8))
+    owner = gathered.obj
+    assert isinstance(owner, mmap.mmap) == (size + codec.ALIGNMENT >= codec.MAP_GATHER)
+
+
+def test_a_map_is_never_larger_than_its_payload_needs():
+    size = codec.MAP_GATHER * 2
+    data = bytearray(encode_prefix(DTYPES["uint8"], (size,))) + bytes(size)
+    reframer = Reframer()
+    (gathered,) = [p for start in range(0, len(data), MiB) for p in reframer.feed(memoryview(data)[start : start + MiB])]
+    assert len(gathered.obj) < len(data) + codec.ALIGNMENT
+    assert parse(gathered).size == len(data)
