@@ -439,10 +439,14 @@ MAP_GATHER = 4 << 20
 #: a header, and the map grows as the bytes arrive.
 EAGER_GATHER = 32 << 20
 #: Advise transparent huge pages (``MADV_HUGEPAGE``) for gather maps. Off: measured on the
-#: real client path (a 1 GiB Fetch, fresh processes, alternating), huge pages cost 5.1 CPU
-#: seconds per GiB against 2.1 without them: zeroing each 2 MiB page of fresh memory took
-#: 40% of the client's time (``clear_page_erms`` under ``do_huge_pmd_anonymous_page``), and
-#: every ``mremap`` of a map at an address not aligned to 2 MiB split them again.
+#: real client path (a 1 GiB Fetch, fresh processes, alternating), huge pages cost 5.0 CPU
+#: seconds per GiB against 2.0 without them: zeroing each 2 MiB page of fresh memory took
+#: 40% of the client's time (``clear_page_erms`` under ``do_huge_pmd_anonymous_page``). In
+#: a VM with free page reporting (virtio-balloon, Firecracker) the guest hands free 2 MiB
+#: blocks back to the host, so a huge page is memory the host must fault in again, 4 KiB at
+#: a time; 4 KiB pages come from recently freed memory. (Memory freed a moment ago is still
+#: backed: the Reframer alone, in a process that has just built its 1 GiB input, is faster
+#: with huge pages, 0.2-0.7 CPU-s/GiB against 0.7-0.9; a client receiving tensors is not.)
 HUGE_PAGES = False
 
 
