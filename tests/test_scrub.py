@@ -5,19 +5,9 @@ from __future__ import annotations
 import hashlib
 import os
 
-from tannery_server.storage import EntryRecord, Storage
+from tannery_server.storage import Storage
 
-
-def _store(storage: Storage, name: str, payloads: dict[str, bytes]) -> None:
-    entries, blobs = [], []
-    for entry, data in payloads.items():
-        writer = storage.new_payload()
-        writer.write(data)
-        blob = storage.publish(writer)
-        blobs.append(blob)
-        entries.append(EntryRecord(entry, "uint8", (len(data),), len(data), len(data), 0, blob.digest))
-    storage.commit_archive(name, entries, blobs, replace=False)
-    storage.release(b.digest for b in blobs)
+from .test_storage import _store
 
 
 def test_scrub_names_corrupted_truncated_and_missing_blobs(tmp_path):
