@@ -23,7 +23,7 @@ from tannery.v1 import archives_pb2, archives_pb2_grpc
 from .calllog import current_call
 from .config import Config
 from .failures import Failure, InvalidArgument, NotFound, trailing_metadata
-from .fetching import FetchStream, check_request, digests, resolve
+from .fetching import FetchStream, check_request
 from .storage import ArchiveRecord, Limits, Storage
 from .store_session import StoreSession, disk_full
 from .validation import check_archive_name, check_prefix
@@ -133,29 +133,27 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
 
     @_answering_failures
     async def Fetch(self, request: archives_pb2.FetchRequest, context):
-        call = current_call()
-        call.note("archive", request.archive)
+        current_call().note("archive", request.archive)
         check_request(request)
-        plans = await self._run(resolve, self.storage, request)
-        stream = FetchStream(self.storage, plans, self.config.chunk_size)
+        # One trip resolves the request and reads the first batch; a fetch that fits in it
+        # is over (blobs closed, pins released) when the trip returns.
+        stream, batch = await self._run(FetchStream.open, self.storage, request, self.config.chunk_size,
+                                        FETCH_BATCH_BYTES)
         ahead: asyncio.Future | None = None
         try:
-            ahead = self._run_future(stream.next_batch, FETCH_BATCH_BYTES)
             while True:
-                batch = await ahead
-                if not batch:
-                    break
-                ahead = self._run_future(stream.next_batch, FETCH_BATCH_BYTES)
+                # The next batch is read while this one is sent.
+                ahead = None if stream.done else self._run_future(stream.next_batch, FETCH_BATCH_BYTES)
                 for message in batch:
                     yield message
+                if ahead is None:
+                    return
+                batch = await ahead
         finally:
             if ahead is not None and not ahead.done():
                 await asyncio.wait([ahead])
-            await asyncio.shield(self._run(self._end_fetch, stream, plans))
-
-    def _end_fetch(self, stream: FetchStream, plans) -> None:
-        stream.close()
-        self.storage.release(digests(plans))
+            if not stream.done:  # cancelled or failed midway: close it on a worker thread
+                await asyncio.shield(self._run(stream.close))
 
     @_answering_failures
     async def Describe(self, request: archives_pb2.DescribeRequest, context) -> archives_pb2.ArchiveDescription:

@@ -160,27 +160,58 @@ def digests(plans: Iterable[Plan]) -> list[str]:
 
 
 class FetchStream:
-    """The encoded response messages of a fetch, produced by a worker thread."""
+    """The encoded response messages of a fetch, produced by a worker thread in batches.
+
+    It knows its end: the batch that holds the last message says so (:attr:`done`), and
+    the stream has closed its blob and released its pins by then, so a fetch that fits in
+    one batch takes one trip to a worker thread (:meth:`open`), resolving included.
+    """
 
     def __init__(self, storage: Storage, plans: Sequence[Plan], chunk_size: int) -> None:
         self.storage = storage
         self.plans = plans
         self.chunk_size = chunk_size
+        self.done = False
         self._messages = self._all()
+        self._next: bytes | None = None  # a message read to learn whether the stream ends
+        self._released = False
+
+    @classmethod
+    def open(cls, storage: Storage, request: archives_pb2.FetchRequest, chunk_size: int, max_bytes: int
+             ) -> tuple["FetchStream", list[bytes]]:
+        """Resolve a request (pinning its blobs) and produce the first batch, in one go."""
+        stream = cls(storage, resolve(storage, request), chunk_size)
+        try:
+            return stream, stream.next_batch(max_bytes)
+        except BaseException:
+            stream.close()
+            raise
 
     def next_batch(self, max_bytes: int) -> list[bytes]:
-        """The next messages, up to about ``max_bytes`` of them; empty at the end."""
+        """The next messages, about ``max_bytes`` of them (at least one); the last batch sets
+        :attr:`done` and closes the stream."""
         batch: list[bytes] = []
         size = 0
+        if self._next is not None:
+            batch.append(self._next)
+            size, self._next = len(self._next), None
         for message in self._messages:
+            if size >= max_bytes:
+                self._next = message
+                return batch
             batch.append(message)
             size += len(message)
-            if size >= max_bytes:
-                break
+        self.close()
         return batch
 
     def close(self) -> None:
+        """Stop reading (closing the blob being read) and unpin the blobs; idempotent."""
+        self.done = True
+        self._next = None
         self._messages.close()
+        if not self._released:
+            self._released = True
+            self.storage.release(digests(self.plans))
 
     def _all(self) -> Iterator[bytes]:
         for plan in self.plans:
