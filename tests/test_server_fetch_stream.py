@@ -69,6 +69,17 @@ def test_a_failing_first_batch_releases_the_pins(srv):
     assert pins(srv) == {}
 
 
+def test_a_failure_comes_after_the_messages_before_it(srv):
+    digest = srv.storage.catalog.entries("a", ["big"])["big"].digest
+    srv.storage.blobs.path(digest).unlink()
+    stream, batch = FetchStream.open(srv.storage, request("small", "big"), CHUNK, FETCH_BATCH_BYTES)
+    assert b"".join(batch).endswith(srv.payloads["small"]) and not stream.done
+    with pytest.raises(Exception, match="'big'.* is missing"):
+        stream.next_batch(FETCH_BATCH_BYTES)
+    stream.close()
+    assert pins(srv) == {}
+
+
 @pytest.mark.parametrize("names", [("small",), ("small", "big")])
 def test_fetches_serve_everything_and_unpin(srv, names):
     got = collect_fetch(srv.archives().Fetch(request(*names)))

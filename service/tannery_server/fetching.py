@@ -174,6 +174,7 @@ class FetchStream:
         self.done = False
         self._messages = self._all()
         self._next: bytes | None = None  # a message read to learn whether the stream ends
+        self._error: Exception | None = None  # raised once the messages before it are out
         self._released = False
 
     @classmethod
@@ -188,19 +189,29 @@ class FetchStream:
             raise
 
     def next_batch(self, max_bytes: int) -> list[bytes]:
-        """The next messages, about ``max_bytes`` of them (at least one); the last batch sets
-        :attr:`done` and closes the stream."""
+        """The next messages, about ``max_bytes`` of them; the last batch sets :attr:`done`
+        and closes the stream. A failure is raised after the messages before it were
+        returned (by the next call, if this batch has some)."""
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
         batch: list[bytes] = []
         size = 0
         if self._next is not None:
             batch.append(self._next)
             size, self._next = len(self._next), None
-        for message in self._messages:
-            if size >= max_bytes:
-                self._next = message
-                return batch
-            batch.append(message)
-            size += len(message)
+        try:
+            for message in self._messages:
+                if size >= max_bytes:
+                    self._next = message
+                    return batch
+                batch.append(message)
+                size += len(message)
+        except Exception as error:
+            if not batch:
+                raise
+            self._error = error
+            return batch
         self.close()
         return batch
 
