@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Coroutine
 
 import grpc
@@ -137,19 +137,24 @@ class Client:
             except grpc.aio.AioRpcError as error:
                 raise final.error(error, self._connection.target) from None
 
-    async def _fetch(self, request: archives_pb2.FetchRequest, progress: Progress) -> list[tuple[str, torch.Tensor]]:
+    async def _entries(self, request: archives_pb2.FetchRequest, progress: Progress
+                       ) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """The entries of a Fetch call as they arrive; leaving early cancels the call."""
         reader = EntryReader(progress)
-        got: list[tuple[str, torch.Tensor]] = []
         call = self._methods.fetch(request, **self._options())
         try:
-            async for message in call:
-                got += reader.feed(message)
-        except grpc.RpcError as error:
-            raise self._error(error) from None
+            try:
+                async for message in call:
+                    for entry in reader.feed(message):
+                        yield entry
+            except grpc.RpcError as error:
+                raise self._error(error) from None
+            reader.close()
         finally:
             call.cancel()
-        reader.close()
-        return got
+
+    async def _fetch(self, request: archives_pb2.FetchRequest, progress: Progress) -> list[tuple[str, torch.Tensor]]:
+        return [entry async for entry in self._entries(request, progress)]
 
     def _transfer(self, archive: str, progress: Progress):
         async def transfer(asks: Sequence[archives_pb2.EntryAsk]) -> list[torch.Tensor]:
@@ -175,6 +180,12 @@ class Client:
                     progress: Progress = None) -> Archive:
         """As :meth:`tannery.Client.fetch`."""
         return MemoryArchive(dict(await self._fetch(fetch_request(name, names, prefix), progress)))
+
+    def fetch_iter(self, name: str, names: Iterable[str] | None = None, prefix: str | None = None, *,
+                   progress: Progress = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """As :meth:`tannery.Client.fetch_iter`, an async iterator: ``async for name, tensor in
+        client.fetch_iter(...)``. Leaving the loop early (or ``aclose()``) cancels the call."""
+        return self._entries(fetch_request(name, names, prefix), progress)
 
     async def union(self, target: str, sources: Mapping[str, str] | Sequence[str], *,
                     replace: bool = False) -> ArchiveInfo:

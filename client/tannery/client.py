@@ -120,18 +120,20 @@ class Client:
         with self._errors():
             return method(request, **self._options())
 
-    def _fetch(self, request: archives_pb2.FetchRequest, progress: Progress) -> list[tuple[str, torch.Tensor]]:
+    def _entries(self, request: archives_pb2.FetchRequest, progress: Progress) -> Iterator[tuple[str, torch.Tensor]]:
+        """The entries of a Fetch call as they arrive; leaving early cancels the call."""
         reader = EntryReader(progress)
-        got: list[tuple[str, torch.Tensor]] = []
         call = self._methods.fetch(request, **self._options())
         try:
             with self._errors():
                 for message in call:
-                    got += reader.feed(message)
+                    yield from reader.feed(message)
+            reader.close()
         finally:
-            call.cancel()  # a no-op once the call is over; ends it if reading failed
-        reader.close()
-        return got
+            call.cancel()  # a no-op once the call is over; ends it if reading stopped early or failed
+
+    def _fetch(self, request: archives_pb2.FetchRequest, progress: Progress) -> list[tuple[str, torch.Tensor]]:
+        return list(self._entries(request, progress))
 
     def _transfer(self, archive: str, progress: Progress):
         def transfer(asks: Sequence[archives_pb2.EntryAsk]) -> list[torch.Tensor]:
@@ -168,6 +170,18 @@ class Client:
         those ``prefix`` owns, or all of them; in one call."""
         got = self._fetch(fetch_request(name, names, prefix), progress)
         return MemoryArchive(dict(got))
+
+    def fetch_iter(self, name: str, names: Iterable[str] | None = None, prefix: str | None = None, *,
+                   progress: Progress = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """The entries :meth:`fetch` would return, as ``(name, tensor)`` pairs while they arrive,
+        in the order the server sends them (``names``' order, else by name), in one call.
+
+        Each tensor is yielded once its last byte is in, so only the entry being received is
+        held: to write a checkpoint larger than memory, or to start on the first entries
+        early. Stopping early (``break``, ``close()``) cancels the call; a failure midway
+        raises where it happens, after the entries that came whole.
+        """
+        return self._entries(fetch_request(name, names, prefix), progress)
 
     def union(self, target: str, sources: Mapping[str, str] | Sequence[str], *, replace: bool = False) -> ArchiveInfo:
         """A new archive ``target`` of the entries of ``sources``: a mapping of prefix to archive

@@ -27,7 +27,8 @@ def cmd_push(args: argparse.Namespace, out: Output) -> int:
 
 def cmd_pull(args: argparse.Namespace, out: Output) -> int:
     from ..names import owns
-    from .tensorfiles import check_writable, write_checkpoint
+    from .checkpoint_writer import CheckpointWriter
+    from .tensorfiles import check_writable
 
     names = _split_names(args.names) if args.names is not None else None
     with connect(args) as client:
@@ -44,9 +45,15 @@ def cmd_pull(args: argparse.Namespace, out: Output) -> int:
                 raise CommandError(f"{args.name}: no entry under the prefix {args.prefix!r}")
         check_writable(args.output, sorted({described[name].dtype for name in selected}))
         total = sum(described[name].payload_bytes for name in selected)
-        with out.transfer(f"pull {args.name}", total) as progress:
-            archive = client.fetch(args.name, names=names, prefix=args.prefix or None, progress=progress)
-    paths = write_checkpoint(args.output, archive)
+        # The file is laid out from the description, then written entry by entry as they
+        # arrive: one entry in memory at a time, the file renamed into place when whole.
+        with CheckpointWriter(args.output, [described[name] for name in selected]) as writer, \
+                out.transfer(f"pull {args.name}", total) as progress:
+            for name, tensor in client.fetch_iter(args.name, names=names, prefix=args.prefix or None,
+                                                  progress=progress):
+                writer.write(name, tensor)
+                del tensor  # before the next entry is gathered
+            paths = writer.finish()
     nbytes = sum(described[name].nbytes for name in selected)
     out.status(f"pulled {args.name} into {' and '.join(map(str, paths))}: {_entries(len(selected))}, {human_size(nbytes)}")
     return 0

@@ -1,0 +1,187 @@
+"""Checkpoint files written entry by entry while ``tannery pull`` receives them.
+
+Both formats can be laid out from one Describe (every entry's name, dtype and shape)
+before the first tensor byte arrives: a safetensors file's header and offsets, a .tannic
+pair's metadata and offsets. :class:`CheckpointWriter` writes that layout first, then
+each tensor at its offset as it arrives, so a pull holds one entry in memory at a time,
+whatever the archive's size. Everything goes to temporary files beside the outputs,
+renamed into place once every entry is in and removed if anything fails: a reader never
+sees half a checkpoint, and an existing file is replaced only by a whole one.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import codec
+from ..checkpoint import PairEntry, encode_metadata, file_header, pair_paths
+from ..codec import format_shape
+from ..safetensors_format import CODES, encode_header
+from ..torch import buffer_of, short_name
+from .errors import CommandError
+from .tensorfiles import checkpoint_kind
+
+#: Why an arriving entry can differ from the description taken before the fetch.
+_REPLACED = "was the archive replaced during the pull?"
+#: The order in which the safetensors package lays out dtypes (largest elements first, so
+#: that every tensor is aligned); entries of one dtype follow by name.
+SAFETENSORS_ORDER = ("U64", "I64", "F64", "C64", "F32", "U32", "I32", "BF16", "F16", "U16", "I16", "F8_E4M3",
+                     "F8_E5M2", "I8", "U8", "BOOL")
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where one entry goes: its description, its offset in the data file, its bytes there."""
+
+    entry: Any  # an EntryDescription: name, dtype, shape
+    offset: int
+    nbytes: int
+
+
+class _TempFile:
+    """A file written under a temporary name beside ``path``, renamed into place by :meth:`commit`."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+
+    def write_at(self, data: Any, offset: int) -> None:
+        view = memoryview(data).cast("B")
+        while view.nbytes:
+            written = os.pwrite(self.fd, view, offset)
+            view, offset = view[written:], offset + written
+
+    def commit(self) -> None:
+        os.close(self.fd)
+        self.fd = -1
+        os.replace(self.tmp, self.path)
+
+    def discard(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self.tmp.unlink(missing_ok=True)
+
+
+class CheckpointWriter:
+    """A .safetensors file or a .tannic pair (by ``path``'s extension) of ``entries``
+    (``EntryDescription``s), written entry by entry: :meth:`write` each tensor as it
+    arrives, in any order, then :meth:`finish`. A context manager: leaving it without
+    :meth:`finish` (an error, Ctrl-C) removes the temporary files.
+
+    Safetensors files come out as the safetensors package writes them (same layout, same
+    bytes); a pair's entries are laid out in the order given.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], entries: Sequence[Any]) -> None:
+        self._files: list[_TempFile] = []
+        self._slots: dict[str, _Slot] = {}
+        self._written: set[str] = set()
+        self._names = [entry.name for entry in entries]
+        try:
+            if checkpoint_kind(path, writing=True) == "safetensors":
+                self._lay_out_safetensors(Path(path), entries)
+            else:
+                self._lay_out_pair(Path(path), entries)
+        except BaseException:
+            self.abort()
+            raise
+
+    def _lay_out_safetensors(self, path: Path, entries: Sequence[Any]) -> None:
+        self._packed_bools = False
+        rank = {code: index for index, code in enumerate(SAFETENSORS_ORDER)}
+        order = sorted(entries, key=lambda e: (rank[CODES[e.dtype]], e.name))
+        sizes = [math.prod(e.shape) * codec.dtype_named(e.dtype).itemsize for e in order]  # a bool is a byte
+        header = encode_header([(e.name, CODES[e.dtype], tuple(e.shape), n) for e, n in zip(order, sizes)])
+        data = self._open(path)
+        self._place(order, sizes, start=len(header))
+        data.write_at(header, 0)
+        os.ftruncate(data.fd, len(header) + sum(sizes))
+
+    def _lay_out_pair(self, path: Path, entries: Sequence[Any]) -> None:
+        self._packed_bools = True
+        data_path, metadata_path = pair_paths(path)
+        sizes = [codec.dtype_named(e.dtype).buffer_nbytes(math.prod(e.shape)) for e in entries]
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        data = self._open(data_path)
+        header = file_header(sum(sizes))
+        self._place(entries, sizes, start=len(header))
+        data.write_at(header, 0)
+        os.ftruncate(data.fd, len(header) + sum(sizes))
+        metadata = encode_metadata([PairEntry(e.name, codec.dtype_named(e.dtype), offset, n)
+                                    for e, offset, n in zip(entries, offsets, sizes)])
+        self._open(metadata_path).write_at(metadata, 0)
+
+    def _open(self, path: Path) -> _TempFile:
+        file = _TempFile(path)
+        self._files.append(file)
+        return file
+
+    def _place(self, entries: Sequence[Any], sizes: Sequence[int], start: int) -> None:
+        offset = start
+        for entry, nbytes in zip(entries, sizes):
+            self._slots[entry.name] = _Slot(entry, offset, nbytes)
+            offset += nbytes
+
+    @property
+    def paths(self) -> list[Path]:
+        """The files this writer makes (renamed into place by :meth:`finish`)."""
+        return [file.path for file in self._files]
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write entry ``name`` at its offset; CommandError if it is not the entry described."""
+        slot = self._slots.get(name)
+        if slot is None:
+            raise CommandError(f"{name}: received an entry the archive's description did not have ({_REPLACED})")
+        if name in self._written:
+            raise CommandError(f"{name}: received twice")
+        dtype, shape = short_name(tensor.dtype), tuple(tensor.shape)
+        if (dtype, shape) != (slot.entry.dtype, tuple(slot.entry.shape)):
+            raise CommandError(
+                f"{name}: received {dtype} {format_shape(shape)}, described as {slot.entry.dtype} "
+                f"{format_shape(slot.entry.shape)} ({_REPLACED})"
+            )
+        data = self._file_bytes(tensor)
+        assert data.nbytes == slot.nbytes, (name, data.nbytes, slot.nbytes)
+        if data.nbytes:
+            self._files[0].write_at(data, slot.offset)
+        self._written.add(name)
+
+    def _file_bytes(self, tensor: torch.Tensor) -> memoryview:
+        """The tensor's bytes as the format stores them (safetensors: a byte per boolean)."""
+        if tensor.dtype == torch.bool and not self._packed_bools and tensor.numel():
+            return memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+        return buffer_of(tensor)
+
+    def finish(self) -> list[Path]:
+        """Check that every entry came, and rename the files into place; the paths written."""
+        missing = [name for name in self._names if name not in self._written]
+        if missing:
+            shown = ", ".join(map(repr, missing[:5])) + (f", ... ({len(missing)} in all)" if len(missing) > 5 else "")
+            raise CommandError(f"the server sent no {shown} ({_REPLACED})")
+        for file in self._files:
+            file.commit()
+        return self.paths
+
+    def abort(self) -> None:
+        """Remove the temporary files (the outputs are left as they were)."""
+        for file in self._files:
+            file.discard()
+
+    def __enter__(self) -> "CheckpointWriter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.abort()  # after finish there is nothing left to remove
+
+
+__all__ = ["CheckpointWriter"]
