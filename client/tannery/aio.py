@@ -31,8 +31,8 @@ import torch
 
 from .archive import Archive, MemoryArchive
 from .calls import (
-    ArchiveDescription, ArchiveInfo, Deleted, EntryReader, Methods, PayloadReader, Progress, Published,
-    archive_to_store, check_fetched, check_tensors, fetch_request, list_request, plan_state_dict, publish_messages,
+    ArchiveDescription, ArchiveInfo, Deleted, EntryReader, Methods, PayloadReader, PieceReader, Progress, Published,
+    TensorPiece, archive_to_store, check_fetched, check_tensors, fetch_request, list_request, plan_state_dict, publish_messages,
     store_messages, union_request,
 )
 from .connection import Connection, TLSLike, rpc_error, service_error
@@ -137,10 +137,9 @@ class Client:
             except grpc.aio.AioRpcError as error:
                 raise final.error(error, self._connection.target) from None
 
-    async def _entries(self, request: archives_pb2.FetchRequest, progress: Progress
-                       ) -> AsyncIterator[tuple[str, torch.Tensor]]:
-        """The entries of a Fetch call as they arrive; leaving early cancels the call."""
-        reader = EntryReader(progress)
+    async def _entries(self, request: archives_pb2.FetchRequest, reader: EntryReader | PieceReader
+                       ) -> AsyncIterator[Any]:
+        """What ``reader`` makes of a Fetch call's messages, as they arrive; leaving early cancels the call."""
         call = self._methods.fetch(request, **self._options())
         try:
             try:
@@ -154,7 +153,7 @@ class Client:
             call.cancel()
 
     async def _fetch(self, request: archives_pb2.FetchRequest, progress: Progress) -> list[tuple[str, torch.Tensor]]:
-        return [entry async for entry in self._entries(request, progress)]
+        return [entry async for entry in self._entries(request, EntryReader(progress))]
 
     def _transfer(self, archive: str, progress: Progress):
         async def transfer(asks: Sequence[archives_pb2.EntryAsk]) -> list[torch.Tensor]:
@@ -185,7 +184,12 @@ class Client:
                    progress: Progress = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
         """As :meth:`tannery.Client.fetch_iter`, an async iterator: ``async for name, tensor in
         client.fetch_iter(...)``. Leaving the loop early (or ``aclose()``) cancels the call."""
-        return self._entries(fetch_request(name, names, prefix), progress)
+        return self._entries(fetch_request(name, names, prefix), EntryReader(progress))
+
+    def fetch_pieces(self, name: str, names: Iterable[str] | None = None, prefix: str | None = None, *,
+                     progress: Progress = None) -> AsyncIterator[TensorPiece]:
+        """As :meth:`tannery.Client.fetch_pieces`, an async iterator."""
+        return self._entries(fetch_request(name, names, prefix), PieceReader(progress))
 
     async def union(self, target: str, sources: Mapping[str, str] | Sequence[str], *,
                     replace: bool = False) -> ArchiveInfo:

@@ -20,7 +20,7 @@ import torch
 
 from . import wire
 from .archive import Archive, EntryInfo, as_tensor
-from .codec import FormatError, Reframer, format_shape
+from .codec import Deframer, FormatError, PayloadInfo, Reframer, byte_buffer, format_shape
 from .errors import ArchiveError
 from .names import join, owned
 from .torch import deserialize, serialize_parts
@@ -267,48 +267,120 @@ def union_request(target: str, sources: Mapping[str, str] | Sequence[str], repla
 # -- answers ---------------------------------------------------------------------------------
 
 
-class EntryReader:
-    """Turns a Fetch stream into ``(name, tensor)`` pairs, each payload gathered once."""
+class _EntryStream:
+    """The entries of a Fetch stream: each message that names an entry starts it, and each
+    entry carries exactly one payload. Subclasses read the payloads (:meth:`_read`)."""
 
     def __init__(self, progress: Progress = None) -> None:
         self._progress = progress
         self._name: str | None = None
-        self._reframer = Reframer()
-        self._done = False
+        self._has_payload = False
 
-    def feed(self, message: wire.FetchMessage) -> list[tuple[str, torch.Tensor]]:
+    def feed(self, message: wire.FetchMessage) -> list:
+        """What ``message`` completes (tensors or pieces, by the subclass)."""
         if message.entry:
             self._end_entry()
-            self._name, self._reframer, self._done = message.entry, Reframer(), False
+            self._name, self._has_payload = message.entry, False
+            self._start_entry()
         if self._name is None:
             raise FormatError("Fetch: payload bytes before any entry name")
         chunk = message.chunk
         if self._progress is not None and chunk.nbytes:
             self._progress(chunk.nbytes)
-        out = []
         try:
-            for payload in self._reframer.feed(chunk):
-                if self._done:
-                    raise FormatError("a second payload")
-                out.append((self._name, deserialize(payload)))
-                self._done = True
+            return self._read(self._name, chunk)
         except FormatError as e:
             raise FormatError(f"Fetch: entry {self._name!r}: {e}") from None
-        return out
+
+    def _payload(self) -> None:
+        """Count the entry's payload: FormatError for a second one."""
+        if self._has_payload:
+            raise FormatError("a second payload")
+        self._has_payload = True
 
     def _end_entry(self) -> None:
         if self._name is None:
             return
         try:
-            self._reframer.close()
+            self._close_entry()
         except FormatError as e:
             raise FormatError(f"Fetch: entry {self._name!r}: {e}") from None
-        if not self._done:
+        if not self._has_payload:
             raise FormatError(f"Fetch: entry {self._name!r} came without a payload")
 
     def close(self) -> None:
         """The stream ended: FormatError if it stopped inside an entry."""
         self._end_entry()
+
+    def _start_entry(self) -> None:
+        raise NotImplementedError
+
+    def _read(self, name: str, chunk: memoryview) -> list:
+        raise NotImplementedError
+
+    def _close_entry(self) -> None:
+        raise NotImplementedError
+
+
+class EntryReader(_EntryStream):
+    """Turns a Fetch stream into ``(name, tensor)`` pairs, each payload gathered once."""
+
+    def _start_entry(self) -> None:
+        self._reframer = Reframer()
+
+    def _read(self, name: str, chunk: memoryview) -> list[tuple[str, torch.Tensor]]:
+        out = []
+        for payload in self._reframer.feed(chunk):
+            self._payload()
+            out.append((name, deserialize(payload)))
+        return out
+
+    def _close_entry(self) -> None:
+        self._reframer.close()
+
+
+@dataclass(frozen=True)
+class TensorPiece:
+    """A piece of one entry's tensor bytes (its payload's buffer), as it arrived.
+
+    ``data`` views the received message (nothing is copied); it holds the tensor bytes
+    ``[offset, offset + len(data))`` of entry ``name``, whose payload header said ``info``
+    (dtype, shape, nbytes). Every entry comes as one or more pieces in order, from the
+    ``first`` (at offset 0, possibly empty) to the ``last`` (ending at ``info.nbytes``).
+    Booleans are bit-packed, eight to a byte, as the payload carries them.
+    """
+
+    name: str
+    info: PayloadInfo
+    offset: int
+    data: memoryview
+    first: bool
+    last: bool
+
+
+class PieceReader(_EntryStream):
+    """Turns a Fetch stream into tensor pieces (:class:`TensorPiece`), views of the received messages."""
+
+    def _start_entry(self) -> None:
+        self._deframer = Deframer()
+        self._position = 0  # payload bytes of the current payload seen so far
+
+    def _read(self, name: str, chunk: memoryview) -> list[TensorPiece]:
+        out = []
+        for fragment in self._deframer.feed(chunk):
+            if fragment.first:
+                self._payload()
+                self._position = 0
+            info, data = fragment.info, byte_buffer(fragment.data)
+            start, self._position = self._position, self._position + data.nbytes
+            skip = max(0, info.data_offset - start)  # header bytes: what info already says
+            if skip < data.nbytes or fragment.first or fragment.last:
+                offset = max(0, start - info.data_offset)
+                out.append(TensorPiece(name, info, offset, data[skip:], fragment.first, fragment.last))
+        return out
+
+    def _close_entry(self) -> None:
+        self._deframer.close()
 
 
 def check_fetched(asked: Sequence[str], got: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
@@ -417,9 +489,11 @@ __all__ = [
     "EntryDescription",
     "EntryReader",
     "PayloadReader",
+    "PieceReader",
     "Progress",
     "Published",
     "StateDictPlan",
+    "TensorPiece",
     "archive_to_store",
     "check_fetched",
     "check_tensors",

@@ -28,8 +28,8 @@ import torch
 
 from .archive import Archive, MemoryArchive
 from .calls import (
-    ArchiveDescription, ArchiveInfo, Deleted, EntryReader, Methods, PayloadReader, Progress, Published,
-    archive_to_store, check_fetched, check_tensors, fetch_request, list_request, plan_state_dict, publish_messages,
+    ArchiveDescription, ArchiveInfo, Deleted, EntryReader, Methods, PayloadReader, PieceReader, Progress, Published,
+    TensorPiece, archive_to_store, check_fetched, check_tensors, fetch_request, list_request, plan_state_dict, publish_messages,
     store_messages, union_request,
 )
 from .connection import Connection, TLSLike, rpc_error
@@ -120,9 +120,8 @@ class Client:
         with self._errors():
             return method(request, **self._options())
 
-    def _entries(self, request: archives_pb2.FetchRequest, progress: Progress) -> Iterator[tuple[str, torch.Tensor]]:
-        """The entries of a Fetch call as they arrive; leaving early cancels the call."""
-        reader = EntryReader(progress)
+    def _entries(self, request: archives_pb2.FetchRequest, reader: EntryReader | PieceReader) -> Iterator[Any]:
+        """What ``reader`` makes of a Fetch call's messages, as they arrive; leaving early cancels the call."""
         call = self._methods.fetch(request, **self._options())
         try:
             with self._errors():
@@ -133,7 +132,7 @@ class Client:
             call.cancel()  # a no-op once the call is over; ends it if reading stopped early or failed
 
     def _fetch(self, request: archives_pb2.FetchRequest, progress: Progress) -> list[tuple[str, torch.Tensor]]:
-        return list(self._entries(request, progress))
+        return list(self._entries(request, EntryReader(progress)))
 
     def _transfer(self, archive: str, progress: Progress):
         def transfer(asks: Sequence[archives_pb2.EntryAsk]) -> list[torch.Tensor]:
@@ -181,7 +180,16 @@ class Client:
         early. Stopping early (``break``, ``close()``) cancels the call; a failure midway
         raises where it happens, after the entries that came whole.
         """
-        return self._entries(fetch_request(name, names, prefix), progress)
+        return self._entries(fetch_request(name, names, prefix), EntryReader(progress))
+
+    def fetch_pieces(self, name: str, names: Iterable[str] | None = None, prefix: str | None = None, *,
+                     progress: Progress = None) -> Iterator[TensorPiece]:
+        """The entries :meth:`fetch_iter` would yield, as the pieces of their tensor bytes that
+        each message brings (:class:`~tannery.calls.TensorPiece`: name, dtype and shape,
+        offset, bytes), viewing the received messages: nothing is gathered or copied, so
+        an entry of any size can be written to a file while only one message is held.
+        """
+        return self._entries(fetch_request(name, names, prefix), PieceReader(progress))
 
     def union(self, target: str, sources: Mapping[str, str] | Sequence[str], *, replace: bool = False) -> ArchiveInfo:
         """A new archive ``target`` of the entries of ``sources``: a mapping of prefix to archive

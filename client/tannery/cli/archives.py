@@ -45,14 +45,12 @@ def cmd_pull(args: argparse.Namespace, out: Output) -> int:
                 raise CommandError(f"{args.name}: no entry under the prefix {args.prefix!r}")
         check_writable(args.output, sorted({described[name].dtype for name in selected}))
         total = sum(described[name].payload_bytes for name in selected)
-        # The file is laid out from the description, then written entry by entry as they
-        # arrive: one entry in memory at a time, the file renamed into place when whole.
+        # The file is laid out from the description, then written piece by piece as the
+        # messages arrive (one held at a time), and renamed into place when whole.
         with CheckpointWriter(args.output, [described[name] for name in selected]) as writer, \
                 out.transfer(f"pull {args.name}", total) as progress:
-            for name, tensor in client.fetch_iter(args.name, names=names, prefix=args.prefix or None,
-                                                  progress=progress):
-                writer.write(name, tensor)
-                del tensor  # before the next entry is gathered
+            for piece in client.fetch_pieces(args.name, names=names, prefix=args.prefix or None, progress=progress):
+                writer.write(piece)
             paths = writer.finish()
     nbytes = sum(described[name].nbytes for name in selected)
     out.status(f"pulled {args.name} into {' and '.join(map(str, paths))}: {_entries(len(selected))}, {human_size(nbytes)}")

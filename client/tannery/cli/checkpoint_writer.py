@@ -3,8 +3,9 @@
 Both formats can be laid out from one Describe (every entry's name, dtype and shape)
 before the first tensor byte arrives: a safetensors file's header and offsets, a .tannic
 pair's metadata and offsets. :class:`CheckpointWriter` writes that layout first, then
-each tensor at its offset as it arrives, so a pull holds one entry in memory at a time,
-whatever the archive's size. Everything goes to temporary files beside the outputs,
+each piece of tensor bytes at its place as it arrives (``Client.fetch_pieces``: views of
+the received messages), so a pull holds about one message in memory, whatever the size
+of the archive or of its entries. Everything goes to temporary files beside the outputs,
 renamed into place once every entry is in and removed if anything fails: a reader never
 sees half a checkpoint, and an existing file is replaced only by a whole one.
 """
@@ -19,13 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
 
 from .. import codec
+from ..calls import TensorPiece
 from ..checkpoint import PairEntry, encode_metadata, file_header, pair_paths
 from ..codec import format_shape
 from ..safetensors_format import CODES, encode_header
-from ..torch import buffer_of, short_name
 from .errors import CommandError
 from .tensorfiles import checkpoint_kind
 
@@ -74,9 +75,9 @@ class _TempFile:
 
 class CheckpointWriter:
     """A .safetensors file or a .tannic pair (by ``path``'s extension) of ``entries``
-    (``EntryDescription``s), written entry by entry: :meth:`write` each tensor as it
-    arrives, in any order, then :meth:`finish`. A context manager: leaving it without
-    :meth:`finish` (an error, Ctrl-C) removes the temporary files.
+    (``EntryDescription``s), written piece by piece: :meth:`write` each piece of tensor
+    bytes as it arrives (entries in any order), then :meth:`finish`. A context manager:
+    leaving it without :meth:`finish` (an error, Ctrl-C) removes the temporary files.
 
     Safetensors files come out as the safetensors package writes them (same layout, same
     bytes); a pair's entries are laid out in the order given.
@@ -86,6 +87,7 @@ class CheckpointWriter:
         self._files: list[_TempFile] = []
         self._slots: dict[str, _Slot] = {}
         self._written: set[str] = set()
+        self._receiving: set[str] = set()
         self._names = [entry.name for entry in entries]
         try:
             if checkpoint_kind(path, writing=True) == "safetensors":
@@ -137,30 +139,35 @@ class CheckpointWriter:
         """The files this writer makes (renamed into place by :meth:`finish`)."""
         return [file.path for file in self._files]
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Write entry ``name`` at its offset; CommandError if it is not the entry described."""
-        slot = self._slots.get(name)
+    def write(self, piece: TensorPiece) -> None:
+        """Write a piece of an entry's tensor bytes at its place (``Client.fetch_pieces``);
+        CommandError if the entry is not the one described."""
+        if piece.first:
+            self._start(piece)
+        slot = self._slots[piece.name]
+        if piece.data.nbytes:
+            if piece.info.dtype.is_bool and not self._packed_bools:  # a byte per boolean
+                bits = np.unpackbits(np.frombuffer(piece.data, np.uint8), bitorder="little")
+                first = 8 * piece.offset
+                self._files[0].write_at(bits[: slot.nbytes - first], slot.offset + first)
+            else:
+                self._files[0].write_at(piece.data, slot.offset + piece.offset)
+        if piece.last:
+            self._written.add(piece.name)
+
+    def _start(self, piece: TensorPiece) -> None:
+        """Check an entry's first piece against its description."""
+        name, info, slot = piece.name, piece.info, self._slots.get(piece.name)
         if slot is None:
             raise CommandError(f"{name}: received an entry the archive's description did not have ({_REPLACED})")
-        if name in self._written:
+        if name in self._written or name in self._receiving:
             raise CommandError(f"{name}: received twice")
-        dtype, shape = short_name(tensor.dtype), tuple(tensor.shape)
-        if (dtype, shape) != (slot.entry.dtype, tuple(slot.entry.shape)):
+        if (info.dtype.name, tuple(info.shape)) != (slot.entry.dtype, tuple(slot.entry.shape)):
             raise CommandError(
-                f"{name}: received {dtype} {format_shape(shape)}, described as {slot.entry.dtype} "
+                f"{name}: received {info.dtype} {format_shape(info.shape)}, described as {slot.entry.dtype} "
                 f"{format_shape(slot.entry.shape)} ({_REPLACED})"
             )
-        data = self._file_bytes(tensor)
-        assert data.nbytes == slot.nbytes, (name, data.nbytes, slot.nbytes)
-        if data.nbytes:
-            self._files[0].write_at(data, slot.offset)
-        self._written.add(name)
-
-    def _file_bytes(self, tensor: torch.Tensor) -> memoryview:
-        """The tensor's bytes as the format stores them (safetensors: a byte per boolean)."""
-        if tensor.dtype == torch.bool and not self._packed_bools and tensor.numel():
-            return memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
-        return buffer_of(tensor)
+        self._receiving.add(name)
 
     def finish(self) -> list[Path]:
         """Check that every entry came, and rename the files into place; the paths written."""
