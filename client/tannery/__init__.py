@@ -38,6 +38,7 @@ _EXPORTS = {
     "ArchiveInfo": "tannery.calls",
     "ArchiveDescription": "tannery.calls",
     "EntryDescription": "tannery.calls",
+    "TensorPiece": "tannery.calls",
 }
 
 
