@@ -15,7 +15,6 @@ import pytest
 import safetensors.torch
 import torch
 
-from tannery import load_safetensors, load_tannic
 from tannery.cli import build_parser, main
 from tannery.cli.archives import union_sources
 from tannery.cli.connection import tls_options
@@ -29,7 +28,6 @@ from tannery.cli.tensorfiles import (
     read_tensors,
     save_tensor,
     to_numpy,
-    write_checkpoint,
 )
 from tannery.errors import NotFound, Unavailable
 from tannery.torch import serialize
@@ -115,20 +113,6 @@ def test_payload_total_counts_headers_and_packed_bools() -> None:
     state = _state()
     archive = Archive.of_list(state)
     assert payload_total(archive) == sum(len(serialize(t)) for t in state.values())
-
-
-def test_write_checkpoint_round_trips(tmp_path: Path) -> None:
-    from tannery import Archive
-
-    state = _state()
-    archive = Archive.of_list(state)
-    assert write_checkpoint(tmp_path / "out.safetensors", archive) == [tmp_path / "out.safetensors"]
-    back = safetensors.torch.load_file(tmp_path / "out.safetensors")
-    assert back.keys() == state.keys() and all(torch.equal(back[k], v) for k, v in state.items())
-    paths = write_checkpoint(tmp_path / "out.tannic", archive)
-    assert paths == [tmp_path / "out.tannic", tmp_path / "out.metadata.tannic"]
-    pair = load_tannic(tmp_path / "out.tannic", like=state)
-    assert all(torch.equal(pair.find(k), v) for k, v in state.items())
 
 
 def test_check_writable(tmp_path: Path) -> None:

@@ -284,6 +284,8 @@ def test_store_refuses_values_that_are_not_tensors_before_calling(client, server
         client.store("x", {"w": torch.ones(1), "c": torch.zeros(2, dtype=torch.float8_e4m3fnuz)})
     with pytest.raises(ValueError, match="a leaf at the root has no name"):
         client.store("x", torch.ones(2))
+    with pytest.raises(ValueError, match="Client.store: the archive's name is a non-empty str, not ''"):
+        client.store("", {"w": torch.ones(1)})
     assert client.list() == []
 
 

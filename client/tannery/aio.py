@@ -167,7 +167,7 @@ class Client:
     async def store(self, name: str, value: Any, *, prefix: str = "", replace: bool = False,
                     progress: Progress = None) -> ArchiveInfo:
         """As :meth:`tannery.Client.store`."""
-        archive, rest = archive_to_store(value, prefix)
+        archive, rest = archive_to_store(name, value, prefix)
         messages = store_messages(name, archive, rest, replace, self._connection.chunk_size, progress)
         return ArchiveInfo.of(await self._send(self._methods.store, messages))
 

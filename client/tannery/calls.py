@@ -164,12 +164,16 @@ class Published:
 # -- requests --------------------------------------------------------------------------------
 
 
-def archive_to_store(value: Any, prefix: str = "") -> tuple[Archive, str]:
+def archive_to_store(name: str, value: Any, prefix: str = "") -> tuple[Archive, str]:
     """The archive a ``store`` value stands for, and the prefix still to add to its names.
 
     An Archive as it is; an ``nn.Module`` by its state_dict; a mapping, list or tuple by
     :meth:`Archive.of_value` (which names each tensor by its path). Nothing is read yet.
+    The archive's name is checked to be a non-empty str first (an empty one would leave the
+    call without its first message, and the server's answer would not say why).
     """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"Client.store: the archive's name is a non-empty str, not {name!r}")
     if not isinstance(prefix, str):
         raise TypeError(f"Client.store: prefix is a str, not {type(prefix).__name__}")
     if isinstance(value, Archive):

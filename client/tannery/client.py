@@ -153,7 +153,7 @@ class Client:
         AlreadyExists unless ``replace``; the archive appears whole or not at all.
         ``progress`` is called with the tensor bytes (payload bytes) of each message sent.
         """
-        archive, rest = archive_to_store(value, prefix)
+        archive, rest = archive_to_store(name, value, prefix)
         messages = _Guarded(store_messages(name, archive, rest, replace, self._connection.chunk_size, progress))
         with self._errors(messages):
             return ArchiveInfo.of(self._methods.store(messages, **self._options()))

@@ -19,7 +19,7 @@ import torch
 
 from .. import codec
 from ..archive import Archive, named_leaves
-from ..files import load_safetensors, load_tannic, save_safetensors, save_tannic
+from ..files import load_safetensors, load_tannic
 from .errors import CommandError
 
 #: Extensions of torch checkpoints, read with ``torch.load(weights_only=True)``.
@@ -114,17 +114,6 @@ def payload_total(archive: Archive, names: list[str] | None = None) -> int:
         dtype = codec.dtype_named(info.dtype)
         total += len(codec.encode_prefix(dtype, info.shape)) + dtype.buffer_nbytes(math.prod(info.shape))
     return total
-
-
-def write_checkpoint(path: str | os.PathLike[str], archive: Archive) -> list[Path]:
-    """Write ``archive`` as a .safetensors file or a .tannic pair (by extension); the paths written."""
-    from ..checkpoint import pair_paths
-
-    if checkpoint_kind(path, writing=True) == "safetensors":
-        save_safetensors(path, archive)
-        return [Path(path)]
-    save_tannic(path, archive)
-    return list(pair_paths(path))
 
 
 def check_writable(path: str | os.PathLike[str], dtypes: list[str]) -> None:
@@ -241,5 +230,4 @@ __all__ = [
     "read_tensors",
     "save_tensor",
     "to_numpy",
-    "write_checkpoint",
 ]
