@@ -29,7 +29,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tannery.codec import encode_numpy
 from tannery.v1 import archives_pb2 as pb
 from tannery.v1 import archives_pb2_grpc, channels_pb2, channels_pb2_grpc
-from tannery_server import app, healthcheck
+from tannery_server import healthcheck
 from tannery_server.auth import READ_METHODS, TokenError, load_tokens, parse_tokens_file, parse_tokens_setting
 from tannery_server.cli import main as cli_main
 from tannery_server.config import Config

@@ -21,7 +21,7 @@ from tannery.v1 import archives_pb2 as pb
 from tannery_server.cli import main as cli_main
 from tannery_server.config import Config, parse_size
 
-from .server_harness import ServerProcess, collect_fetch, running_server, store_requests, wait_for
+from .server_harness import ServerProcess, collect_fetch, store_requests, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 PAYLOAD = encode_numpy(__import__("numpy").arange(1000, dtype="float32"))

@@ -6,7 +6,6 @@ import hashlib
 from pathlib import Path
 
 import grpc
-import numpy as np
 import pytest
 import torch
 

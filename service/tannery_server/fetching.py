@@ -23,7 +23,7 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from tannery.codec import DTYPES, FLOAT_NAMES, DType, encode_prefix, format_shape
+from tannery.codec import DTYPES, DType, encode_prefix, format_shape
 from tannery.v1 import archives_pb2
 
 from .failures import DataLoss, InvalidArgument, Mismatch, NotFound
