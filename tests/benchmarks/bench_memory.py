@@ -1,7 +1,9 @@
 """Memory: peak RSS of the server and of the client while a large archive is stored and fetched.
 
 The archive is 16 float32 entries (2 GiB in all; 256 MiB with ``--quick``), stored with
-``tannery.Client.store`` and fetched back whole with ``tannery.Client.fetch``. The
+``tannery.Client.store`` and fetched back whole with ``tannery.Client.fetch``, then
+streamed with ``fetch_iter`` (each tensor checked and dropped as it arrives) and with
+``fetch_pieces`` (views of the received messages, nothing gathered). The
 server's RSS and anonymous RSS (``RssAnon``: not counting mapped files) are sampled every
 5 ms from ``/proc``; so is this process's, the client, whose figure is its growth over
 what it held before the call (the tensors themselves are 2 GiB: a fetch must hold them
@@ -45,14 +47,24 @@ def run(options: Options) -> CaseResult:
     with scratch(options, "memory") as tmp, tannery_server(tmp / "data") as server:
         client = clients.TanneryClient(server.target, archive="memory")
         for _ in range(2 if options.quick else options.repetitions() // 2 or 1):
-            for call in ("Store", "Fetch"):
+            for call in ("Store", "Fetch", "Fetch, fetch_iter", "Fetch, fetch_pieces"):
                 free_memory()
                 me, them = proc_status(os.getpid())["VmRSS"], proc_status(server.pid)["VmRSS"]
                 with PeakRss(server.pid) as server_rss, PeakRss(os.getpid()) as client_rss:
                     if call == "Store":
                         client.client.store("memory", tensors, replace=True)
-                    else:
+                    elif call == "Fetch":
                         fetched = client.client.fetch("memory")
+                    elif call == "Fetch, fetch_iter":
+                        streamed = 0
+                        for name, tensor in client.client.fetch_iter("memory"):
+                            assert torch.equal(tensor, tensors[name]), name
+                            streamed += tensor.nbytes
+                            del tensor
+                        assert streamed == total, (streamed, total)
+                    else:
+                        streamed = sum(len(piece.data) for piece in client.client.fetch_pieces("memory"))
+                        assert streamed == total, (streamed, total)
                 if call == "Fetch":
                     assert all(torch.equal(fetched.find(n), t) for n, t in tensors.items())
                     del fetched
@@ -76,7 +88,7 @@ def run(options: Options) -> CaseResult:
     for (call, process), (rss, anon, growth) in sorted(peaks.items()):
         table.add(call, process, mib(rss), mib(anon), mib(growth), f"{growth / total:.2f}")
     result.tables.append(table)
-    server_peak = max(peaks["Store", "tannery server"][1], peaks["Fetch", "tannery server"][1])
+    server_peak = max(anon for (call, process), (_, anon, _) in peaks.items() if process == "tannery server")
     result.target(f"tannery server's peak anonymous RSS storing and fetching {fmt_size(total)}", server_peak / MiB,
                   300, higher_is_better=False, unit=" MiB")
     result.data = {"total": total, "peaks": {f"{c}|{p}": v for (c, p), v in peaks.items()}}

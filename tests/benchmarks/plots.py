@@ -107,18 +107,24 @@ def channels(data: dict, environment: str, out: Path) -> list[Path]:
 
 
 def memory(data: dict, environment: str, out: Path) -> list[Path]:
-    fig, ax = plt.subplots(figsize=(10, 5))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.5), sharey=True)
     labels = sorted(data["peaks"])
+    ys = range(len(labels))
     rss = [data["peaks"][k][0] / MiB for k in labels]
     anon = [data["peaks"][k][1] / MiB for k in labels]
-    ys = range(len(labels))
-    ax.barh([y + 0.2 for y in ys], rss, 0.4, label="peak RSS")
-    ax.barh([y - 0.2 for y in ys], anon, 0.4, label="peak anonymous RSS")
-    ax.set_yticks(list(ys))
-    ax.set_yticklabels([k.replace("|", ": ") for k in labels], fontsize=8)
-    ax.axvline(300, color="red", linestyle="--", linewidth=1, label="server target (300 MiB anonymous)")
-    ax.set_xlabel("MiB")
-    ax.legend(fontsize=8)
+    growth = [data["peaks"][k][2] / MiB for k in labels]
+    axes[0].barh([y + 0.2 for y in ys], rss, 0.4, label="peak RSS")
+    axes[0].barh([y - 0.2 for y in ys], anon, 0.4, label="peak anonymous RSS")
+    axes[0].axvline(300, color="red", linestyle="--", linewidth=1, label="server target (300 MiB anonymous)")
+    axes[0].set_title("Peak RSS (the client process also holds the archive's tensors)", fontsize=10)
+    axes[1].barh(list(ys), growth, 0.6, color="tab:green", label="peak growth over the call's start")
+    axes[1].axvline(data["total"] / MiB, color="grey", linestyle=":", linewidth=1, label="the archive's size")
+    axes[1].set_title("What the call itself added", fontsize=10)
+    axes[0].set_yticks(list(ys))
+    axes[0].set_yticklabels([k.replace("|", ": ") for k in labels], fontsize=8)
+    for ax in axes:
+        ax.set_xlabel("MiB")
+        ax.legend(fontsize=8)
     _title(fig, f"Memory storing and fetching a {_size_label(data['total'])} archive", environment)
     fig.tight_layout(rect=(0, 0.03, 1, 0.95))
     return [_save(fig, out / "memory.png")]
