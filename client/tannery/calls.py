@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from . import wire
+from . import errors, wire
 from .archive import Archive, EntryInfo, as_tensor
 from .codec import Deframer, FormatError, PayloadInfo, Reframer, byte_buffer, format_shape
 from .errors import ArchiveError
@@ -173,7 +173,7 @@ def archive_to_store(name: str, value: Any, prefix: str = "") -> tuple[Archive, 
     call without its first message, and the server's answer would not say why).
     """
     if not isinstance(name, str) or not name:
-        raise ValueError(f"Client.store: the archive's name is a non-empty str, not {name!r}")
+        raise errors.InvalidArgument(f"Client.store: the archive's name is a non-empty str, not {name!r}")
     if not isinstance(prefix, str):
         raise TypeError(f"Client.store: prefix is a str, not {type(prefix).__name__}")
     if isinstance(value, Archive):
