@@ -29,7 +29,7 @@ from tannery.v1 import archives_pb2
 from .failures import DataLoss, InvalidArgument, Mismatch, NotFound
 from .storage import BlobFile, BlobInfo, EntryRecord, Storage
 from .storage.integrity import BlockCheck, check_block
-from tannery.wire import encode_fetch_response, encode_varint
+from tannery.wire import encode_fetch_response, encode_varint, split_parts
 
 _FLOATS = "float16, bfloat16, float32 or float64"
 
@@ -269,20 +269,12 @@ def _chain(*iterables: Iterable[memoryview]) -> Iterator[memoryview]:
 
 def _messages(name: str, pieces: Iterable[memoryview], chunk_size: int) -> Iterator[bytes]:
     """Messages of exactly ``chunk_size`` payload bytes (the last shorter), the first naming the entry."""
-    parts: list[memoryview] = []
-    size = 0
     first = True
-    for piece in pieces:
-        while piece.nbytes:
-            take = min(chunk_size - size, piece.nbytes)
-            parts.append(piece[:take] if take < piece.nbytes else piece)
-            piece = piece[take:]
-            size += take
-            if size == chunk_size:
-                yield encode_fetch_response(name if first else None, parts)
-                first, parts, size = False, [], 0
-    if parts or first:
+    for parts in split_parts(pieces, chunk_size):
         yield encode_fetch_response(name if first else None, parts)
+        first = False
+    if first:  # no bytes at all: the entry is still announced
+        yield encode_fetch_response(name, [])
 
 
 def _whole_payload(blob: BlobFile, entry: EntryRecord, info: BlobInfo, chunk_size: int, what: str) -> Iterator[bytes]:
