@@ -397,6 +397,24 @@ class MemoryArchive(Archive):
         return [self._tensors[name] for name in names]
 
 
+class IndexedArchive(Archive):
+    """An archive that knows its entries from an index of records carrying an ``info``
+    (a file's layout, a server's description): names and infos come from the index."""
+
+    __slots__ = ("_entries", "_sorted")
+
+    def __init__(self, entries: Mapping[str, Any]) -> None:
+        self._entries = dict(entries)
+        self._sorted = tuple(sorted(self._entries))
+
+    def _names(self) -> Sequence[str]:
+        return self._sorted
+
+    def _info(self, name: str) -> EntryInfo | None:
+        entry = self._entries.get(name)
+        return None if entry is None else entry.info
+
+
 class UnionArchive(Archive):
     """The entries of several archives, each still held (and read) by its own archive."""
 

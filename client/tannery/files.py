@@ -28,7 +28,7 @@ import torch
 
 from . import checkpoint, codec
 from . import torch as tensors
-from .archive import Archive, EntryInfo, leaf_dtype, named_leaves
+from .archive import Archive, EntryInfo, IndexedArchive, leaf_dtype, named_leaves
 from .codec import FormatError, format_shape
 from .errors import ArchiveError
 from .safetensors_format import CODES, read_layout
@@ -46,24 +46,16 @@ class MappedEntry:
     packed_bools: bool = False
 
 
-class MappedArchive(Archive):
+class MappedArchive(IndexedArchive):
     """An archive whose tensors view a private memory map of a file, built on first use."""
 
-    __slots__ = ("path", "_map", "_entries", "_sorted", "_tensors")
+    __slots__ = ("path", "_map", "_tensors")
 
     def __init__(self, path: PathLike, data: mmap.mmap, entries: Mapping[str, MappedEntry]) -> None:
+        super().__init__(entries)
         self.path = Path(path)
         self._map = data
-        self._entries = dict(entries)
-        self._sorted = tuple(sorted(self._entries))
         self._tensors: dict[str, torch.Tensor] = {}
-
-    def _names(self) -> Sequence[str]:
-        return self._sorted
-
-    def _info(self, name: str) -> EntryInfo | None:
-        entry = self._entries.get(name)
-        return None if entry is None else entry.info
 
     def _fetch(self, names: Sequence[str]) -> list[torch.Tensor]:
         return [self._tensor(name) for name in names]

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .archive import Archive, DTypeLike, EntryInfo, MemoryArchive
+from .archive import DTypeLike, EntryInfo, IndexedArchive, MemoryArchive
 from .calls import ArchiveDescription, ArchiveInfo, EntryDescription, entry_ask
 from .codec import format_shape
 from .errors import ArchiveError
@@ -39,7 +39,7 @@ def _row_bound(value: object, what: str) -> int:
         raise TypeError(f"Archive.rows: {what} is an int, not {type(value).__name__}") from None
 
 
-class RemoteArchive(Archive):
+class RemoteArchive(IndexedArchive):
     """An archive stored on a tannery server (``Client.archive(name)``).
 
     ``names``, ``info``, ``len`` and ``in`` answer from the description fetched when it
@@ -47,12 +47,11 @@ class RemoteArchive(Archive):
     entries they return and nothing else.
     """
 
-    __slots__ = ("description", "_entries", "_sorted", "_transfer")
+    __slots__ = ("description", "_transfer")
 
     def __init__(self, description: ArchiveDescription, transfer: Transfer) -> None:
+        super().__init__({entry.name: entry for entry in description.entries})
         self.description = description
-        self._entries = {entry.name: entry for entry in description.entries}
-        self._sorted = tuple(sorted(self._entries))
         self._transfer = transfer
 
     @property
@@ -68,13 +67,6 @@ class RemoteArchive(Archive):
         """The stored entry's description (payload size and digest included); ArchiveError when absent."""
         self._lookup("RemoteArchive.entry", name)
         return self._entries[name]
-
-    def _names(self) -> Sequence[str]:
-        return self._sorted
-
-    def _info(self, name: str) -> EntryInfo | None:
-        entry = self._entries.get(name)
-        return None if entry is None else entry.info
 
     def _fetch(self, names: Sequence[str]) -> list[torch.Tensor]:
         return self._transfer([entry_ask(self._entries[name]) for name in names])
