@@ -212,11 +212,13 @@ class ServerProcess:
 
 def store_requests(
     archive: str, entries: Mapping[str, bytes] | Iterable[tuple[str, bytes]], chunk_size: int = 1 << 20,
-    replace: bool = False,
+    replace: bool = False, commit: bool = True,
 ) -> Iterator[archives_pb2.StoreRequest]:
-    """The ``StoreRequest``s of an archive: begin, then each entry's name with its payload in chunks."""
+    """The ``StoreRequest``s of an archive: begin, then each entry's name with its payload in
+    chunks, then the commit with the counts (``commit=False`` leaves it out)."""
     yield archives_pb2.StoreRequest(begin=archives_pb2.StoreBegin(archive=archive, replace=replace))
     items = entries.items() if isinstance(entries, Mapping) else entries
+    count = sent = 0
     for name, payload in items:
         view = memoryview(payload).cast("B")
         first = True
@@ -224,6 +226,16 @@ def store_requests(
             chunk = bytes(view[start : start + chunk_size])
             yield archives_pb2.StoreRequest(entry=name, chunk=chunk) if first else archives_pb2.StoreRequest(chunk=chunk)
             first = False
+            sent += len(chunk)
+        count += 1
+    if commit:
+        yield commit_request(count, sent)
+
+
+def commit_request(entries: int, payload_bytes: int) -> archives_pb2.StoreRequest:
+    """The last ``StoreRequest`` of a Store: the client's word that it sent ``entries`` entries
+    of ``payload_bytes`` bytes in all."""
+    return archives_pb2.StoreRequest(commit=archives_pb2.StoreCommit(entries=entries, payload_bytes=payload_bytes))
 
 
 def collect_fetch(responses: Iterable[archives_pb2.FetchResponse]) -> dict[str, bytes]:

@@ -21,7 +21,7 @@ from tannery.v1 import archives_pb2 as pb
 from tannery_server.cli import main as cli_main
 from tannery_server.config import Config, parse_size
 
-from .server_harness import ServerProcess, collect_fetch, store_requests, wait_for
+from .server_harness import ServerProcess, collect_fetch, commit_request, store_requests, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 PAYLOAD = encode_numpy(__import__("numpy").arange(1000, dtype="float32"))
@@ -71,6 +71,7 @@ def test_json_logs_and_sigterm_lets_a_call_in_flight_finish(tmp_path):
             sent.set()
             release.wait(30)
             yield pb.StoreRequest(chunk=PAYLOAD[100:])
+            yield commit_request(1, len(PAYLOAD))
 
         future = stub.Store.future(slow_store())
         assert sent.wait(30)

@@ -13,7 +13,7 @@ from tannery import codec
 from tannery.torch import deserialize, serialize
 from tannery.v1 import archives_pb2 as pb
 
-from .server_harness import collect_fetch, running_server, store_requests
+from .server_harness import collect_fetch, commit_request, running_server, store_requests
 
 CHUNK = 4096  # the server's chunk size in these tests, so that payloads span many messages
 
@@ -135,12 +135,13 @@ def test_a_payload_may_arrive_in_pieces_of_any_size_header_split_included(stub):
     requests = [pb.StoreRequest(begin=pb.StoreBegin(archive="a"))]
     requests.append(pb.StoreRequest(entry="w"))  # the name alone, payload in later messages
     requests += [pb.StoreRequest(chunk=payload[i : i + 3]) for i in range(0, len(payload), 3)]
+    requests.append(commit_request(1, len(payload)))
     stub.Store(iter(requests))
     assert fetch(stub, "a", ask("w")) == {"w": payload}
 
 
 def test_an_empty_archive_can_be_stored(stub):
-    info = stub.Store(iter([pb.StoreRequest(begin=pb.StoreBegin(archive="empty"))]))
+    info = stub.Store(iter([pb.StoreRequest(begin=pb.StoreBegin(archive="empty")), commit_request(0, 0)]))
     assert info.entries == 0
     assert fetch(stub, "empty") == {}
 
@@ -168,7 +169,10 @@ GOOD = serialize(torch.arange(6, dtype=torch.float32).reshape(2, 3))
 
 
 def raw_store(stub, *messages):
-    return stub.Store(iter(messages))
+    """A Store of ``messages`` and the commit a client would send after them (their counts)."""
+    entries = sum(1 for m in messages if m.entry)
+    sent = sum(len(m.chunk) for m in messages)
+    return stub.Store(iter([*messages, commit_request(entries, sent)]))
 
 
 def begin(name="a"):

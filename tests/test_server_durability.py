@@ -40,7 +40,7 @@ def archive_names(stub) -> list[str]:
 def blocking_store(archive: str, complete: dict[str, bytes], partial: bytes, sent: threading.Event,
                    release: threading.Event, chunk: int = 64 * 1024):
     """Requests that store ``complete`` entries, then half of ``partial``, then wait for ``release``."""
-    yield from store_requests(archive, complete, chunk)
+    yield from store_requests(archive, complete, chunk, commit=False)
     half = len(partial) // 2
     yield pb.StoreRequest(entry="partial", chunk=partial[:chunk])
     for start in range(chunk, half, chunk):

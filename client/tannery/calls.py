@@ -192,17 +192,23 @@ def store_messages(
     name: str, archive: Archive, prefix: str, replace: bool, chunk_size: int, progress: Progress = None
 ) -> Iterator[bytes]:
     """The serialized ``StoreRequest``s of an archive: begin, then each entry in name order,
-    its name in the first of its messages. Entries are read one at a time, as sent."""
+    its name in the first of its messages, then commit with the counts sent (the server
+    stores nothing without it). Entries are read one at a time, as sent."""
     begin = archives_pb2.StoreBegin(archive=name, replace=replace).SerializeToString()
     yield wire.encode_store_request(begin=begin)
+    entries = sent = 0
     for entry in archive.names():
         tensor = archive.find(entry)
         first = True
         for chunk in wire.split_parts(serialize_parts(tensor), chunk_size):
             yield wire.encode_store_request(entry=join(prefix, entry) if first else None, parts=chunk)
             first = False
+            size = sum(piece.nbytes for piece in chunk)
+            sent += size
             if progress is not None:
-                progress(sum(piece.nbytes for piece in chunk))
+                progress(size)
+        entries += 1
+    yield wire.encode_store_commit(entries, sent)
 
 
 def check_tensors(tensors: Any) -> None:

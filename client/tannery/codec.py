@@ -48,6 +48,11 @@ class FormatError(ValueError):
     """A payload or a file that is not valid tannic data."""
 
 
+class OverLimit(FormatError):
+    """A header whose rank or size is over the reader's :class:`Limits` (checked before the
+    shape or anything else is read from it)."""
+
+
 @dataclass(frozen=True)
 class DType:
     """One element type of the format: its name, wire code and numpy type."""
@@ -134,9 +139,29 @@ def dtype_of_numpy(np_dtype: np.dtype) -> DType:
         raise TypeError(f"numpy dtype {np.dtype(np_dtype)} has no tannic dcode") from None
 
 
+#: Dimensions a message prints of a shape; a longer one shows its first few and its rank.
+SHAPE_SHOWN = 8
+
+
 def format_shape(shape: Sequence[int]) -> str:
-    """A shape as a Python list, ``[2, 2]``, ``[]`` for a scalar: how messages print shapes."""
-    return str([int(d) for d in shape])
+    """A shape as a Python list, ``[2, 2]``, ``[]`` for a scalar: how messages print shapes.
+    A hostile header's shape stays short: ``[1, 2, ... (rank 255)]`` past SHAPE_SHOWN dims."""
+    dims = [int(d) for d in shape[: SHAPE_SHOWN + 1]]
+    if len(shape) <= SHAPE_SHOWN:
+        return str(dims)
+    return f"[{', '.join(map(str, dims[:SHAPE_SHOWN - 2]))}, ... (rank {len(shape)})]"
+
+
+def _span_over(dims: Sequence[int], itemsize: int, bound: int) -> bool:
+    """Whether the non-zero ``dims`` of elements of ``itemsize`` bytes span more than ``bound`` bytes,
+    found without building the (unbounded) product."""
+    span = itemsize
+    for d in dims:
+        if d:
+            span *= d
+            if span > bound:
+                return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -202,7 +227,7 @@ def read_info(data: Buffer, limits: Limits = DEFAULT_LIMITS) -> PayloadInfo | No
     if version != VERSION:
         raise FormatError(f"unsupported version {version}, this reader knows version {VERSION}")
     if HEADER.size + after_header > limits.max_payload:
-        raise FormatError(
+        raise OverLimit(
             f"payload of {HEADER.size + after_header} bytes is over the limit of {limits.max_payload} bytes"
         )
     if after_header < METADATA.size:
@@ -214,7 +239,7 @@ def read_info(data: Buffer, limits: Limits = DEFAULT_LIMITS) -> PayloadInfo | No
     code, _offset, nbytes, rank = METADATA.unpack_from(view, HEADER.size)
     dtype = dtype_of_code(code)
     if rank > limits.max_rank:
-        raise FormatError(f"rank {rank} is over the limit of {limits.max_rank}")
+        raise OverLimit(f"rank {rank} is over the limit of {limits.max_rank}")
     data_offset = FIXED_PREFIX + DIM.size * rank
     if HEADER.size + after_header < data_offset:
         raise FormatError(
@@ -224,13 +249,12 @@ def read_info(data: Buffer, limits: Limits = DEFAULT_LIMITS) -> PayloadInfo | No
     if len(view) < data_offset:
         return None
     shape = struct.unpack_from(f"<{rank}Q", view, FIXED_PREFIX)
-    span = math.prod(d for d in shape if d) * dtype.itemsize
-    if span > MAX_ARRAY_BYTES:
-        # Only an empty shape gets here with a valid nbytes: [0, 2**62, 4] has no elements,
-        # yet numpy and torch cannot even describe it.
+    if _span_over(shape, dtype.itemsize, MAX_ARRAY_BYTES):
+        # [0, 2**62, 4] has no elements, yet numpy and torch cannot even describe it. The
+        # span itself is not printed: with 255 dims of 2**64-1 it has thousands of digits.
         raise FormatError(
             f"shape {format_shape(shape)} of {dtype} is too large for an array: its non-zero dimensions "
-            f"span {span} bytes, over {MAX_ARRAY_BYTES}"
+            f"span more than {MAX_ARRAY_BYTES} bytes"
         )
     expected = dtype.buffer_nbytes(math.prod(shape))
     if nbytes != expected:

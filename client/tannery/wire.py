@@ -8,14 +8,16 @@ format is protobuf's (field numbers from ``archives.proto`` and ``channels.proto
 conforming peer interoperates.
 
 Server: :func:`parse_store_request`, :func:`encode_fetch_response`. Client:
-:func:`encode_store_request`, :func:`encode_publish_request`, :func:`parse_fetch_response`,
+:func:`encode_store_request`, :func:`encode_store_commit`, :func:`encode_publish_request`, :func:`parse_fetch_response`,
 :func:`parse_subscribe_response`, and :func:`split_parts` to cut payloads into chunks.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence, Union
+from typing import Any, Iterable, Iterator, Sequence, Union
+
+from google.protobuf.message import DecodeError
 
 from tannery.v1 import archives_pb2
 
@@ -86,24 +88,34 @@ class StoreMessage:
     chunk: memoryview
     #: Size of the message on the wire.
     size: int
+    #: The client's final word (the last message only), else None.
+    commit: archives_pb2.StoreCommit | None = None
 
 
 _EMPTY = memoryview(b"")
 
 
+def _merge(message: Any, name: str, value: memoryview) -> Any:
+    """``message`` merged with the bytes of its field ``name``; WireError naming the field if they are malformed."""
+    try:
+        message.MergeFromString(bytes(value))
+    except DecodeError as exc:
+        raise WireError(f"field {name} is not a valid {type(message).__name__}: {exc}") from None
+    return message
+
+
 def parse_store_request(data: bytes) -> StoreMessage:
-    """The request deserializer of ``Store``."""
+    """The request deserializer of ``Store``; WireError for bytes that are not a StoreRequest."""
     view = memoryview(data)
     begin: archives_pb2.StoreBegin | None = None
+    commit: archives_pb2.StoreCommit | None = None
     entry = ""
     chunk = _EMPTY
     for number, wire_type, value in _fields(view):
         if wire_type != _LEN:
             continue  # no known field of StoreRequest has another wire type
         if number == 1:
-            if begin is None:
-                begin = archives_pb2.StoreBegin()
-            begin.MergeFromString(bytes(value))
+            begin = _merge(begin or archives_pb2.StoreBegin(), "begin", value)
         elif number == 2:
             try:
                 entry = str(value, "utf-8")
@@ -111,7 +123,9 @@ def parse_store_request(data: bytes) -> StoreMessage:
                 raise WireError("field entry is not valid UTF-8") from None
         elif number == 3:
             chunk = value
-    return StoreMessage(begin, entry, chunk, len(view))
+        elif number == 4:
+            commit = _merge(commit or archives_pb2.StoreCommit(), "commit", value)
+    return StoreMessage(begin, entry, chunk, len(view), commit)
 
 
 def _length_delimited(pieces: list[Piece], number: int, parts: Sequence[Piece]) -> None:
@@ -144,6 +158,12 @@ def encode_store_request(*, begin: bytes = b"", entry: str | None = None, parts:
     _text(pieces, 2, entry)
     _length_delimited(pieces, 3, parts)
     return b"".join(pieces)
+
+
+def encode_store_commit(entries: int, payload_bytes: int) -> bytes:
+    """The last ``StoreRequest`` of a Store: ``commit`` with what the client sent."""
+    commit = archives_pb2.StoreCommit(entries=entries, payload_bytes=payload_bytes)
+    return archives_pb2.StoreRequest(commit=commit).SerializeToString()
 
 
 def encode_publish_request(channel: str | None, parts: Sequence[Piece]) -> bytes:

@@ -12,6 +12,7 @@ import binascii
 import functools
 import inspect
 import sqlite3
+from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable, TypeVar
 
@@ -22,7 +23,7 @@ from tannery.v1 import archives_pb2, archives_pb2_grpc
 
 from .calllog import current_call
 from .config import Config
-from .failures import Failure, InvalidArgument, NotFound, trailing_metadata
+from .failures import Cancelled, DeadlineExceeded, Failure, InvalidArgument, NotFound, trailing_metadata
 from .fetching import FetchStream, check_request
 from .storage import ArchiveRecord, Limits, Storage
 from .store_session import StoreSession, disk_full
@@ -53,6 +54,19 @@ async def _fail(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     await context.abort(failure.code, str(failure), trailing_metadata=trailing_metadata(failure))
 
 
+@dataclass(frozen=True)
+class MalformedRequest:
+    """What a request deserializer returns for bytes that are not the message: the handler
+    answers INVALID_ARGUMENT with ``problem`` (grpc.aio would answer UNKNOWN to a raise)."""
+
+    problem: str
+
+
+def _check_parsed(request: Any) -> None:
+    if isinstance(request, MalformedRequest):
+        raise InvalidArgument(request.problem)
+
+
 def _answering_failures(method: Callable) -> Callable:
     """Turn Failures (and full disks) raised by a servicer method into their statuses."""
     if inspect.isasyncgenfunction(method):
@@ -60,6 +74,7 @@ def _answering_failures(method: Callable) -> Callable:
         @functools.wraps(method)
         async def streaming(self, request, context):
             try:
+                _check_parsed(request)
                 async for item in method(self, request, context):
                     yield item
             except (Failure, OSError, sqlite3.Error, WireError) as exc:
@@ -70,6 +85,7 @@ def _answering_failures(method: Callable) -> Callable:
     @functools.wraps(method)
     async def unary(self, request, context):
         try:
+            _check_parsed(request)
             return await method(self, request, context)
         except (Failure, OSError, sqlite3.Error, WireError) as exc:
             await _fail(context, exc if not isinstance(exc, WireError) else InvalidArgument(str(exc)))
@@ -105,18 +121,25 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
         try:
             await self._run(session.check_name_free)
             # Each message is written by a worker thread while the next one is received.
+            # Shielded: a cancelled call must not abandon a thread still writing the session.
             pending = self._run_future(session.feed, first, True)
             async for message in request_iterator:
-                await pending
+                await asyncio.shield(pending)
                 pending = self._run_future(session.feed, message)
-            await pending
-            record = await self._run(session.finish)
+            await asyncio.shield(pending)
+            # grpc.aio ends the requests of a cancelled call as if the client were done.
+            _check_alive(context)
+            record = await asyncio.shield(self._run(session.finish))
         except BaseException:
-            if pending is not None and not pending.done():
-                await asyncio.wait([pending])  # the thread must be done with the session first
-            await asyncio.shield(self._run(session.abort))
+            await asyncio.shield(self._abort_store(session, pending))
             raise
         return archive_info(record)
+
+    async def _abort_store(self, session: StoreSession, pending: asyncio.Future | None) -> None:
+        """Wait for the thread writing the session (it must be done with it), then remove what it wrote."""
+        if pending is not None and not pending.done():
+            await asyncio.wait([pending])
+        await self._run(session.abort)
 
     def _run_future(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
         return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -132,28 +155,47 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
         return archive_info(record)
 
     @_answering_failures
-    async def Fetch(self, request: archives_pb2.FetchRequest, context):
+    async def Fetch(self, request: archives_pb2.FetchRequest, context) -> None:
         current_call().note("archive", request.archive)
         check_request(request)
         # One trip resolves the request and reads the first batch; a fetch that fits in it
         # is over (blobs closed, pins released) when the trip returns.
-        stream, batch = await self._run(FetchStream.open, self.storage, request, self.config.chunk_size,
-                                        FETCH_BATCH_BYTES)
+        opening = self._run_future(FetchStream.open, self.storage, request, self.config.chunk_size,
+                                   FETCH_BATCH_BYTES)
+        try:
+            stream, batch = await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            await asyncio.shield(self._close_opening(opening))
+            raise
         ahead: asyncio.Future | None = None
         try:
             while True:
                 # The next batch is read while this one is sent.
                 ahead = None if stream.done else self._run_future(stream.next_batch, FETCH_BATCH_BYTES)
                 for message in batch:
-                    yield message
+                    await _write(context, message)
                 if ahead is None:
                     return
-                batch = await ahead
+                # Shielded: a cancelled call must not close the stream under the thread reading it.
+                batch = await asyncio.shield(ahead)
         finally:
-            if ahead is not None and not ahead.done():
-                await asyncio.wait([ahead])
-            if not stream.done:  # cancelled or failed midway: close it on a worker thread
-                await asyncio.shield(self._run(stream.close))
+            if not stream.done or ahead is not None:
+                await asyncio.shield(self._close_fetch(stream, ahead))
+
+    async def _close_opening(self, opening: asyncio.Future) -> None:
+        """Close the stream a cancelled Fetch was opening, once the thread has opened it."""
+        await asyncio.wait([opening])
+        if not opening.cancelled() and opening.exception() is None:
+            stream, _ = opening.result()
+            if not stream.done:
+                await self._run(stream.close)
+
+    async def _close_fetch(self, stream: FetchStream, ahead: asyncio.Future | None) -> None:
+        """Wait for the thread reading ahead, then close the stream (its blobs and pins) if it is not over."""
+        if ahead is not None and not ahead.done():
+            await asyncio.wait([ahead])
+        if not stream.done:  # cancelled or failed midway: close it on a worker thread
+            await self._run(stream.close)
 
     @_answering_failures
     async def Describe(self, request: archives_pb2.DescribeRequest, context) -> archives_pb2.ArchiveDescription:
@@ -196,6 +238,24 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
         )
 
 
+async def _write(context: grpc.aio.ServicerContext, message: Any) -> None:
+    """Send one response message; CancelledError when the client has gone (grpc.aio would log
+    a traceback for the failed write of a yielded message)."""
+    try:
+        await context.write(message)
+    except grpc.aio.InternalError:
+        raise asyncio.CancelledError() from None
+
+
+def _check_alive(context: grpc.aio.ServicerContext) -> None:
+    """Cancelled or DeadlineExceeded when the call is over for its client."""
+    if context.cancelled():
+        raise Cancelled("the call was cancelled before it was done: nothing was stored")
+    remaining = context.time_remaining()
+    if remaining is not None and remaining <= 0:
+        raise DeadlineExceeded("the call's deadline passed before it was done: nothing was stored")
+
+
 def _encode_token(last_name: str) -> str:
     return base64.urlsafe_b64encode(b"v1:" + last_name.encode()).decode()
 
@@ -212,35 +272,41 @@ def _decode_token(token: str) -> str:
     raise InvalidArgument(f"page_token {token[:40]!r} is not one this server gave")
 
 
+def _tolerant(message_type: type) -> Callable[[bytes], Any]:
+    """The deserializer of ``message_type`` that returns a MalformedRequest instead of raising."""
+
+    def parse(data: bytes) -> Any:
+        try:
+            return message_type.FromString(data)
+        except Exception as exc:  # DecodeError, and anything else bad bytes make the parser raise
+            return MalformedRequest(f"the request is not a valid {message_type.__name__}: {exc}")
+
+    return parse
+
+
+#: Hand-written (de)serializers of the hot messages: Store's requests and Fetch's responses are
+#: read and written without copying tensor bytes (tannery.wire).
+_HAND_WRITTEN = {"Store": {"request_deserializer": parse_store_request},
+                 "Fetch": {"response_serializer": serialize_response}}
+_HANDLER_KINDS = {
+    (False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def method_handlers(servicer: ArchivesServicer) -> dict[str, grpc.RpcMethodHandler]:
+    """A handler for every RPC of ``archives.proto``, derived from its descriptor."""
+    handlers = {}
+    for method in archives_pb2.DESCRIPTOR.services_by_name["Archives"].methods:
+        request_type = getattr(archives_pb2, method.input_type.name)
+        response_type = getattr(archives_pb2, method.output_type.name)
+        options = {"request_deserializer": _tolerant(request_type),
+                   "response_serializer": response_type.SerializeToString, **_HAND_WRITTEN.get(method.name, {})}
+        kind = _HANDLER_KINDS[method.client_streaming, method.server_streaming]
+        handlers[method.name] = kind(getattr(servicer, method.name), **options)
+    return handlers
+
+
 def add_to_server(servicer: ArchivesServicer, server: grpc.aio.Server) -> None:
     """Register the service, reading Store requests and writing Fetch responses without copies."""
-    generic = grpc.method_handlers_generic_handler(
-        SERVICE,
-        {
-            "Store": grpc.stream_unary_rpc_method_handler(
-                servicer.Store, request_deserializer=parse_store_request,
-                response_serializer=archives_pb2.ArchiveInfo.SerializeToString,
-            ),
-            "Union": grpc.unary_unary_rpc_method_handler(
-                servicer.Union, request_deserializer=archives_pb2.UnionRequest.FromString,
-                response_serializer=archives_pb2.ArchiveInfo.SerializeToString,
-            ),
-            "Fetch": grpc.unary_stream_rpc_method_handler(
-                servicer.Fetch, request_deserializer=archives_pb2.FetchRequest.FromString,
-                response_serializer=serialize_response,
-            ),
-            "Describe": grpc.unary_unary_rpc_method_handler(
-                servicer.Describe, request_deserializer=archives_pb2.DescribeRequest.FromString,
-                response_serializer=archives_pb2.ArchiveDescription.SerializeToString,
-            ),
-            "List": grpc.unary_unary_rpc_method_handler(
-                servicer.List, request_deserializer=archives_pb2.ListRequest.FromString,
-                response_serializer=archives_pb2.ListResponse.SerializeToString,
-            ),
-            "Delete": grpc.unary_unary_rpc_method_handler(
-                servicer.Delete, request_deserializer=archives_pb2.DeleteRequest.FromString,
-                response_serializer=archives_pb2.DeleteResponse.SerializeToString,
-            ),
-        },
-    )
-    server.add_generic_rpc_handlers((generic,))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, method_handlers(servicer)),))

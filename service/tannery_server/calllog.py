@@ -56,7 +56,9 @@ def current_call() -> CallRecord:
 
 
 def _status(exc: BaseException | None, context: grpc.aio.ServicerContext) -> str:
-    if isinstance(exc, asyncio.CancelledError):
+    # A call its client cancelled is CANCELLED whatever the handler went on to do.
+    # A response stream closed before its end (GeneratorExit) could not be written to it.
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)) or context.cancelled():
         return "CANCELLED"
     code = context.code()
     if isinstance(code, grpc.StatusCode):

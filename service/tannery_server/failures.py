@@ -50,6 +50,16 @@ class Mismatch(Failure):
     kind = "archive"
 
 
+class Cancelled(Failure):
+    """The client cancelled the call, or its deadline passed, before it was done."""
+
+    code = grpc.StatusCode.CANCELLED
+
+
+class DeadlineExceeded(Failure):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 class DataLoss(Failure):
     """A stored blob is missing or no longer matches its digest."""
 

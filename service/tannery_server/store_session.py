@@ -3,8 +3,10 @@
 Runs in a worker thread one message at a time. Each payload's header is checked by the
 codec (and against the server's limits) before any of its bytes are written; its bytes
 go straight from the received message to a temporary file while they are hashed. Nothing
-is visible until :meth:`StoreSession.finish` commits the archive in one transaction; on
-any failure :meth:`StoreSession.abort` removes what was written.
+is visible until :meth:`StoreSession.finish` commits the archive in one transaction, which
+it does only after the client's ``commit`` message agreed with what arrived; on any
+failure (a stream that ended without it included) :meth:`StoreSession.abort` removes what
+was written.
 """
 
 from __future__ import annotations
@@ -12,17 +14,19 @@ from __future__ import annotations
 import errno
 import sqlite3
 
-from tannery.codec import Deframer, FormatError, Limits
+from tannery.codec import Deframer, FormatError, Limits, OverLimit
 
 from .config import Config
 from .failures import AlreadyExists, BadPayload, InvalidArgument, LimitExceeded
 from .storage import ArchiveRecord, BlobInfo, EntryRecord, PayloadWriter, Storage
 from .validation import check_entry_name
+from tannery.v1.archives_pb2 import StoreCommit
 from tannery.wire import StoreMessage
 
-#: The codec checks the format only; the server's own limits are checked separately, so
-#: that a limit answers RESOURCE_EXHAUSTED and a malformed payload INVALID_ARGUMENT.
-_FORMAT_ONLY = Limits(max_payload=1 << 64, max_rank=255)
+#: The codec checks the format and the rank (before it reads a shape of that rank); the
+#: payload size limit is checked separately, so that it answers RESOURCE_EXHAUSTED and a
+#: malformed payload INVALID_ARGUMENT.
+_ANY_SIZE = 1 << 64
 _DISK_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
 
@@ -42,7 +46,7 @@ class StoreSession:
         self.archive = archive
         self.replace = replace
         self.bytes_received = 0
-        self._deframer = Deframer(_FORMAT_ONLY)
+        self._deframer = Deframer(Limits(max_payload=_ANY_SIZE, max_rank=config.max_rank))
         self._names: set[str] = set()
         self._entries: list[EntryRecord] = []
         self._blobs: list[BlobInfo] = []
@@ -50,6 +54,7 @@ class StoreSession:
         self._entry_has_payload = False
         self._writer: PayloadWriter | None = None
         self._payload_size = 0
+        self._commit: StoreCommit | None = None
         self._closed = False
 
     def check_name_free(self) -> None:
@@ -58,6 +63,11 @@ class StoreSession:
             raise AlreadyExists(f"archive {self.archive!r} already exists (ask to replace it)")
 
     def feed(self, message: StoreMessage, first: bool = False) -> None:
+        if self._commit is not None:
+            raise InvalidArgument("a message after commit: commit must be the last message of Store")
+        if message.commit is not None:
+            self._take_commit(message)
+            return
         if message.begin is not None and not first:
             raise InvalidArgument("begin is allowed in the first message only")
         if message.entry:
@@ -76,6 +86,8 @@ class StoreSession:
                     self._writer.write(fragment.data)
                     if fragment.last:
                         self._finish_payload(fragment.info)
+            except OverLimit as exc:  # the server's rank limit: not a malformed payload
+                raise InvalidArgument(f"entry {self._entry!r}: {exc}") from None
             except FormatError as exc:
                 raise BadPayload(f"entry {self._entry!r}: {exc}") from None
             if self._entry_has_payload and self._writer is None and self._deframer.inside_payload:
@@ -113,8 +125,6 @@ class StoreSession:
                 f"entry {self._entry!r}: payload of {info.size} bytes ({info.describe()}) is over the limit of "
                 f"{self.config.max_payload_bytes} bytes"
             )
-        if info.rank > self.config.max_rank:
-            raise InvalidArgument(f"entry {self._entry!r}: rank {info.rank} is over the limit of {self.config.max_rank}")
         self._entry_has_payload = True
         self._payload_size = info.size
         self._writer = self.storage.new_payload()
@@ -129,13 +139,32 @@ class StoreSession:
                         blob.digest)
         )
 
-    def finish(self) -> ArchiveRecord:
-        """Commit the archive once every payload is complete and durable."""
+    def _take_commit(self, message: StoreMessage) -> None:
+        """The client's final word: every payload complete, and its counts those received."""
+        if message.begin is not None or message.entry or message.chunk.nbytes:
+            raise InvalidArgument("commit must come alone, in the last message of Store")
         try:
             self._deframer.close()
         except FormatError as exc:
             raise BadPayload(f"entry {self._entry!r}: {exc}") from None
         self._require_payload()
+        commit = message.commit
+        assert commit is not None
+        if commit.entries != len(self._entries) or commit.payload_bytes != self.bytes_received:
+            raise InvalidArgument(
+                f"commit says {commit.entries} entries of {commit.payload_bytes} payload bytes were sent, but "
+                f"{len(self._entries)} entries of {self.bytes_received} bytes arrived: nothing was stored"
+            )
+        self._commit = commit
+
+    def finish(self) -> ArchiveRecord:
+        """Commit the archive once the client said so (``commit``) and every payload is durable."""
+        if self._commit is None:
+            raise InvalidArgument(
+                f"Store of {self.archive!r} ended without commit, after {len(self._entries)} whole entries "
+                f"({self.bytes_received} payload bytes): nothing was stored (a client that sent everything "
+                "sends commit as its last message)"
+            )
         record = self.storage.commit_archive(self.archive, self._entries, self._blobs, self.replace)
         self._closed = True
         self.storage.release(b.digest for b in self._blobs)

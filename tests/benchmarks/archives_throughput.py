@@ -16,6 +16,7 @@ def archive_messages(name: str, size: int, entries: int, chunk: int) -> list[byt
     rng = np.random.default_rng(0)
     per_entry = size // entries // 4
     messages = [archives_pb2.StoreRequest(begin=archives_pb2.StoreBegin(archive=name, replace=True)).SerializeToString()]
+    sent = 0
     for index in range(entries):
         data = rng.integers(0, 2**32, per_entry, dtype=np.uint32).view(np.float32)
         payload = encode_prefix(DTYPES["float32"], (per_entry,)) + data.tobytes()
@@ -24,4 +25,7 @@ def archive_messages(name: str, size: int, entries: int, chunk: int) -> list[byt
             if start == 0:
                 message.entry = f"layer{index:03d}.weight"
             messages.append(message.SerializeToString())
+        sent += len(payload)
+    commit = archives_pb2.StoreCommit(entries=entries, payload_bytes=sent)
+    messages.append(archives_pb2.StoreRequest(commit=commit).SerializeToString())
     return messages

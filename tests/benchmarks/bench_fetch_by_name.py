@@ -56,13 +56,16 @@ def tensor_bytes(name: str, nbytes: int) -> np.ndarray:
 
 def store_stream(archive: str, entries: list[tuple[str, int]]) -> Iterator[bytes]:
     yield archives_pb2.StoreRequest(begin=archives_pb2.StoreBegin(archive=archive, replace=True)).SerializeToString()
+    sent = 0
     for name, nbytes in entries:
         payload = codec.encode_numpy(tensor_bytes(name, nbytes))
+        sent += len(payload)
         for index, piece in enumerate(clients.payload_chunks(payload)):
             message = archives_pb2.StoreRequest(chunk=piece)
             if index == 0:
                 message.entry = name
             yield message.SerializeToString()
+    yield clients.commit_message(len(entries), sent)
 
 
 def write_safetensors(path: Path, entries: list[tuple[str, int]]) -> None:

@@ -145,13 +145,16 @@ def union(options: Options, channel, server_pid: int, data_dir: Path, result: Ca
     for source in ("a", "b"):
         def messages(source=source):
             yield archives_pb2.StoreRequest(begin=archives_pb2.StoreBegin(archive=source)).SerializeToString()
+            sent = 0
             for i in range(entries):
                 payload = clients.tannic_payload(clients.random_tensor(each // entries, seed=hash((source, i)) % 2**32))
+                sent += len(payload)
                 for index, piece in enumerate(clients.payload_chunks(payload)):
                     message = archives_pb2.StoreRequest(chunk=piece)
                     if index == 0:
                         message.entry = f"layer{i:03d}.weight"
                     yield message.SerializeToString()
+            yield clients.commit_message(entries, sent)
 
         stub_store(messages())
     request = archives_pb2.UnionRequest(target="ab", sources=[archives_pb2.UnionSource(archive="a", prefix="a"),

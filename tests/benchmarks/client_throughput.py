@@ -89,13 +89,17 @@ def measure(operation: str, variant: str, target: str, size: int, entries: int, 
 
                 def requests():
                     yield archives_pb2.StoreRequest(begin=archives_pb2.StoreBegin(archive="bench", replace=True))
+                    sent = 0
                     for name, tensor in state.items():
                         payload = b"".join(bytes(p) for p in serialize_parts(tensor))
+                        sent += len(payload)
                         for start in range(0, len(payload), chunk):
                             request = archives_pb2.StoreRequest(chunk=payload[start : start + chunk])
                             if start == 0:
                                 request.entry = name
                             yield request
+                    commit = archives_pb2.StoreCommit(entries=len(state), payload_bytes=sent)
+                    yield archives_pb2.StoreRequest(commit=commit)
 
                 run = lambda: store(requests())  # noqa: E731
             elif variant == "tannery.Client":

@@ -49,7 +49,14 @@ def store_messages(archive: str, entries: dict[str, bytes | memoryview], chunk: 
             if index == 0:
                 message.entry = name
             messages.append(message.SerializeToString())
+    messages.append(commit_message(len(entries), sum(memoryview(p).nbytes for p in entries.values())))
     return messages
+
+
+def commit_message(entries: int, payload_bytes: int) -> bytes:
+    """The serialized last ``StoreRequest`` of a Store: the client's word that it sent everything."""
+    commit = archives_pb2.StoreCommit(entries=entries, payload_bytes=payload_bytes)
+    return archives_pb2.StoreRequest(commit=commit).SerializeToString()
 
 
 # -- gRPC: the raw ceiling ----------------------------------------------------------------

@@ -17,15 +17,25 @@ class StoreBegin(_message.Message):
     replace: bool
     def __init__(self, archive: _Optional[str] = ..., replace: _Optional[bool] = ...) -> None: ...
 
+class StoreCommit(_message.Message):
+    __slots__ = ("entries", "payload_bytes")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    entries: int
+    payload_bytes: int
+    def __init__(self, entries: _Optional[int] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
+
 class StoreRequest(_message.Message):
-    __slots__ = ("begin", "entry", "chunk")
+    __slots__ = ("begin", "entry", "chunk", "commit")
     BEGIN_FIELD_NUMBER: _ClassVar[int]
     ENTRY_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
     begin: StoreBegin
     entry: str
     chunk: bytes
-    def __init__(self, begin: _Optional[_Union[StoreBegin, _Mapping]] = ..., entry: _Optional[str] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+    commit: StoreCommit
+    def __init__(self, begin: _Optional[_Union[StoreBegin, _Mapping]] = ..., entry: _Optional[str] = ..., chunk: _Optional[bytes] = ..., commit: _Optional[_Union[StoreCommit, _Mapping]] = ...) -> None: ...
 
 class ArchiveInfo(_message.Message):
     __slots__ = ("name", "entries", "nbytes", "payload_bytes", "created")

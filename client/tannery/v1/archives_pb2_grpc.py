@@ -72,8 +72,12 @@ class ArchivesServicer:
     def Store(self, request_iterator, context):
         """Stores an archive. The first message carries `begin`; then each entry starts with a
         message that sets `entry` (its name), and its payload follows in `chunk`s (the first
-        chunk may ride in the same message as the name). Atomic: the archive appears whole
-        when the call succeeds, and not at all otherwise.
+        chunk may ride in the same message as the name). The last message carries `commit`,
+        the client's word that it sent everything: the server commits only after it, only
+        when its counts agree with what arrived, and only while the call is alive. Atomic: the
+        archive appears whole when the call succeeds, and not at all otherwise (a stream that
+        ends without `commit`, a cancelled call, an expired deadline and a refused message
+        store nothing). ALREADY_EXISTS is answered at `begin`, before any tensor byte.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,94 @@
+"""Requests no honest client sends: every one is INVALID_ARGUMENT naming what is wrong.
+
+Undecodable protobuf bytes, names that are not UTF-8 and headers whose numbers are absurd
+never answer UNKNOWN or INTERNAL, and no error message prints an unbounded number.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import grpc
+import pytest
+
+from tannery import codec
+from tannery.v1 import archives_pb2 as pb
+
+from .server_harness import commit_request, running_server
+
+ARCHIVES = "/tannery.v1.Archives/"
+U64_MAX = 2**64 - 1
+
+
+def raw_unary(channel: grpc.Channel, method: str):
+    return channel.unary_unary(ARCHIVES + method, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+
+
+def raw_store(channel: grpc.Channel):
+    return channel.stream_unary(ARCHIVES + "Store", request_serializer=lambda b: b, response_deserializer=lambda b: b)
+
+
+def hostile_header(rank: int = 255, dim: int = U64_MAX, code: int = 24) -> bytes:
+    """A tannic prefix of ``rank`` dimensions of ``dim``, its sizes as consistent as they can be."""
+    after_header = codec.METADATA.size + codec.DIM.size * rank
+    header = codec.HEADER.pack(codec.MAGIC, codec.VERSION, 0, after_header)
+    metadata = codec.METADATA.pack(code, 0, 0, rank)
+    return header + metadata + struct.pack(f"<{rank}Q", *[dim] * rank)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("hostile")) as srv:
+        yield srv
+
+
+def expect_invalid(error: grpc.RpcError, *words: str) -> None:
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (error.code(), error.details())
+    for word in words:
+        assert word in error.details()
+    assert len(error.details()) < 1000, "error messages stay short"
+
+
+def test_a_begin_whose_archive_name_is_not_utf8(server):
+    with pytest.raises(grpc.RpcError) as caught:
+        raw_store(server.channel())(iter([bytes.fromhex("0a050a0361fffe")]), timeout=10)
+    expect_invalid(caught.value, "begin", "UTF-8")
+
+
+@pytest.mark.parametrize("method", ["Union", "Fetch", "Describe", "List", "Delete"])
+@pytest.mark.parametrize("data", [bytes.fromhex("0a0361fffe"), b"\xff\xff\xff", bytes.fromhex("0a05616263")])
+def test_undecodable_unary_requests(server, method, data):
+    with pytest.raises(grpc.RpcError) as caught:
+        raw_unary(server.channel(), method)(data, timeout=10)
+    expect_invalid(caught.value, "is not a valid", "Request")
+
+
+@pytest.mark.parametrize("data", [b"\x1a\xff\xff\xff\xff\x0f", b"\x12\x02\xc3", b"\x0f", b"\x22\x03\x08\xff"])
+def test_undecodable_store_messages(server, data):
+    begin = pb.StoreRequest(begin=pb.StoreBegin(archive="undecodable")).SerializeToString()
+    with pytest.raises(grpc.RpcError) as caught:
+        raw_store(server.channel())(iter([begin, data, commit_request(0, 0).SerializeToString()]), timeout=10)
+    expect_invalid(caught.value)
+    assert not server.archives().List(pb.ListRequest()).archives
+
+
+@pytest.mark.parametrize("max_rank", [64, 255])
+def test_a_header_of_rank_255_with_every_dimension_2_to_the_64(tmp_path, max_rank):
+    """Refused with a short message whatever the server's rank limit: the shape's product,
+    thousands of digits long, is never computed into a message."""
+    with running_server(tmp_path, max_rank=max_rank) as srv:
+        begin = pb.StoreRequest(begin=pb.StoreBegin(archive="hostile"))
+        entry = pb.StoreRequest(entry="w", chunk=hostile_header())
+        with pytest.raises(grpc.RpcError) as caught:
+            srv.archives().Store(iter([begin, entry]), timeout=10)
+        expect_invalid(caught.value, "entry 'w'", "rank 255" if max_rank == 64 else "too large for an array")
+        assert not srv.archives().List(pb.ListRequest()).archives
+
+
+def test_the_codec_names_an_absurd_shape_briefly():
+    with pytest.raises(codec.FormatError) as caught:
+        codec.read_info(hostile_header(), codec.Limits(max_rank=255))
+    message = str(caught.value)
+    assert "rank 255" in message and "too large for an array" in message and len(message) < 300
+    with pytest.raises(codec.OverLimit, match="rank 255 is over the limit of 64"):
+        codec.read_info(hostile_header())
