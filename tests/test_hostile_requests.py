@@ -6,6 +6,8 @@ never answer UNKNOWN or INTERNAL, and no error message prints an unbounded numbe
 
 from __future__ import annotations
 
+import errno
+import sqlite3
 import struct
 
 import grpc
@@ -13,6 +15,8 @@ import pytest
 
 from tannery import codec
 from tannery.v1 import archives_pb2 as pb
+from tannery.wire import WireError
+from tannery_server.archives import failure_of
 
 from .server_harness import commit_request, running_server
 
@@ -92,3 +96,16 @@ def test_the_codec_names_an_absurd_shape_briefly():
     assert "rank 255" in message and "too large for an array" in message and len(message) < 300
     with pytest.raises(codec.OverLimit, match="rank 255 is over the limit of 64"):
         codec.read_info(hostile_header())
+
+
+@pytest.mark.parametrize("exc, code, words", [
+    (OSError(errno.ENOSPC, "No space left on device"), grpc.StatusCode.RESOURCE_EXHAUSTED, "storage is full"),
+    (OSError(errno.EMFILE, "Too many open files"), grpc.StatusCode.RESOURCE_EXHAUSTED, "out of resources"),
+    (OSError(errno.EIO, "Input/output error"), grpc.StatusCode.UNAVAILABLE, "storage error"),
+    (sqlite3.OperationalError("database is locked"), grpc.StatusCode.UNAVAILABLE, "database is locked"),
+    (RuntimeError("a bug"), grpc.StatusCode.INTERNAL, "RuntimeError: a bug"),
+    (WireError("truncated varint"), grpc.StatusCode.INVALID_ARGUMENT, "truncated varint"),
+])
+def test_every_exception_a_handler_raises_has_a_status_other_than_unknown(exc, code, words):
+    failure = failure_of(exc)
+    assert failure.code == code and words in str(failure)

@@ -9,11 +9,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import errno
 import functools
-import inspect
+import logging
 import sqlite3
-from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, TypeVar
 
 import grpc
@@ -23,7 +24,10 @@ from tannery.v1 import archives_pb2, archives_pb2_grpc
 
 from .calllog import current_call
 from .config import Config
-from .failures import Cancelled, DeadlineExceeded, Failure, InvalidArgument, NotFound, trailing_metadata
+from .failures import (
+    Cancelled, DeadlineExceeded, Failure, Internal, InvalidArgument, LimitExceeded, NotFound, Unavailable,
+    trailing_metadata,
+)
 from .fetching import FetchStream, check_request
 from .storage import ArchiveRecord, Limits, Storage
 from .store_session import StoreSession, disk_full
@@ -31,6 +35,7 @@ from .validation import check_archive_name, check_prefix
 from tannery.wire import WireError, parse_store_request, serialize_response
 
 T = TypeVar("T")
+log = logging.getLogger("tannery_server.archives")
 SERVICE = "tannery.v1.Archives"
 DEFAULT_PAGE = 100
 MAX_PAGE = 1000
@@ -47,10 +52,32 @@ def archive_info(record: ArchiveRecord) -> archives_pb2.ArchiveInfo:
     )
 
 
-async def _fail(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
-    failure = exc if isinstance(exc, Failure) else disk_full(exc)
-    if failure is None:
-        raise exc
+#: Errors of the machine, not of the request or the storage: answered RESOURCE_EXHAUSTED.
+_EXHAUSTED = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
+
+
+def failure_of(exc: Exception) -> Failure:
+    """The failure to answer for what a handler raised: its own Failure, a malformed message,
+    a full disk, an exhausted or failing storage; anything else is a bug, logged with its
+    traceback and answered INTERNAL (never UNKNOWN)."""
+    if isinstance(exc, Failure):
+        return exc
+    if isinstance(exc, WireError):
+        return InvalidArgument(str(exc))
+    full = disk_full(exc)
+    if full is not None:
+        return full
+    if isinstance(exc, OSError) and exc.errno in _EXHAUSTED:
+        return LimitExceeded(f"the server is out of resources: {exc.strerror or exc}")
+    if isinstance(exc, (OSError, sqlite3.Error)):
+        log.warning("storage error in %s", current_call().method, exc_info=exc)
+        return Unavailable(f"storage error: {exc}")
+    log.error("unexpected error in %s", current_call().method, exc_info=exc)
+    return Internal(f"internal error ({type(exc).__name__}: {exc}); the server logged it")
+
+
+async def _fail(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    failure = failure_of(exc)
     await context.abort(failure.code, str(failure), trailing_metadata=trailing_metadata(failure))
 
 
@@ -68,29 +95,19 @@ def _check_parsed(request: Any) -> None:
 
 
 def _answering_failures(method: Callable) -> Callable:
-    """Turn Failures (and full disks) raised by a servicer method into their statuses."""
-    if inspect.isasyncgenfunction(method):
-
-        @functools.wraps(method)
-        async def streaming(self, request, context):
-            try:
-                _check_parsed(request)
-                async for item in method(self, request, context):
-                    yield item
-            except (Failure, OSError, sqlite3.Error, WireError) as exc:
-                await _fail(context, exc if not isinstance(exc, WireError) else InvalidArgument(str(exc)))
-
-        return streaming
+    """Turn whatever a servicer method raises into its status (see :func:`failure_of`)."""
 
     @functools.wraps(method)
-    async def unary(self, request, context):
+    async def answering(self, request, context):
         try:
             _check_parsed(request)
             return await method(self, request, context)
-        except (Failure, OSError, sqlite3.Error, WireError) as exc:
-            await _fail(context, exc if not isinstance(exc, WireError) else InvalidArgument(str(exc)))
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await _fail(context, exc)
 
-    return unary
+    return answering
 
 
 class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):

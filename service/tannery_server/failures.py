@@ -60,6 +60,18 @@ class DeadlineExceeded(Failure):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class Unavailable(Failure):
+    """Storage that cannot answer now (an I/O error, a locked database): worth a retry."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class Internal(Failure):
+    """A bug: the server logged the traceback."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
 class DataLoss(Failure):
     """A stored blob is missing or no longer matches its digest."""
 
