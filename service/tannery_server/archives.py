@@ -154,8 +154,7 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
 
     async def _abort_store(self, session: StoreSession, pending: asyncio.Future | None) -> None:
         """Wait for the thread writing the session (it must be done with it), then remove what it wrote."""
-        if pending is not None and not pending.done():
-            await asyncio.wait([pending])
+        await _settle(pending)
         await self._run(session.abort)
 
     def _run_future(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
@@ -209,8 +208,7 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
 
     async def _close_fetch(self, stream: FetchStream, ahead: asyncio.Future | None) -> None:
         """Wait for the thread reading ahead, then close the stream (its blobs and pins) if it is not over."""
-        if ahead is not None and not ahead.done():
-            await asyncio.wait([ahead])
+        await _settle(ahead)
         if not stream.done:  # cancelled or failed midway: close it on a worker thread
             await self._run(stream.close)
 
@@ -253,6 +251,17 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
         return archives_pb2.DeleteResponse(
             deleted=archive_info(record), blobs_removed=collected.blobs, bytes_freed=collected.bytes
         )
+
+
+async def _settle(future: asyncio.Future | None) -> None:
+    """Wait until a worker thread's ``future`` is over, its failure taken (the call's own
+    failure, or its cancellation, is what the client hears about)."""
+    if future is None:
+        return
+    if not future.done():
+        await asyncio.wait([future])
+    if not future.cancelled():
+        future.exception()
 
 
 async def _write(context: grpc.aio.ServicerContext, message: Any) -> None:
