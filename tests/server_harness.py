@@ -146,7 +146,7 @@ class ServerProcess:
             resource.setrlimit(resource.RLIMIT_FSIZE, (self.fsize_limit, self.fsize_limit))
 
     def start(self, timeout: float = 60) -> "ServerProcess":
-        # Metrics on a free port unless asked otherwise (the default, 9090, would be shared).
+        # Metrics on a free port unless asked otherwise (the default port would be shared).
         env = {"TANNERY_METRICS_PORT": "0", **os.environ, **(self.env or {})}
         self.log_lines = []
         ready = threading.Event()

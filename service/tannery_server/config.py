@@ -58,8 +58,10 @@ class Config:
     metrics: bool = True
     #: Address of the metrics endpoint; empty for the same as ``host``.
     metrics_host: str = ""
-    #: Port of the metrics endpoint; 0 picks a free one (the log says which).
-    metrics_port: int = 9090
+    #: Port of the metrics endpoint; 0 picks a free one (the log says which). Not 9090,
+    #: Prometheus's own port, nor in 9091..9999, which Prometheus's list of default ports
+    #: has given out to exporters; below Linux's ephemeral ports (32768..60999).
+    metrics_port: int = 20051
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir))
