@@ -66,6 +66,9 @@ class SqliteCatalog:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self._writer = self._connect()
+        # Statement journals (a Delete's cascade keeps one) in memory, not in a temporary
+        # file that a full disk (or a full /tmp) would refuse.
+        self._writer.execute("PRAGMA temp_store=MEMORY")
         self._writer.executescript(SCHEMA)
         self._write_lock = threading.Lock()
         self._local = threading.local()
@@ -350,13 +353,18 @@ class _Transaction:
             if exc_type is None:
                 self._conn.execute("COMMIT")
             else:
-                self._conn.execute("ROLLBACK")
+                self._rollback()
         except BaseException:
-            if exc_type is None:
-                try:
-                    self._conn.execute("ROLLBACK")
-                except sqlite3.Error:
-                    pass
-                raise
+            self._rollback()
+            raise
         finally:
             self._lock.release()
+
+    def _rollback(self) -> None:
+        """Roll back what is left of the transaction; SQLite already rolled it back after some
+        errors (SQLITE_FULL among them), and an error here must not hide the one that failed."""
+        if self._conn.in_transaction:
+            try:
+                self._conn.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
