@@ -176,7 +176,7 @@ async def start(config: Config) -> RunningServer:
     start metrics, start; health SERVING. A bad tokens or TLS file raises ValueError first."""
     tokens = load_tokens(config.tokens_file, config.tokens)
     credentials = tls.server_credentials(config)
-    storage = await asyncio.to_thread(Storage.open_local, config.data_dir)
+    storage = await asyncio.to_thread(Storage.open_local, config.data_dir, config.reserve_bytes)
     closers: list = []
     enders: list = []
     metrics_port = None
