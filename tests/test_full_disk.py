@@ -20,7 +20,7 @@ import pytest
 
 from tannery.codec import encode_numpy
 from tannery.v1 import archives_pb2 as pb
-from tannery_server.storage import Storage
+from tannery_server.storage import Storage, StorageFull
 
 from .server_harness import collect_fetch, running_server, store_requests
 
@@ -191,3 +191,21 @@ def test_a_missing_reserve_is_re_created_at_start(tmp_path):
     finally:
         storage.close()
     Storage.open_local(data_dir, reserve_bytes=0).close()  # none asked for: the old one is left alone
+
+
+def test_a_payload_in_flight_stops_writing_once_the_reserve_is_released(tmp_path):
+    """The space a Delete released is not written into by a Store already under way."""
+    storage = Storage.open_local(tmp_path / "data")
+    try:
+        writer = storage.new_payload()
+        writer.write(b"x" * 1000)
+        storage.reserve.release()  # as a Delete on a full disk does
+        with pytest.raises(StorageFull, match="kept in reserve so that Delete works on a full disk"):
+            writer.write(b"y" * 1000)
+        writer.temp.discard()
+        assert storage.reserve.ensure() and (tmp_path / "data" / "reserve").is_file()  # room again: writes resume
+        writer = storage.new_payload()
+        writer.write(b"z" * 1000)
+        writer.temp.discard()
+    finally:
+        storage.close()
