@@ -146,13 +146,16 @@ class ServerProcess:
             resource.setrlimit(resource.RLIMIT_FSIZE, (self.fsize_limit, self.fsize_limit))
 
     def start(self, timeout: float = 60) -> "ServerProcess":
-        # Metrics on a free port unless asked otherwise (the default, 9090, would be shared).
+        # Metrics on a free port unless asked otherwise (the default port would be shared).
         env = {"TANNERY_METRICS_PORT": "0", **os.environ, **(self.env or {})}
         self.log_lines = []
         ready = threading.Event()
+        # A preexec_fn makes Popen fork (not vfork): gRPC's fork handlers then restart its poller
+        # in the child, whose epoll fd close_fds has closed, and the child can die before exec
+        # ("epoll_wait error: Bad file descriptor", grpc/grpc#43055). Only when a limit needs it.
         self.process = subprocess.Popen(
             self.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
-            preexec_fn=self._limits,
+            preexec_fn=self._limits if self.fsize_limit is not None else None,
         )
 
         def read(stream) -> None:

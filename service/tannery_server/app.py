@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
+import errno
 import logging
 import signal
+import socket
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
@@ -30,6 +32,67 @@ log = logging.getLogger("tannery_server")
 
 ARCHIVES = archives_pb2.DESCRIPTOR.services_by_name["Archives"].full_name
 CHANNELS = channels_pb2.DESCRIPTOR.services_by_name["Channels"].full_name
+#: gRPC turns SO_REUSEPORT on by default, which lets a second server bind a port beside a
+#: running one (and clients reach either at random): off, so a busy port fails the start.
+SERVER_OPTIONS = (("grpc.so_reuseport", 0),)
+
+
+class AddressInUse(OSError):
+    """The gRPC port is taken by another process: the start-up error, with its remedy."""
+
+    def __init__(self, host: str, port: int) -> None:
+        super().__init__(errno.EADDRINUSE, f"cannot listen on {host}:{port}: the port is already in use by another "
+                         "process (another tannery server?); choose another with --port or TANNERY_PORT")
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether binding ``host:port`` fails with EADDRINUSE (as gRPC binds: SO_REUSEADDR, no SO_REUSEPORT).
+
+    Port 0 is never in use; an address that does not resolve is not "in use" (gRPC's own
+    error says what is wrong with it).
+    """
+    if port == 0:
+        return False
+    try:
+        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return False
+    for family, kind, proto, _name, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return True
+    return False
+
+
+def bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None) -> int:
+    """Add the listening port to ``server``; the port bound (the one picked when ``port`` is 0).
+
+    A busy port raises :class:`AddressInUse` before gRPC tries it (so no gRPC error line
+    is logged) or, when it was taken in between, after: grpcio 1.85 raises RuntimeError
+    for a port it cannot bind, older versions returned 0. Any other failure to bind is an
+    OSError naming the address.
+    """
+    if port_in_use(host, port):
+        raise AddressInUse(host, port)
+    address = f"{host}:{port}"
+    try:
+        bound = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
+    except RuntimeError as exc:
+        if port_in_use(host, port):
+            raise AddressInUse(host, port) from None
+        raise OSError(f"cannot listen on {address}: {exc}") from None
+    if bound == 0:
+        if port_in_use(host, port):
+            raise AddressInUse(host, port)
+        raise OSError(f"cannot listen on {address}")
+    return bound
 
 
 @dataclass
@@ -113,7 +176,7 @@ async def start(config: Config) -> RunningServer:
     start metrics, start; health SERVING. A bad tokens or TLS file raises ValueError first."""
     tokens = load_tokens(config.tokens_file, config.tokens)
     credentials = tls.server_credentials(config)
-    storage = await asyncio.to_thread(Storage.open_local, config.data_dir)
+    storage = await asyncio.to_thread(Storage.open_local, config.data_dir, config.reserve_bytes)
     closers: list = []
     enders: list = []
     metrics_port = None
@@ -130,7 +193,7 @@ async def start(config: Config) -> RunningServer:
         interceptors: list = [CallLogInterceptor(observers)]
         if tokens:
             interceptors.append(AuthInterceptor(tokens))  # inside the call log: refusals are logged and counted
-        server = grpc.aio.server(interceptors=interceptors)
+        server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
         archives_servicer = archives.ArchivesServicer(storage, config)
         archives.add_to_server(archives_servicer, server)
         closers.append(archives_servicer.close)
@@ -147,10 +210,7 @@ async def start(config: Config) -> RunningServer:
                 [*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
                 server,
             )
-        address = f"{config.host}:{config.port}"
-        port = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
-        if port == 0:
-            raise OSError(f"cannot listen on {config.host}:{config.port}")
+        port = bind(server, config.host, config.port, credentials)
         if metrics is not None:
             metrics_host = config.metrics_host or config.host
             try:

@@ -13,14 +13,19 @@ from .config import Config, env_name, parse_value
 # (field, help) for every setting a flag sets; defaults and environment variables are added.
 _FLAGS = [
     ("host", "address to listen on; 0.0.0.0 for every interface"),
-    ("port", "TCP port to listen on; 0 picks a free one (the log says which)"),
-    ("data_dir", "directory of the catalog (catalog.sqlite3) and blobs; one server per directory"),
+    ("port", "TCP port to listen on; 0 picks a free one (the log says which). One server per port: a port "
+             "in use by another process stops the start"),
+    ("data_dir", "directory of the catalog (catalog.sqlite3), blobs and the space reserve (reserve, see "
+                 "--reserve-bytes); one server per directory"),
     ("chunk_size", "bytes of tensor data per gRPC message, both ways (4096..3MiB)"),
     ("max_payload_bytes", "largest payload one entry may have, header included; larger ones are refused "
                           "(RESOURCE_EXHAUSTED) before any byte is stored"),
     ("max_rank", "largest rank of a stored tensor"),
     ("max_name_bytes", "longest archive or entry name, in UTF-8 bytes"),
     ("max_entries", "most entries in one archive"),
+    ("reserve_bytes", "most space kept back in DATA_DIR/reserve so that Delete works (and frees space) on a full "
+                      "disk: the catalog's size, at least 1MiB, at most this and 1/32 of the disk; while it "
+                      "cannot be kept, Stores are refused (RESOURCE_EXHAUSTED); 0 for none"),
     ("grace_seconds", "seconds calls in flight get to finish on SIGTERM/SIGINT"),
     ("log_format", "'text' or 'json': one line per call with method, archive or channel, bytes, status, "
                    "duration, peer"),
@@ -36,7 +41,8 @@ _FLAGS = [
     ("reflection", "on or off: gRPC server reflection (answers without a token)"),
     ("metrics", "on or off: Prometheus metrics over HTTP at /metrics"),
     ("metrics_host", "address of the metrics endpoint; empty for the same as --host"),
-    ("metrics_port", "port of the metrics endpoint; 0 picks a free one"),
+    ("metrics_port", "port of the metrics endpoint; 0 picks a free one. The default is no common service's "
+                     "(not 9090, Prometheus's own, nor an exporter's 9091..9999)"),
 ]
 #: Settings whose values are never shown (as defaults or anywhere else).
 _SECRET = {"tokens"}

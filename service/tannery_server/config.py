@@ -33,6 +33,9 @@ class Config:
     max_name_bytes: int = 1024
     #: Most entries in one archive.
     max_entries: int = 1_000_000
+    #: Most bytes the space reserve (``<data_dir>/reserve``) holds back so that Delete works
+    #: on a full disk; it follows the catalog's size (see :mod:`.storage.reserve`); 0 for none.
+    reserve_bytes: int = 64 * MiB
     #: Seconds in-flight calls get to finish on SIGTERM/SIGINT.
     grace_seconds: float = 30.0
     #: "text" or "json" log lines.
@@ -58,8 +61,10 @@ class Config:
     metrics: bool = True
     #: Address of the metrics endpoint; empty for the same as ``host``.
     metrics_host: str = ""
-    #: Port of the metrics endpoint; 0 picks a free one (the log says which).
-    metrics_port: int = 9090
+    #: Port of the metrics endpoint; 0 picks a free one (the log says which). Not 9090,
+    #: Prometheus's own port, nor in 9091..9999, which Prometheus's list of default ports
+    #: has given out to exporters; below Linux's ephemeral ports (32768..60999).
+    metrics_port: int = 20051
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir))
@@ -73,6 +78,8 @@ class Config:
             problems.append("tls_cert and tls_key go together: set both or neither")
         if self.tls_client_ca is not None and self.tls_cert is None:
             problems.append("tls_client_ca (mutual TLS) needs tls_cert and tls_key as well")
+        if self.reserve_bytes < 0:
+            problems.append(f"reserve_bytes {self.reserve_bytes} is negative")
         if not 0 <= self.port <= 65535:
             problems.append(f"port {self.port} is not in 0..65535")
         if not 4096 <= self.chunk_size <= 3 * MiB:

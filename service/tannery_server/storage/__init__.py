@@ -3,7 +3,8 @@ the small :class:`Catalog` and :class:`BlobStore` protocols of :mod:`.base`."""
 
 from .base import (ArchiveRecord, BlobFile, BlobInfo, BlobStore, Catalog, CatalogTotals, EntryRecord, Limits,
                    TempBlob)
-from .storage import Collected, DataDirectoryInUse, DataDirectoryLock, PayloadWriter, Storage
+from .reserve import SpaceReserve
+from .storage import Collected, DataDirectoryInUse, DataDirectoryLock, PayloadWriter, Storage, StorageFull
 
 __all__ = [
     "ArchiveRecord",
@@ -18,6 +19,8 @@ __all__ = [
     "EntryRecord",
     "Limits",
     "PayloadWriter",
+    "SpaceReserve",
     "Storage",
+    "StorageFull",
     "TempBlob",
 ]

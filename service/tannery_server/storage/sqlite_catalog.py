@@ -66,7 +66,14 @@ class SqliteCatalog:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self._writer = self._connect()
-        self._writer.executescript(SCHEMA)
+        try:
+            # Statement journals (a Delete's cascade keeps one) in memory, not in a temporary
+            # file that a full disk (or a full /tmp) would refuse.
+            self._writer.execute("PRAGMA temp_store=MEMORY")
+            self._writer.executescript(SCHEMA)
+        except BaseException:
+            self._writer.close()  # a catalog that does not open (a full disk) leaves no connection
+            raise
         self._write_lock = threading.Lock()
         self._local = threading.local()
         self._readers: list[sqlite3.Connection] = []
@@ -74,9 +81,13 @@ class SqliteCatalog:
 
     def _connect(self) -> sqlite3.Connection:
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30)
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=FULL")
-        conn.execute("PRAGMA foreign_keys=ON")
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=FULL")
+            conn.execute("PRAGMA foreign_keys=ON")
+        except BaseException:
+            conn.close()
+            raise
         return conn
 
     def _reader(self) -> sqlite3.Connection:
@@ -350,13 +361,18 @@ class _Transaction:
             if exc_type is None:
                 self._conn.execute("COMMIT")
             else:
-                self._conn.execute("ROLLBACK")
+                self._rollback()
         except BaseException:
-            if exc_type is None:
-                try:
-                    self._conn.execute("ROLLBACK")
-                except sqlite3.Error:
-                    pass
-                raise
+            self._rollback()
+            raise
         finally:
             self._lock.release()
+
+    def _rollback(self) -> None:
+        """Roll back what is left of the transaction; SQLite already rolled it back after some
+        errors (SQLITE_FULL among them), and an error here must not hide the one that failed."""
+        if self._conn.in_transaction:
+            try:
+                self._conn.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass

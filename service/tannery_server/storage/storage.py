@@ -2,8 +2,10 @@
 
 It owns the rules that span both: a blob is durable before the catalog references it;
 blobs nobody references are collected; a blob pinned by a call in flight (a Store that
-reuses it, a Fetch that reads it) is never collected under it; and one server at a time
-uses a data directory.
+reuses it, a Fetch that reads it) is never collected under it; one server at a time
+uses a data directory; and a full disk never locks the operator out: a space reserve
+(:mod:`.reserve`) is released to let a Delete through, and writes that take space are
+refused (:class:`StorageFull`) while it cannot be held.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import errno
 import fcntl
 import logging
 import os
+import sqlite3
 import threading
 import time
 from collections import Counter
@@ -20,9 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence, TypeVar
 
+from ..failures import LimitExceeded
 from .base import ArchiveRecord, BlobFile, BlobInfo, BlobStore, Catalog, EntryRecord, Limits, TempBlob
 from .file_blobs import FileBlobStore
 from .integrity import BLOCK_SIZE, PayloadDigest, verify_digest
+from .reserve import DEFAULT_CAP, SpaceReserve, free_bytes
 from .sqlite_catalog import SqliteCatalog
 
 log = logging.getLogger("tannery_server.storage")
@@ -31,6 +36,38 @@ T = TypeVar("T")
 
 class DataDirectoryInUse(RuntimeError):
     """Another server holds the data directory's lock."""
+
+
+class StorageFull(LimitExceeded):
+    """The disk of the data directory is full (RESOURCE_EXHAUSTED): the message names it and the remedy."""
+
+
+#: errnos of a write that found no room (EFBIG, a file size limit, is answered by the caller).
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+#: SQLite's primary result codes for a full disk, an I/O error and a file it cannot open.
+_SQLITE_FULL, _SQLITE_IOERR, _SQLITE_CANTOPEN = 13, 10, 14
+#: Below this many free bytes, an SQLite I/O error is taken for a full disk (SQLite reports a
+#: WAL index it cannot grow, or a -shm file it cannot create, as "disk I/O error").
+_NEARLY_FULL = 1 << 20
+
+
+def is_disk_full(exc: BaseException, data_dir: Path) -> bool:
+    """Whether ``exc`` means the disk of ``data_dir`` has no room (ENOSPC, EDQUOT, SQLITE_FULL, or an
+    SQLite I/O error on a disk with less than a MiB free)."""
+    if isinstance(exc, OSError):
+        return exc.errno in _NO_SPACE
+    if not isinstance(exc, sqlite3.Error):
+        return False
+    code = getattr(exc, "sqlite_errorcode", None)
+    primary = code & 0xFF if isinstance(code, int) else None
+    if primary == _SQLITE_FULL or "database or disk is full" in str(exc):
+        return True
+    if primary in (_SQLITE_IOERR, _SQLITE_CANTOPEN) or "disk I/O error" in str(exc):
+        try:
+            return free_bytes(data_dir) < _NEARLY_FULL
+        except OSError:
+            return False
+    return False
 
 
 class DataDirectoryLock:
@@ -80,21 +117,31 @@ class PayloadWriter:
     :meth:`finish`. At most one piece per payload is in flight.
     """
 
-    def __init__(self, temp: TempBlob, block_size: int) -> None:
+    def __init__(self, temp: TempBlob, block_size: int, storage: "Storage | None" = None) -> None:
         self.temp = temp
         self.digest = PayloadDigest(block_size)
         #: Bytes written so far.
         self.size = 0
         self._hashing: Future | None = None
+        self._storage = storage
 
     def write(self, data: memoryview | bytes) -> None:
+        """Write a piece; StorageFull when the disk is full or its space reserve is released (the
+        space a Delete needs is not written into)."""
         view = memoryview(data)
+        if self._storage is not None:
+            self._storage.check_room()
         self._wait()
         if view.nbytes < HASH_INLINE_BELOW:
             self.digest.update(view)
         else:
             self._hashing = _HASHING.submit(self.digest.update, view)
-        self.temp.write(view)
+        try:
+            self.temp.write(view)
+        except OSError as exc:
+            if self._storage is None:
+                raise
+            raise self._storage.full_error(exc) from exc
         self.size += view.nbytes
 
     def finish(self) -> BlobInfo:
@@ -109,24 +156,47 @@ class PayloadWriter:
 
 
 class Storage:
-    def __init__(self, catalog: Catalog, blobs: BlobStore, lock: DataDirectoryLock | None = None) -> None:
+    def __init__(self, catalog: Catalog, blobs: BlobStore, lock: DataDirectoryLock | None = None,
+                 reserve: SpaceReserve | None = None, data_dir: Path | None = None) -> None:
         self.catalog = catalog
         self.blobs = blobs
         self._lock = lock
+        #: The space kept for Deletes on a full disk (None: none kept, writes never refused for it).
+        self.reserve = reserve
+        #: Where the data lives, named in the errors of a full disk.
+        self.data_dir = Path(data_dir).resolve() if data_dir is not None else None
         self._gc_lock = threading.Lock()
         self._pins: Counter[str] = Counter()
         #: Digests collection skipped because they were pinned; collected when unpinned.
         self._deferred: set[str] = set()
 
     @classmethod
-    def open_local(cls, data_dir: Path) -> "Storage":
-        """The embedded storage in ``data_dir``: a SQLite catalog and blob files, recovered."""
+    def open_local(cls, data_dir: Path, reserve_bytes: int = DEFAULT_CAP) -> "Storage":
+        """The embedded storage in ``data_dir``: a SQLite catalog and blob files, recovered, with a space
+        reserve of up to ``reserve_bytes`` (0: none).
+
+        On a full disk the catalog may not open (SQLite creates its WAL index and WAL
+        files): then the reserve is released and the open tried once more.
+        """
         data_dir = Path(data_dir)
         data_dir.mkdir(parents=True, exist_ok=True)
         lock = DataDirectoryLock(data_dir)
         try:
-            storage = cls(SqliteCatalog(data_dir / "catalog.sqlite3"), FileBlobStore(data_dir), lock)
-            storage.recover()
+            path = data_dir / "catalog.sqlite3"
+            reserve = SpaceReserve(data_dir, path, reserve_bytes)
+            try:
+                catalog = SqliteCatalog(path)
+            except sqlite3.Error as exc:
+                if not (is_disk_full(exc, data_dir) and reserve.release()):
+                    raise
+                catalog = SqliteCatalog(path)
+            storage = cls(catalog, FileBlobStore(data_dir), lock, reserve, data_dir)
+            try:
+                storage.recover()
+                reserve.open()
+            except BaseException:
+                catalog.close()
+                raise
         except BaseException:
             lock.release()
             raise
@@ -138,7 +208,7 @@ class Storage:
         referenced = self.catalog.referenced_digests()
         orphans = [d for d in self.blobs.digests() if d not in referenced]
         freed = sum(self.blobs.remove(d) for d in orphans)
-        rows = self.catalog.forget_unreferenced_blobs()
+        rows = self._write_catalog(self.catalog.forget_unreferenced_blobs, use_reserve=True)
         if temporary or orphans or rows:
             log.info(
                 "recovery: removed %d temporary files, %d unreferenced blobs (%d bytes), %d blob records",
@@ -150,6 +220,71 @@ class Storage:
         if self._lock is not None:
             self._lock.release()
             self._lock = None
+
+    # A full disk ------------------------------------------------------------------------
+
+    def full_error(self, exc: BaseException) -> BaseException:
+        """The StorageFull for ``exc`` when it means the disk is full, else ``exc`` itself."""
+        if self.data_dir is None or not is_disk_full(exc, self.data_dir):
+            return exc
+        return StorageFull(f"storage is full: no space left on device in {self.data_dir} "
+                           f"({self._free_text()}): delete archives to free space")
+
+    def check_room(self) -> None:
+        """StorageFull unless the space reserve is held (it is released while the disk is full)."""
+        if self.reserve is not None and not self.reserve.held:
+            raise self._reserve_missing()
+
+    def _ensure_room(self) -> None:
+        """Create or grow the space reserve before a write that takes space; StorageFull when it cannot be."""
+        if self.reserve is not None and not self.reserve.ensure():
+            raise self._reserve_missing()
+
+    def _reserve_missing(self) -> StorageFull:
+        target = self.reserve.target() if self.reserve is not None else 0
+        return StorageFull(f"storage is full: no space left on device in {self.data_dir} ({self._free_text()}, "
+                           f"fewer than the {target} bytes kept in reserve so that Delete works on a full disk): "
+                           "delete archives to free space")
+
+    def _free_text(self) -> str:
+        try:
+            return f"{free_bytes(self.data_dir)} bytes free" if self.data_dir is not None else "no bytes free"
+        except OSError:
+            return "free space unknown"
+
+    def _write_catalog(self, write: Callable[[], T], use_reserve: bool = False) -> T:
+        """Run a catalog write, answering a full disk with StorageFull.
+
+        With ``use_reserve`` (a Delete, recovery) a full disk releases the space reserve
+        and the write is tried once more: freeing space must stay possible.
+        """
+        try:
+            return write()
+        except (OSError, sqlite3.Error) as exc:
+            error = self.full_error(exc)
+            if error is exc:
+                raise
+            if not (use_reserve and self.reserve is not None):
+                raise error from exc
+        with self.reserve.lock:  # no writer re-creates the reserve before this write has its space
+            released = self.reserve.release()
+            try:
+                return write()
+            except (OSError, sqlite3.Error) as exc:
+                if self.full_error(exc) is exc:
+                    raise
+                raise self._no_room_even_so(released) from exc
+
+    def _no_room_even_so(self, released: int) -> StorageFull:
+        """The failure of a Delete's catalog write that found no room even with the reserve's space."""
+        if released:
+            why = f"even with the {released}-byte space reserve released, the catalog write found no room"
+        elif self.reserve is not None and self.reserve.cap == 0:
+            why = "no space reserve is kept (TANNERY_RESERVE_BYTES is 0) and the catalog write found no room"
+        else:
+            why = "the space reserve is already used up and the catalog write found no room"
+        return StorageFull(f"storage is full: no space left on device in {self.data_dir} ({self._free_text()}): "
+                           f"{why}; free space on that disk outside tannery (or raise TANNERY_RESERVE_BYTES)")
 
     # Pins -------------------------------------------------------------------------------
 
@@ -192,13 +327,26 @@ class Storage:
             return Collected()
         gone = self.catalog.unreferenced(free)
         freed = sum(self.blobs.remove(b.digest) for b in gone)
-        self.catalog.forget_blobs(b.digest for b in gone)
+        recorded = [b.digest for b in gone if b.block_size]  # 0: a file no transaction recorded
+        if recorded:
+            try:
+                self._write_catalog(lambda: self.catalog.forget_blobs(recorded), use_reserve=True)
+            except StorageFull as exc:
+                # The files are gone and nothing references the rows: the next collection
+                # of these digests, or start-up, forgets them.
+                log.warning("could not forget %d removed blobs in the catalog: %s", len(recorded), exc)
         return Collected(len(gone), freed)
 
     # Writing ----------------------------------------------------------------------------
 
     def new_payload(self) -> PayloadWriter:
-        return PayloadWriter(self.blobs.create(), BLOCK_SIZE)
+        """A temporary blob for one payload; StorageFull when the disk has no room (for the reserve either)."""
+        self._ensure_room()
+        try:
+            temp = self.blobs.create()
+        except OSError as exc:
+            raise self.full_error(exc) from exc
+        return PayloadWriter(temp, BLOCK_SIZE, self)
 
     def publish(self, writer: PayloadWriter) -> BlobInfo:
         """Make a written payload a blob, pinned until :meth:`release`."""
@@ -207,8 +355,10 @@ class Storage:
             self._pins[blob.digest] += 1
         try:
             writer.temp.publish(blob.digest)
-        except BaseException:
+        except BaseException as exc:
             self.release([blob.digest], collect=True)
+            if isinstance(exc, OSError):
+                raise self.full_error(exc) from exc
             raise
         return blob
 
@@ -216,19 +366,36 @@ class Storage:
         self, name: str, entries: Sequence[EntryRecord], blobs: Sequence[BlobInfo], replace: bool
     ) -> ArchiveRecord:
         """Record an archive whose (pinned) blobs are all published, once they are durable."""
-        self.blobs.make_durable(b.digest for b in blobs)
-        record, released = self.catalog.commit_archive(name, entries, blobs, replace, time.time_ns())
+        self._ensure_room()
+        try:
+            self.blobs.make_durable(b.digest for b in blobs)
+        except OSError as exc:
+            raise self.full_error(exc) from exc
+        record, released = self._write_catalog(
+            lambda: self.catalog.commit_archive(name, entries, blobs, replace, time.time_ns()))
         self.collect(released)
         return record
 
     def union(self, target: str, sources: Sequence[tuple[str, str]], replace: bool, limits: Limits) -> ArchiveRecord:
-        record, released = self.catalog.union(target, sources, replace, time.time_ns(), limits)
+        self._ensure_room()
+        record, released = self._write_catalog(
+            lambda: self.catalog.union(target, sources, replace, time.time_ns(), limits))
         self.collect(released)
         return record
 
     def delete(self, name: str) -> tuple[ArchiveRecord | None, Collected]:
-        record, released = self.catalog.delete_archive(name)
-        return record, self.collect(released)
+        """Remove an archive and the blobs only it referenced; works on a disk with no free byte.
+
+        On a full disk the catalog write uses the space reserve; the blobs' removal then
+        frees space, and the reserve is re-created once there is room for it.
+        """
+        record, released = self._write_catalog(lambda: self.catalog.delete_archive(name), use_reserve=True)
+        try:
+            collected = self.collect(released)
+        finally:
+            if self.reserve is not None:
+                self.reserve.ensure()
+        return record, collected
 
     # Reading ----------------------------------------------------------------------------
 
