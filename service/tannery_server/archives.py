@@ -56,7 +56,7 @@ def archive_info(record: ArchiveRecord) -> archives_pb2.ArchiveInfo:
 _EXHAUSTED = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
 
 
-def failure_of(exc: Exception) -> Failure:
+def failure_of(exc: BaseException) -> Failure:
     """The failure to answer for what a handler raised: its own Failure, a malformed message,
     a full disk, an exhausted or failing storage; anything else is a bug, logged with its
     traceback and answered INTERNAL (never UNKNOWN)."""
@@ -76,7 +76,7 @@ def failure_of(exc: Exception) -> Failure:
     return Internal(f"internal error ({type(exc).__name__}: {exc}); the server logged it")
 
 
-async def _fail(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+async def _fail(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     failure = failure_of(exc)
     await context.abort(failure.code, str(failure), trailing_metadata=trailing_metadata(failure))
 
@@ -105,7 +105,7 @@ def _answering_failures(method: Callable) -> Callable:
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
-            await _fail(context, exc)
+            await _fail(context, self.storage.full_error(exc))  # a full disk named as such
 
     return answering
 
