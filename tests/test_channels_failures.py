@@ -248,6 +248,33 @@ async def _take(subscription: Any, count: int) -> list[torch.Tensor]:
     return [await anext(subscription) for _ in range(count)]
 
 
+def test_a_subscriber_that_joins_mid_payload_starts_with_the_next_payload(serve_bare):
+    server = serve_bare(chunk_size=64 * KiB)
+    first = serialize(torch.arange(256 * KiB, dtype=torch.float32))
+    second = serialize(torch.arange(1000))
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(server.target) as ch:
+            stub = channels_pb2_grpc.ChannelsStub(ch)
+            early = Receiver(await subscribe(stub, "join"))
+            half = HalfPublisher(ch, "join", first)
+            await first_chunk(early)
+            late = Receiver(await subscribe(stub, "join"))
+            half.send(message("", first[len(first) // 2 :] + second))
+            got_early = await early.payloads(2)
+            got_late = await late.payloads(1)
+            half.call.cancel()  # its generator never ends; both payloads are whole by now
+            first_message = late.chunk_sizes[0]
+            early.call.cancel()
+            late.call.cancel()
+            return got_early, got_late, first_message
+
+    got_early, got_late, first_message = run(scenario())
+    assert got_early == [first, second]
+    assert got_late == [second], "the late subscriber received (the tail of) the payload in flight"
+    assert first_message == len(second)
+
+
 # -- (c) a publisher stalled mid-payload holds the channel for the timeout at most -------------
 
 
