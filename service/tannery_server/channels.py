@@ -215,7 +215,7 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
             raise ValueError(f"chunk_size must be positive, not {self.chunk_size}")
         self.hub = Hub(buffer_bytes=int(setting["channel_buffer_bytes"]), timeout=self.timeout, abandoned=ABANDONED)
 
-    def _pieces(self, data: Buffer) -> list[Piece]:
+    def pieces(self, data: Buffer) -> list[Piece]:
         """The messages a subscriber sends for ``data``, with the payload bytes each carries."""
         return [(channels_pb2.SubscribeResponse(chunk=chunk), len(chunk)) for chunk in split_piece(data, self.chunk_size)]
 
@@ -229,6 +229,7 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
         request_iterator: AsyncIterator[channels_pb2.PublishRequest | Undecodable],
         context: grpc.aio.ServicerContext,
     ) -> channels_pb2.PublishResponse:
+        """Relay the payloads of the stream as they arrive; whatever ends the call frees what it held."""
         publication = _Publication(self, aiter(request_iterator))
         try:
             await publication.run()
@@ -240,6 +241,7 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
     async def Subscribe(
         self, request: channels_pb2.SubscribeRequest | Undecodable, context: grpc.aio.ServicerContext
     ) -> None:
+        """Send every piece queued for this subscriber until it leaves, falls behind or the server closes."""
         if isinstance(request, Undecodable):
             raise request.failure("the Subscribe request")
         self._check_name(request.channel)
@@ -351,7 +353,7 @@ class _Publication:
             self.received = 0
         relay = self.relay
         assert relay is not None
-        pieces = self.servicer._pieces(fragment.data)  # never empty: a fragment has bytes
+        pieces = self.servicer.pieces(fragment.data)  # never empty: a fragment has bytes
         self.received += sum(nbytes for _, nbytes in pieces)
         timeout = self.servicer.timeout
         for message, nbytes in pieces[:-1] if fragment.last else pieces:
