@@ -11,7 +11,11 @@ malformed) is abandoned, and subscribers that got some of it are told to discard
 While it holds the channel, a publisher must send its next message within
 ``channel_timeout_seconds``, or its payload is abandoned and its call ends with
 DEADLINE_EXCEEDED: a publisher stalled mid-payload blocks the others for at most that
-long. Between payloads it holds nothing and may wait as long as it likes.
+long. (The bound is per message: a publisher that keeps sending, however slowly, keeps
+the channel.) Between payloads it holds nothing and may wait as long as it likes. Once a
+payload's last byte has arrived, its last piece is relayed even if the publisher leaves
+meanwhile (waiting at most the timeout for room, as any piece), so a payload is never
+whole for some subscribers and abandoned for others.
 
 The relayed pieces are the chunk objects received (a chunk holding the end of one payload
 and the start of the next is sliced), at most ``chunk_size`` bytes each. Each piece
