@@ -29,7 +29,7 @@ import torch
 from tannery import codec
 from tannery.torch import deserialize, serialize
 from tannery.v1 import channels_pb2, channels_pb2_grpc
-from tannery_server.channels import ChannelsServicer
+from tannery_server.channels import ChannelsServicer, add_to_server
 
 from tests.server_harness import running_server
 
@@ -58,7 +58,7 @@ class BareChannelsServer:
     async def _start(self) -> None:
         self.server = grpc.aio.server()
         self.servicer = ChannelsServicer(self.config)
-        channels_pb2_grpc.add_ChannelsServicer_to_server(self.servicer, self.server)
+        add_to_server(self.servicer, self.server)
         port = self.server.add_insecure_port("127.0.0.1:0")
         await self.server.start()
         self.target = f"127.0.0.1:{port}"
@@ -186,18 +186,25 @@ async def subscribe(stub: channels_pb2_grpc.ChannelsStub, channel: str) -> grpc.
 
 
 class Receiver:
-    """Reads a subscription's chunks back into whole payloads."""
+    """Reads a subscription's chunks back into whole payloads, discarding abandoned ones as a client must."""
 
     def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
         self.call = call
         self.reframer = codec.Reframer()
         self.chunk_sizes: list[int] = []
+        #: Abandoned markers received (each discarded the payload in progress).
+        self.abandoned = 0
         self._ready: list[bytes] = []
 
     async def payloads(self, count: int) -> list[bytes]:
         while len(self._ready) < count:
             response = await self.call.read()
             assert response is not grpc.aio.EOF, f"subscription ended after {len(self._ready)} of {count} payloads"
+            if response.abandoned:
+                assert not response.chunk, "an abandoned marker carries no chunk"
+                self.abandoned += 1
+                self.reframer = codec.Reframer()
+                continue
             self.chunk_sizes.append(len(response.chunk))
             self._ready.extend(bytes(payload) for payload in self.reframer.feed(response.chunk))
         taken, self._ready = self._ready[:count], self._ready[count:]
@@ -367,7 +374,10 @@ def test_a_64_mib_payload_is_relayed_intact(serve):
             stub = channels_pb2_grpc.ChannelsStub(ch)
             receivers = [Receiver(await subscribe(stub, "big")) for _ in range(2)]
             publishing = await publish_in_background(stub, "big", [payload, payload], (MiB,))
-            digests = [[hashlib.sha256(p).hexdigest() for p in await r.payloads(2)] for r in receivers]
+            # Both read at once: a subscriber that reads nothing can fall at most its buffer
+            # bound behind (payloads are relayed piece by piece, never held whole).
+            received = await asyncio.gather(*(r.payloads(2) for r in receivers))
+            digests = [[hashlib.sha256(p).hexdigest() for p in got] for got in received]
             result = await publishing
             for r in receivers:
                 r.call.cancel()
@@ -713,7 +723,8 @@ def peer_main(role: str, address: str, channel: str) -> None:
 def spawn_peer(role: str, address: str, channel: str) -> subprocess.Popen:
     code = f"from tests.test_channels import peer_main; peer_main({role!r}, {address!r}, {channel!r})"
     return subprocess.Popen(
-        [sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}
+        [sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
     )
 
 

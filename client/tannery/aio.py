@@ -38,7 +38,7 @@ from .calls import (
 from .connection import Connection, TLSLike, rpc_error, service_error
 from .remote import AsyncRemoteArchive
 from .v1 import archives_pb2, channels_pb2
-from .wire import encode_publish_request
+from .wire import ABANDONED, encode_publish_request
 
 
 def _result_now(coroutine: Coroutine[Any, Any, Any]) -> Any:
@@ -318,7 +318,10 @@ class AsyncSubscription:
                 raise
             if message is grpc.aio.EOF:
                 raise StopAsyncIteration
-            self._ready.extend(self._reader.feed(message))
+            if message is ABANDONED:
+                self._reader.discard()  # a torn payload is never returned
+            else:
+                self._ready.extend(self._reader.feed(message))
         return self._ready.popleft()
 
     def close(self) -> None:

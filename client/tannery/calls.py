@@ -413,6 +413,10 @@ class PayloadReader:
             self._progress(chunk.nbytes)
         return [deserialize(payload) for payload in self._reframer.feed(chunk)]
 
+    def discard(self) -> None:
+        """Forget the payload in progress (its publisher abandoned it): the next chunk starts a payload."""
+        self._reframer = Reframer()
+
 
 @dataclass
 class StateDictPlan:

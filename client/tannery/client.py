@@ -35,7 +35,7 @@ from .calls import (
 from .connection import Connection, TLSLike, rpc_error
 from .remote import RemoteArchive
 from .v1 import archives_pb2, channels_pb2
-from .wire import encode_publish_request
+from .wire import ABANDONED, encode_publish_request
 
 
 class _Guarded:
@@ -298,7 +298,10 @@ class Subscription:
                 if self._closed.is_set():
                     raise StopIteration from None
                 raise rpc_error(error, self._target) from None
-            self._ready.extend(self._reader.feed(chunk))
+            if chunk is ABANDONED:
+                self._reader.discard()  # a torn payload is never returned
+            else:
+                self._ready.extend(self._reader.feed(chunk))
         return self._ready.popleft()
 
     def close(self) -> None:

@@ -223,12 +223,32 @@ def parse_fetch_response(data: bytes) -> FetchMessage:
     return FetchMessage(entry, chunk)
 
 
-def parse_subscribe_response(data: bytes) -> memoryview:
-    """The response deserializer of ``Subscribe`` (client side): the chunk, a view of ``data``."""
+class _Abandoned:
+    """The type of :data:`ABANDONED`."""
+
+    def __repr__(self) -> str:
+        return "ABANDONED"
+
+
+#: What :func:`parse_subscribe_response` returns for a message saying the payload in progress
+#: was cut off by its publisher: its bytes received so far must be discarded.
+ABANDONED = _Abandoned()
+
+
+def parse_subscribe_response(data: bytes) -> memoryview | _Abandoned:
+    """The response deserializer of ``Subscribe`` (client side): the chunk, a view of ``data``,
+    or :data:`ABANDONED` when the message says the payload in progress was abandoned."""
     chunk = _EMPTY
+    abandoned = False
     for number, wire_type, value in _fields(memoryview(data)):
         if number == 1 and wire_type == _LEN:
             chunk = value
+        elif number == 2 and wire_type == _VARINT:
+            abandoned = bool(value)
+    if abandoned:
+        if chunk.nbytes:
+            raise WireError(f"a SubscribeResponse marks the payload abandoned and carries {chunk.nbytes} chunk bytes")
+        return ABANDONED
     return chunk
 
 

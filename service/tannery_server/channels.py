@@ -1,33 +1,59 @@
 """The ``tannery.v1.Channels`` gRPC service: publish and subscribe to tensor payloads by name.
 
 Publish reads tannic payloads from a stream of chunks with the codec's Deframer (each
-header checked against the limits before its buffer is accepted) and relays each payload
-whole once its last byte has arrived, so a malformed or truncated payload reaches no one.
+header checked against the limits before its buffer is accepted) and relays each piece as
+it arrives, so a channel's memory is its subscribers' bounded buffers whatever the size of
+a payload. A publisher holds the channel from its payload's first piece to its last; a
+payload cut off before its last piece (publisher cancelled, disconnected, stalled or
+malformed) is abandoned, and subscribers that got some of it are told to discard it
+(``SubscribeResponse.abandoned``), so no client returns a torn payload.
+
+While it holds the channel, a publisher must send its next message within
+``channel_timeout_seconds``, or its payload is abandoned and its call ends with
+DEADLINE_EXCEEDED: a publisher stalled mid-payload blocks the others for at most that
+long. (The bound is per message: a publisher that keeps sending, however slowly, keeps
+the channel.) Between payloads it holds nothing and may wait as long as it likes. Once a
+payload's last byte has arrived, its last piece is relayed even if the publisher leaves
+meanwhile (waiting at most the timeout for room, as any piece), so a payload is never
+whole for some subscribers and abandoned for others.
+
 The relayed pieces are the chunk objects received (a chunk holding the end of one payload
 and the start of the next is sliced), at most ``chunk_size`` bytes each. Each piece
 becomes a ``SubscribeResponse`` once, at the publisher, and every subscriber writes that
 same message (gRPC serializes it once per subscriber; pre-serializing it once for all was
 measured slower for one subscriber and only 20% cheaper for sixteen). The buffering and
 ordering rules live in :mod:`tannery_server.hub`.
+
+Every refusal is a :class:`~.failures.Failure`, turned into its status in one place
+(:func:`_answering_failures`). Requests are decoded by :func:`add_to_server`'s
+deserializers, which never raise: bytes that are not a valid request become an
+:class:`Undecodable`, refused with INVALID_ARGUMENT by the handler.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import unicodedata
-from typing import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
 import grpc
-from tannery.codec import Buffer, Deframer, FormatError, Limits
+from google.protobuf.message import DecodeError
+from tannery.codec import Buffer, Deframer, FormatError, Fragment, Limits
 from tannery.v1 import channels_pb2, channels_pb2_grpc
 
 from .calllog import current_call
-from .hub import Channel, FellBehind, Hub, HubClosed, Piece, SubscriptionEnded
+from .failures import BadPayload, Failure, InvalidArgument, LimitExceeded, trailing_metadata
+from .hub import Channel, FellBehind, Hub, HubClosed, Piece, Relay, SubscriptionEnded
 
+SERVICE = "tannery.v1.Channels"
 #: Longest channel name, in bytes of UTF-8.
 MAX_CHANNEL_NAME_BYTES = 255
 #: Trailing metadata of a call that failed because the codec refused a payload.
 FORMAT_ERROR_METADATA = (("tannery-error", "format"),)
+#: What a subscriber receives when the payload in progress was cut off by its publisher.
+ABANDONED = channels_pb2.SubscribeResponse(abandoned=True)
 
 _DEFAULTS = {
     "chunk_size": 1 << 20,
@@ -36,6 +62,31 @@ _DEFAULTS = {
     "channel_buffer_bytes": 64 << 20,
     "channel_timeout_seconds": 10.0,
 }
+
+
+class Unavailable(Failure):
+    """The server is shutting down, or the subscription was ended by the server."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class Stalled(Failure):
+    """A publisher that held its channel mid-payload sent nothing for the channel timeout."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """A request whose bytes are not a valid message: what the deserializers give instead of raising."""
+
+    message_type: str
+    #: Why, naming the field when it can.
+    reason: str
+    nbytes: int
+
+    def failure(self, where: str) -> InvalidArgument:
+        return InvalidArgument(f"{where} is not a valid {self.message_type} ({self.nbytes} bytes): {self.reason}")
 
 
 def check_channel_name(name: str) -> None:
@@ -60,12 +111,103 @@ def split_piece(data: Buffer, chunk_size: int) -> Iterator[bytes]:
         yield bytes(view[start : start + chunk_size])
 
 
+# -- decoding requests without raising ----------------------------------------------------------
+
+
+def _channel_field(data: bytes) -> bytes | None:
+    """The raw bytes of field 1 (``channel``) of a serialized request, if it can be found."""
+    view, pos = memoryview(data), 0
+    found = None
+    try:
+        while pos < len(view):
+            key, pos = _varint(view, pos)
+            wire_type = key & 7
+            if wire_type == 0:
+                _, pos = _varint(view, pos)
+            elif wire_type == 2:
+                size, pos = _varint(view, pos)
+                if key >> 3 == 1:
+                    found = bytes(view[pos : pos + size])
+                pos += size
+            elif wire_type in (1, 5):
+                pos += 8 if wire_type == 1 else 4
+            else:
+                return found
+    except IndexError:
+        pass
+    return found
+
+
+def _varint(view: memoryview, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        byte = view[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, pos
+        shift += 7
+
+
+def _why_undecodable(data: bytes, error: DecodeError) -> str:
+    """Name the problem: the channel name when it is not UTF-8, protobuf's own words otherwise."""
+    channel = _channel_field(data)
+    if channel is not None:
+        try:
+            channel.decode("utf-8")
+        except UnicodeDecodeError as bad:
+            return f"its channel name {channel[:64]!r} is not valid UTF-8 ({bad.reason} at byte {bad.start})"
+    return str(error)
+
+
+def _decoder(message_class: Any) -> Callable[[bytes], Any]:
+    """A request deserializer that returns an :class:`Undecodable` for bytes it cannot parse.
+
+    gRPC answers a deserializer's exception with UNKNOWN (and, for a stream of requests,
+    raises it inside the handler): the handler must see the bad message to refuse it.
+    """
+    name = message_class.DESCRIPTOR.full_name
+
+    def decode(data: bytes) -> Any:
+        try:
+            return message_class.FromString(data)
+        except DecodeError as error:
+            return Undecodable(name, _why_undecodable(data, error), len(data))
+
+    return decode
+
+
+# -- failures into statuses, in one place ------------------------------------------------------
+
+
+def _as_failure(error: SubscriptionEnded) -> Failure:
+    """The failure a hub's SubscriptionEnded is answered with."""
+    if isinstance(error, FellBehind):
+        return LimitExceeded(str(error))
+    return Unavailable(str(error))
+
+
+def _answering_failures(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """Turn the Failures (and hub endings) a handler raises into their statuses."""
+
+    @functools.wraps(method)
+    async def answering(self: ChannelsServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await method(self, request, context)
+        except (Failure, SubscriptionEnded) as error:
+            failure = error if isinstance(error, Failure) else _as_failure(error)
+            await context.abort(failure.code, str(failure), trailing_metadata=trailing_metadata(failure))
+
+    return answering
+
+
 class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
     """Async handlers of ``Channels`` over one in-memory :class:`~tannery_server.hub.Hub`.
 
     ``config`` supplies ``chunk_size``, ``max_payload_bytes``, ``max_rank``,
     ``channel_buffer_bytes`` and ``channel_timeout_seconds``; missing ones take the
-    defaults (1 MiB, 1 TiB, 64, 64 MiB, 10 s).
+    defaults (1 MiB, 1 TiB, 64, 64 MiB, 10 s). The timeout bounds both a publisher's wait
+    for room for one piece and, while it holds its channel, its wait for its next message.
     """
 
     def __init__(self, config: object) -> None:
@@ -75,70 +217,44 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
         self.timeout = float(setting["channel_timeout_seconds"])
         if self.chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, not {self.chunk_size}")
-        self.hub = Hub(buffer_bytes=int(setting["channel_buffer_bytes"]), timeout=self.timeout)
+        self.hub = Hub(buffer_bytes=int(setting["channel_buffer_bytes"]), timeout=self.timeout, abandoned=ABANDONED)
 
-    def _pieces(self, data: Buffer) -> Iterator[Piece]:
+    def pieces(self, data: Buffer) -> list[Piece]:
         """The messages a subscriber sends for ``data``, with the payload bytes each carries."""
-        for chunk in split_piece(data, self.chunk_size):
-            yield channels_pb2.SubscribeResponse(chunk=chunk), len(chunk)
+        return [(channels_pb2.SubscribeResponse(chunk=chunk), len(chunk)) for chunk in split_piece(data, self.chunk_size)]
 
     async def close(self) -> None:
         """End every subscription (UNAVAILABLE: shutting down) and refuse new calls."""
         await self.hub.close(timeout=max(self.timeout, 1.0))
 
+    @_answering_failures
     async def Publish(
         self,
-        request_iterator: AsyncIterator[channels_pb2.PublishRequest],
+        request_iterator: AsyncIterator[channels_pb2.PublishRequest | Undecodable],
         context: grpc.aio.ServicerContext,
     ) -> channels_pb2.PublishResponse:
-        deframer = Deframer(self.limits)
-        channel: Channel | None = None
-        pieces: list[Piece] = []
-        payloads = total = dropped = 0
+        """Relay the payloads of the stream as they arrive; whatever ends the call frees what it held."""
+        publication = _Publication(self, aiter(request_iterator))
         try:
-            async for request in request_iterator:
-                if channel is None:
-                    channel = await self._attach(request.channel, context)
-                elif request.channel and request.channel != channel.name:
-                    await context.abort(
-                        grpc.StatusCode.INVALID_ARGUMENT,
-                        f"Publish names its channel in the first message only: got {request.channel!r} "
-                        f"after {channel.name!r}",
-                    )
-                try:
-                    for fragment in deframer.feed(request.chunk):
-                        pieces.extend(self._pieces(fragment.data))
-                        if fragment.last:
-                            size = fragment.info.size
-                            # Shielded: a payload whose last byte arrived reaches every
-                            # subscriber even if this publisher leaves meanwhile.
-                            dropped += await asyncio.shield(channel.relay(pieces, size, self.timeout))
-                            pieces = []
-                            payloads += 1
-                            total += size
-                except FormatError as error:
-                    await self._refuse(context, payloads, error)
-            if channel is None:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Publish got no message naming a channel")
-            try:
-                deframer.close()
-            except FormatError as error:
-                await self._refuse(context, payloads, error)
+            await publication.run()
         finally:
-            if channel is not None:
-                self.hub.detach_publisher(channel)
-        return channels_pb2.PublishResponse(payloads=payloads, bytes=total, dropped_subscribers=dropped)
+            publication.release()
+        return publication.response()
 
+    @_answering_failures
     async def Subscribe(
-        self, request: channels_pb2.SubscribeRequest, context: grpc.aio.ServicerContext
+        self, request: channels_pb2.SubscribeRequest | Undecodable, context: grpc.aio.ServicerContext
     ) -> None:
-        await self._check_name(request.channel, context)
+        """Send every piece queued for this subscriber until it leaves, falls behind or the server closes."""
+        if isinstance(request, Undecodable):
+            raise request.failure("the Subscribe request")
+        self._check_name(request.channel)
         try:
             subscription = self.hub.subscribe(request.channel)
         except HubClosed as closed:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(closed))
+            raise Unavailable(str(closed)) from None
         try:
-            # Registered: from here on every relayed payload is queued for this subscriber.
+            # Registered: from here on every payload begun is queued for this subscriber.
             await context.send_initial_metadata(())
             while True:
                 message = await subscription.next_piece()
@@ -148,33 +264,144 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
                     # The subscriber left (cancelled or disconnected) before grpc told this
                     # handler; end as cancelled, like grpc does once it knows.
                     raise asyncio.CancelledError() from None
-        except FellBehind as behind:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(behind))
-        except SubscriptionEnded as ended:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(ended))
         finally:
             self.hub.unsubscribe(subscription)
 
-    async def _check_name(self, name: str, context: grpc.aio.ServicerContext) -> None:
+    def _check_name(self, name: str) -> None:
+        """Note the channel in the call log; InvalidArgument unless it is a valid name."""
         current_call().note("channel", name)
         try:
             check_channel_name(name)
         except ValueError as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            raise InvalidArgument(str(error)) from None
 
-    async def _attach(self, name: str, context: grpc.aio.ServicerContext) -> Channel:
-        await self._check_name(name, context)
+    def attach(self, name: str) -> Channel:
+        """The channel ``name`` for a publisher (InvalidArgument for a bad name, Unavailable when closing)."""
+        self._check_name(name)
         try:
             return self.hub.attach_publisher(name)
         except HubClosed as closed:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(closed))
-            raise  # unreachable: abort raises
+            raise Unavailable(str(closed)) from None
 
-    @staticmethod
-    async def _refuse(context: grpc.aio.ServicerContext, payloads: int, error: FormatError) -> None:
-        await context.abort(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"payload {payloads + 1} of this call is malformed: {error}",
-            trailing_metadata=FORMAT_ERROR_METADATA,
-        )
 
+class _Publication:
+    """The state of one Publish call: its channel, its deframer, the payload it holds the channel for."""
+
+    def __init__(self, servicer: ChannelsServicer, requests: AsyncIterator[Any]) -> None:
+        self.servicer = servicer
+        self.requests = requests
+        self.deframer = Deframer(servicer.limits)
+        self.channel: Channel | None = None
+        #: The payload in flight, holding the channel (None between payloads).
+        self.relay: Relay | None = None
+        self.messages = self.payloads = self.bytes = self.dropped = 0
+        #: Bytes of the payload in flight received so far.
+        self.received = 0
+
+    def response(self) -> channels_pb2.PublishResponse:
+        return channels_pb2.PublishResponse(payloads=self.payloads, bytes=self.bytes, dropped_subscribers=self.dropped)
+
+    async def run(self) -> None:
+        """Relay every payload of the stream; a Failure names what is wrong."""
+        while (request := await self._next_request()) is not None:
+            self.messages += 1
+            if isinstance(request, Undecodable):
+                raise request.failure(f"message {self.messages} of this Publish call")
+            if self.channel is None:
+                self.channel = self.servicer.attach(request.channel)
+            elif request.channel and request.channel != self.channel.name:
+                raise InvalidArgument(
+                    f"Publish names its channel in the first message only: got {request.channel!r} "
+                    f"after {self.channel.name!r}"
+                )
+            for fragment in self._fragments(request.chunk):
+                await self._relay(fragment)
+        if self.channel is None:
+            raise InvalidArgument("Publish got no message naming a channel")
+        try:
+            self.deframer.close()
+        except FormatError as error:
+            raise self._malformed(error) from None
+
+    async def _next_request(self) -> Any:
+        """The next request, or None at the end; Stalled if the channel is held and it does not come in time."""
+        if self.relay is None:
+            return await anext(self.requests, None)
+        timeout = self.servicer.timeout
+        try:
+            async with asyncio.timeout(timeout):
+                return await anext(self.requests, None)
+        except TimeoutError:
+            relay = self.relay
+            raise Stalled(
+                f"publisher stalled on channel {relay.channel.name!r}: no message for {timeout:g} s in the middle "
+                f"of payload {self.payloads + 1} of this call ({self.received} of {relay.size} bytes sent), "
+                "while it held the channel; the payload is abandoned"
+            ) from None
+
+    def _fragments(self, chunk: bytes) -> Iterator[Fragment]:
+        """The deframer's fragments of ``chunk``; BadPayload naming the payload if it is malformed."""
+        try:
+            yield from self.deframer.feed(chunk)
+        except FormatError as error:
+            raise self._malformed(error) from None
+
+    def _malformed(self, error: FormatError) -> BadPayload:
+        return BadPayload(f"payload {self.payloads + 1} of this call is malformed: {error}")
+
+    async def _relay(self, fragment: Fragment) -> None:
+        """Relay one fragment, taking the channel at a payload's first one and freeing it after its last."""
+        assert self.channel is not None
+        if fragment.first:
+            self.relay = await self.channel.begin(fragment.info.size)
+            self.received = 0
+        relay = self.relay
+        assert relay is not None
+        pieces = self.servicer.pieces(fragment.data)  # never empty: a fragment has bytes
+        self.received += sum(nbytes for _, nbytes in pieces)
+        timeout = self.servicer.timeout
+        for message, nbytes in pieces[:-1] if fragment.last else pieces:
+            self.dropped += await relay.put(message, nbytes, timeout)
+        if fragment.last:
+            # The last piece is relayed even if this publisher leaves meanwhile (shielded,
+            # bounded by the timeout): a payload every byte of which arrived reaches every
+            # subscriber that has room, never only some of them.
+            self.relay = None
+            self.dropped += await asyncio.shield(_relay_last(relay, pieces[-1], timeout))
+            self.payloads += 1
+            self.bytes += relay.size
+
+    def release(self) -> None:
+        """Free what the call holds, at once: the payload in flight is abandoned, the channel detached."""
+        if self.relay is not None:
+            self.relay.abandon()
+            self.relay = None
+        if self.channel is not None:
+            self.servicer.hub.detach_publisher(self.channel)
+
+
+async def _relay_last(relay: Relay, piece: Piece, timeout: float) -> int:
+    """Queue a payload's last piece and free its channel; how many subscribers were dropped meanwhile."""
+    message, nbytes = piece
+    try:
+        return await relay.put(message, nbytes, timeout)
+    finally:
+        relay.finish()
+
+
+def add_to_server(servicer: ChannelsServicer, server: grpc.aio.Server) -> None:
+    """Register the service with deserializers that let the handlers refuse undecodable requests."""
+    generic = grpc.method_handlers_generic_handler(
+        SERVICE,
+        {
+            "Publish": grpc.stream_unary_rpc_method_handler(
+                servicer.Publish, request_deserializer=_decoder(channels_pb2.PublishRequest),
+                response_serializer=channels_pb2.PublishResponse.SerializeToString,
+            ),
+            "Subscribe": grpc.unary_stream_rpc_method_handler(
+                servicer.Subscribe, request_deserializer=_decoder(channels_pb2.SubscribeRequest),
+                response_serializer=channels_pb2.SubscribeResponse.SerializeToString,
+            ),
+        },
+    )
+    server.add_generic_rpc_handlers((generic,))

@@ -1,22 +1,30 @@
-"""Channels in memory: whole payloads relayed in order to subscribers with bounded buffers.
+"""Channels in memory: payloads relayed piece by piece, in order, to subscribers with bounded buffers.
 
 A channel exists while it has subscribers or publishers attached, and is created by the
-first of them: channels need no set-up. Each payload is relayed as a list of pieces, each
-a message ready to send and the payload bytes it carries; every subscriber gets the same
-objects, so nothing is copied or encoded once per subscriber. Publishers relay one payload at a time per channel, under the channel's lock, so
-the payloads of two publishers never interleave and every subscriber sees the same order.
+first of them: channels need no set-up. A payload travels as pieces, each a message ready
+to send and the payload bytes it carries; every subscriber gets the same objects, so
+nothing is copied or encoded once per subscriber.
 
-Each subscription buffers at most ``buffer_bytes`` (or one payload of any size when it is
-empty). A publisher that finds no room waits up to ``timeout`` seconds for the
-subscriber to catch up, then drops it: the subscriber's next read raises
-:class:`FellBehind`, and the others carry on.
+A publisher holds its channel from its payload's first piece to its last (a
+:class:`Relay`, under the channel's lock), so the payloads of two publishers never
+interleave and every subscriber sees the same order. A relay's recipients are the
+subscribers registered when its first piece came: one that subscribes meanwhile starts
+with the next payload, never with a tail.
+
+Each subscription buffers at most ``buffer_bytes`` (or one piece of any size when it is
+empty), so the memory of a channel does not grow with the size of a payload. A piece that
+finds no room makes its publisher wait up to ``timeout`` seconds for the subscriber to
+catch up, then the subscriber is dropped: its next read raises :class:`FellBehind`, and
+the others carry on. A relay cut off before its last piece (:meth:`Relay.abandon`)
+removes its pieces still queued and queues the hub's *abandoned* marker for each
+subscriber that has already taken some, so no one mistakes a torn payload for a whole one.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator
 
 #: A piece of a payload as queued: the message to send and the payload bytes it carries.
 Piece = tuple[object, int]
@@ -42,7 +50,10 @@ class Subscription:
         self.bound = bound
         #: Bytes queued and not yet taken by the subscriber.
         self.buffered = 0
-        self._pieces: deque[Piece] = deque()
+        #: (message, payload bytes, payload number on the channel) in the order to send.
+        self._queue: deque[tuple[object, int, int]] = deque()
+        #: Number of the payload the subscriber took its last piece of (0: none yet).
+        self._taking = 0
         self._ended: SubscriptionEnded | None = None
         self._readable = asyncio.Event()
         self._writable = asyncio.Event()
@@ -51,40 +62,55 @@ class Subscription:
     def ended(self) -> bool:
         return self._ended is not None
 
-    def has_room(self, size: int) -> bool:
-        """True when a payload of ``size`` bytes fits; an empty buffer takes any payload."""
-        return self.buffered == 0 or self.buffered + size <= self.bound
+    def has_room(self, nbytes: int) -> bool:
+        """True when a piece of ``nbytes`` bytes fits; an empty buffer takes any piece."""
+        return self.buffered == 0 or self.buffered + nbytes <= self.bound
 
-    def put(self, pieces: Sequence[Piece], size: int) -> None:
-        """Queue a payload's pieces (ignored once the subscription has ended)."""
+    def put(self, message: object, nbytes: int, payload: int) -> None:
+        """Queue one piece of payload number ``payload`` (ignored once the subscription has ended)."""
         if self._ended is not None:
             return
-        self._pieces.extend(pieces)
-        self.buffered += size
+        self._queue.append((message, nbytes, payload))
+        self.buffered += nbytes
         self._readable.set()
 
-    async def wait_for_room(self, size: int, deadline: float) -> bool:
-        """Wait until a payload of ``size`` bytes fits, at the latest until ``deadline``.
+    def abandon(self, payload: int, marker: object) -> None:
+        """Forget payload number ``payload``, cut off before its last piece.
+
+        Its pieces still queued (the newest ones) are removed at once; if the subscriber
+        has taken some already, ``marker`` is queued to tell it to discard them.
+        """
+        if self._ended is not None:
+            return
+        while self._queue and self._queue[-1][2] == payload:
+            self.buffered -= self._queue.pop()[1]
+        if self._taking == payload:
+            self._queue.append((marker, 0, payload))
+            self._readable.set()
+        self._writable.set()
+
+    async def wait_for_room(self, nbytes: int, deadline: float) -> bool:
+        """Wait until a piece of ``nbytes`` bytes fits, at the latest until ``deadline``.
 
         False if it still does not fit then, or if the subscription ended meanwhile.
         """
         try:
             async with asyncio.timeout_at(deadline):
-                while not self.ended and not self.has_room(size):
+                while not self.ended and not self.has_room(nbytes):
                     self._writable.clear()
                     await self._writable.wait()
         except TimeoutError:
             pass
-        return not self.ended and self.has_room(size)
+        return not self.ended and self.has_room(nbytes)
 
     async def next_piece(self) -> object:
         """The next message to send, waiting for one; SubscriptionEnded once the subscription ended."""
-        while not self._pieces:
+        while not self._queue:
             if self._ended is not None:
                 raise self._ended
             self._readable.clear()
             await self._readable.wait()
-        message, nbytes = self._pieces.popleft()
+        message, nbytes, self._taking = self._queue.popleft()
         self.buffered -= nbytes
         self._writable.set()
         return message
@@ -93,65 +119,125 @@ class Subscription:
         """End the subscription now: what it buffered is discarded and waiters wake up."""
         if self._ended is None:
             self._ended = reason
-            self._pieces.clear()
+            self._queue.clear()
             self.buffered = 0
         self._readable.set()
         self._writable.set()
 
 
+class Relay:
+    """One payload in flight on a channel, from its first piece to its last.
+
+    It holds the channel's lock until :meth:`finish` or :meth:`abandon`, which are
+    synchronous so that a cancelled publisher frees the channel without awaiting.
+    """
+
+    def __init__(self, channel: Channel, number: int, size: int, recipients: list[Subscription]) -> None:
+        self.channel = channel
+        #: The payload's number on its channel (1 for the first payload ever relayed there).
+        self.number = number
+        #: Bytes of the whole payload, as its header says.
+        self.size = size
+        self.recipients = recipients
+        self.open = True
+
+    async def put(self, message: object, nbytes: int, timeout: float) -> int:
+        """Queue one piece for every recipient; returns how many were dropped for falling behind.
+
+        Recipients with room get it at once; the others are waited for together, up to
+        ``timeout`` seconds from now, and those still full then are dropped.
+        """
+        self.recipients = [s for s in self.recipients if not s.ended]
+        waiting = []
+        for subscription in self.recipients:
+            if subscription.has_room(nbytes):
+                subscription.put(message, nbytes, self.number)
+            else:
+                waiting.append(subscription)
+        if not waiting:
+            return 0
+        deadline = asyncio.get_running_loop().time() + timeout
+        dropped = 0
+        for subscription in waiting:
+            if await subscription.wait_for_room(nbytes, deadline):
+                subscription.put(message, nbytes, self.number)
+            elif not subscription.ended:
+                self.channel.drop(
+                    subscription,
+                    FellBehind(
+                        f"subscriber fell behind on channel {self.channel.name!r} and was dropped: "
+                        f"{subscription.buffered} bytes buffered, the bound is {subscription.bound} bytes, "
+                        f"and a piece of {nbytes} bytes of a {self.size}-byte payload found no room "
+                        f"within {timeout:g} s"
+                    ),
+                )
+                dropped += 1
+        return dropped
+
+    def finish(self) -> None:
+        """The last piece is queued for every recipient: let the next payload have the channel."""
+        if self.open:
+            self.open = False
+            self.channel.release()
+
+    def abandon(self) -> None:
+        """The payload is cut off: recipients forget it (see :meth:`Subscription.abandon`), the channel is free."""
+        if self.open:
+            for subscription in self.recipients:
+                subscription.abandon(self.number, self.channel.marker)
+            self.recipients = []
+            self.finish()
+
+
 class Channel:
     """The subscribers of one channel name and the lock that orders its payloads."""
 
-    def __init__(self, name: str, on_drop: Callable[[], None] | None = None) -> None:
+    def __init__(self, name: str, marker: object, on_drop: Callable[[], None] | None = None) -> None:
         self.name = name
+        #: The message telling a subscriber that the payload it was receiving was abandoned.
+        self.marker = marker
         #: Subscriptions in the order they came (a dict as an ordered set).
         self.subscriptions: dict[Subscription, None] = {}
         self.publishers = 0
+        #: Payloads begun on this channel so far (each relay's number).
+        self.payloads = 0
         self._lock = asyncio.Lock()
         #: Called once for each subscriber dropped for falling behind (the hub counts them).
         self._on_drop = on_drop
 
-    async def relay(self, pieces: Sequence[Piece], size: int, timeout: float) -> int:
-        """Queue one whole payload for every current subscriber; returns how many were dropped.
+    @property
+    def busy(self) -> bool:
+        """True while a publisher holds the channel for a payload."""
+        return self._lock.locked()
 
-        Subscribers with room get it at once; the others are waited for together, up
-        to ``timeout`` seconds from now, and those still full then are dropped.
-        """
-        async with self._lock:
-            waiting = []
-            for subscription in list(self.subscriptions):
-                if subscription.has_room(size):
-                    subscription.put(pieces, size)
-                else:
-                    waiting.append(subscription)
-            if not waiting:
-                return 0
-            deadline = asyncio.get_running_loop().time() + timeout
-            dropped = 0
-            for subscription in waiting:
-                if await subscription.wait_for_room(size, deadline):
-                    subscription.put(pieces, size)
-                elif not subscription.ended:
-                    subscription.end(
-                        FellBehind(
-                            f"subscriber fell behind on channel {self.name!r} and was dropped: "
-                            f"{subscription.buffered} bytes buffered, the bound is {subscription.bound} bytes, "
-                            f"and a payload of {size} bytes found no room within {timeout:g} s"
-                        )
-                    )
-                    self.subscriptions.pop(subscription, None)
-                    dropped += 1
-                    if self._on_drop is not None:
-                        self._on_drop()
-            return dropped
+    async def begin(self, size: int) -> Relay:
+        """Wait for the channel, then hold it for one payload of ``size`` bytes, to today's subscribers."""
+        await self._lock.acquire()
+        self.payloads += 1
+        return Relay(self, self.payloads, size, list(self.subscriptions))
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def drop(self, subscription: Subscription, reason: FellBehind) -> None:
+        """End a subscriber that fell behind and take it off the channel."""
+        subscription.end(reason)
+        self.subscriptions.pop(subscription, None)
+        if self._on_drop is not None:
+            self._on_drop()
 
 
 class Hub:
-    """Every live channel, by name."""
+    """Every live channel, by name.
 
-    def __init__(self, buffer_bytes: int, timeout: float) -> None:
+    ``abandoned`` is the message queued for a subscriber whose payload in progress was
+    cut off by its publisher.
+    """
+
+    def __init__(self, buffer_bytes: int, timeout: float, abandoned: object = "abandoned") -> None:
         self.buffer_bytes = buffer_bytes
         self.timeout = timeout
+        self.abandoned = abandoned
         self.channels: dict[str, Channel] = {}
         self.closed = False
         #: Subscribers dropped for falling behind since the hub was made (for the metrics).
@@ -171,7 +257,7 @@ class Hub:
     def _channel(self, name: str) -> Channel:
         channel = self.channels.get(name)
         if channel is None:
-            channel = self.channels[name] = Channel(name, self._count_drop)
+            channel = self.channels[name] = Channel(name, self.abandoned, self._count_drop)
         return channel
 
     def _forget_if_unused(self, channel: Channel) -> None:
@@ -179,7 +265,7 @@ class Hub:
             del self.channels[channel.name]
 
     def subscribe(self, name: str) -> Subscription:
-        """Register a subscriber: it receives every payload relayed from now on."""
+        """Register a subscriber: it receives every payload whose first piece is relayed from now on."""
         if self.closed:
             raise HubClosed("the server is shutting down")
         channel = self._channel(name)

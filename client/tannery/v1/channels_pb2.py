@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tannery/v1/channels.proto\x12\ntannery.v1\"0\n\x0ePublishRequest\x12\x0f\n\x07\x63hannel\x18\x01 \x01(\t\x12\r\n\x05\x63hunk\x18\x02 \x01(\x0c\"O\n\x0fPublishResponse\x12\x10\n\x08payloads\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x1b\n\x13\x64ropped_subscribers\x18\x03 \x01(\x04\"#\n\x10SubscribeRequest\x12\x0f\n\x07\x63hannel\x18\x01 \x01(\t\"\"\n\x11SubscribeResponse\x12\r\n\x05\x63hunk\x18\x01 \x01(\x0c\x32\x9c\x01\n\x08\x43hannels\x12\x44\n\x07Publish\x12\x1a.tannery.v1.PublishRequest\x1a\x1b.tannery.v1.PublishResponse(\x01\x12J\n\tSubscribe\x12\x1c.tannery.v1.SubscribeRequest\x1a\x1d.tannery.v1.SubscribeResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tannery/v1/channels.proto\x12\ntannery.v1\"0\n\x0ePublishRequest\x12\x0f\n\x07\x63hannel\x18\x01 \x01(\t\x12\r\n\x05\x63hunk\x18\x02 \x01(\x0c\"O\n\x0fPublishResponse\x12\x10\n\x08payloads\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x1b\n\x13\x64ropped_subscribers\x18\x03 \x01(\x04\"#\n\x10SubscribeRequest\x12\x0f\n\x07\x63hannel\x18\x01 \x01(\t\"5\n\x11SubscribeResponse\x12\r\n\x05\x63hunk\x18\x01 \x01(\x0c\x12\x11\n\tabandoned\x18\x02 \x01(\x08\x32\x9c\x01\n\x08\x43hannels\x12\x44\n\x07Publish\x12\x1a.tannery.v1.PublishRequest\x1a\x1b.tannery.v1.PublishResponse(\x01\x12J\n\tSubscribe\x12\x1c.tannery.v1.SubscribeRequest\x1a\x1d.tannery.v1.SubscribeResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,7 +38,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SUBSCRIBEREQUEST']._serialized_start=172
   _globals['_SUBSCRIBEREQUEST']._serialized_end=207
   _globals['_SUBSCRIBERESPONSE']._serialized_start=209
-  _globals['_SUBSCRIBERESPONSE']._serialized_end=243
-  _globals['_CHANNELS']._serialized_start=246
-  _globals['_CHANNELS']._serialized_end=402
+  _globals['_SUBSCRIBERESPONSE']._serialized_end=262
+  _globals['_CHANNELS']._serialized_start=265
+  _globals['_CHANNELS']._serialized_end=421
 # @@protoc_insertion_point(module_scope)

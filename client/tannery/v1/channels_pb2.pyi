@@ -29,7 +29,9 @@ class SubscribeRequest(_message.Message):
     def __init__(self, channel: _Optional[str] = ...) -> None: ...
 
 class SubscribeResponse(_message.Message):
-    __slots__ = ("chunk",)
+    __slots__ = ("chunk", "abandoned")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    ABANDONED_FIELD_NUMBER: _ClassVar[int]
     chunk: bytes
-    def __init__(self, chunk: _Optional[bytes] = ...) -> None: ...
+    abandoned: bool
+    def __init__(self, chunk: _Optional[bytes] = ..., abandoned: _Optional[bool] = ...) -> None: ...
