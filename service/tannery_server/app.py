@@ -136,16 +136,14 @@ class RunningServer:
 def _register_channels(server: grpc.aio.Server, config: Config, enders: list):
     """The Channels servicer, registered (None when this build has no Channels service)."""
     try:
-        from .channels import ChannelsServicer
+        from .channels import ChannelsServicer, add_to_server
     except ModuleNotFoundError as exc:
         if exc.name != f"{__package__}.channels":
             raise
         log.warning("the Channels service is not installed (no %s.channels); serving Archives only", __package__)
         return None
-    from tannery.v1 import channels_pb2_grpc
-
     servicer = ChannelsServicer(config)
-    channels_pb2_grpc.add_ChannelsServicer_to_server(servicer, server)
+    add_to_server(servicer, server)  # undecodable requests are INVALID_ARGUMENT, not UNKNOWN
     enders.append(servicer.close)
     return servicer
 
