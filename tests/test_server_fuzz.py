@@ -430,14 +430,16 @@ class ArchiveFuzzer:
         self.judge_store(self.send_store(messages), archive, entries, True, False)
 
     def store_garbage(self) -> None:
-        """Begin, then messages of random bytes (undecodable or of stray fields)."""
+        """Begin, then messages of random bytes (undecodable or of stray fields). Bytes that
+        decode to unknown fields only are empty messages, as protobuf has it: with a commit
+        of nothing, an empty archive may be stored, but never an entry."""
         archive = self.archive_name()
         messages = [begin_message(archive, True)]
         for _ in range(self.rng.randint(1, 4)):
             messages.append(self.rng.randbytes(self.rng.randint(1, 48)))
         if self.rng.random() < 0.5:
             messages.append(commit_message(0, 0))
-        self.judge_store(self.send_store(messages), archive, [], True, False)
+        self.judge_store(self.send_store(messages), archive, [], True, True)
 
     # -- Fetch -----------------------------------------------------------------------------
 
