@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup serve test bench proto clean
+.PHONY: setup serve test bench fuzz proto clean
 
 setup: $(STAMP)
 
@@ -27,9 +27,25 @@ bench: $(STAMP)
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[client,dev,bench]'
 	$(PY) -m tests.benchmarks $(BENCH_ARGS)
 
+# Longer fuzzing than CI's: the server fuzz test with FUZZ_CASES seeded cases (FUZZ_SEED), then
+# each atheris target of tests/fuzz/ for FUZZ_SECONDS on its kept corpus (new inputs go to
+# .fuzz-work/, crashes to .fuzz-work/crash-*; the kept corpus is read, never written).
+FUZZ_CASES ?= 50000
+FUZZ_SEED ?= 1101
+FUZZ_SECONDS ?= 60
+FUZZ_TARGETS := codec deframer
+fuzz: $(STAMP)
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[client,dev,fuzz]'
+	TANNERY_FUZZ_CASES=$(FUZZ_CASES) TANNERY_FUZZ_SEED=$(FUZZ_SEED) $(PY) -m pytest -o timeout=0 -s -q tests/test_server_fuzz.py
+	for target in $(FUZZ_TARGETS); do \
+		mkdir -p .fuzz-work/$$target && \
+		$(PY) tests/fuzz/fuzz_$$target.py -max_total_time=$(FUZZ_SECONDS) -artifact_prefix=.fuzz-work/crash-$$target- \
+			.fuzz-work/$$target tests/fuzz/corpus/$$target || exit 1; \
+	done
+
 # Regenerates the Python modules of protos/ into client/tannery/v1 (they are committed).
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I protos --python_out=client --pyi_out=client --grpc_python_out=client protos/tannery/v1/*.proto
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info .fuzz-work

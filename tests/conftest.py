@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+#: The atheris targets of ``make fuzz`` are scripts run under libFuzzer, not tests.
+collect_ignore = ["fuzz"]
 #: Read-only data from other programs, beside the project; tests that use it skip without it.
 SHARED = ROOT.parent / "shared"
 FIXTURES = SHARED / "fixtures" / "tannic-nn"

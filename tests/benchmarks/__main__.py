@@ -23,6 +23,7 @@ CASES = {
     "channels": "bench_channels",
     "memory": "bench_memory",
     "scale": "bench_scale",
+    "latency": "bench_latency",
 }
 
 
