@@ -701,11 +701,6 @@ class Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a Store the client cancels mid-stream: grpc.aio ends its request iterator, ArchivesServicer.Store runs "
-    "session.finish under asyncio.shield, the handler is cancelled meanwhile and finish's InvalidArgument "
-    "('ended without commit') is never retrieved: asyncio logs ERROR 'Task exception was never retrieved' "
-    "with a traceback for every cancelled Store (nothing is stored; the log is wrong)"))
 def test_a_cancelled_store_leaves_no_unretrieved_task_exception(tmp_path):
     """What the fuzzer's cancelled Stores showed: the server's log stays free of asyncio errors."""
     records = Records()
@@ -809,11 +804,6 @@ def test_fuzz_publish_with_malformed_payloads(tmp_path, record_property):
     assert tally.codes["INVALID_ARGUMENT"] > PUBLISH_CASES // 4
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Channels.Publish uses the generated deserializer: a PublishRequest whose channel is not UTF-8, or bytes "
-    "that are not a PublishRequest, raise DecodeError in grpc.aio, which answers UNKNOWN ('Unexpected <class "
-    "DecodeError>: Error parsing message with type tannery.v1.PublishRequest: String field had bad UTF-8' / "
-    "'Wire format was corrupt') instead of INVALID_ARGUMENT"))
 def test_fuzz_publish_with_undecodable_requests(tmp_path):
     """Channel names that are not UTF-8 and messages of random bytes: INVALID_ARGUMENT, never UNKNOWN."""
     tally = fuzz_publish(tmp_path, undecodable=True)

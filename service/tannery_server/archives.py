@@ -146,7 +146,8 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
             await asyncio.shield(pending)
             # grpc.aio ends the requests of a cancelled call as if the client were done.
             _check_alive(context)
-            record = await asyncio.shield(self._run(session.finish))
+            pending = self._run_future(session.finish)
+            record = await asyncio.shield(pending)
         except BaseException:
             await asyncio.shield(self._abort_store(session, pending))
             raise
