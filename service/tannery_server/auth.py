@@ -1,7 +1,8 @@
 """Bearer tokens with roles, checked by a server interceptor before any handler runs.
 
 A client sends ``authorization: Bearer <token>`` metadata. Each known token has a role:
-``read`` may call List, Describe, Fetch and Subscribe; ``write`` may call everything.
+``read`` may call the RPCs the protos mark ``idempotency_level = NO_SIDE_EFFECTS`` (List,
+Describe, Fetch and Subscribe); ``write`` may call everything.
 Health and reflection answer without a token. With no token configured the server is
 open (and :func:`app.start` says so in a warning).
 
@@ -32,18 +33,31 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import grpc
+from google.protobuf import descriptor_pb2
+
+from tannery.v1 import archives_pb2, channels_pb2
 
 READ = "read"
 WRITE = "write"
 ROLES = (READ, WRITE)
 
+
+
+def _read_methods() -> frozenset[str]:
+    """The RPCs the protos mark ``idempotency_level = NO_SIDE_EFFECTS``: what a ``read`` token may call."""
+    no_side_effects = descriptor_pb2.MethodOptions.NO_SIDE_EFFECTS
+    return frozenset(
+        f"/{service.full_name}/{method.name}"
+        for module in (archives_pb2, channels_pb2)
+        for service in module.DESCRIPTOR.services_by_name.values()
+        for method in service.methods
+        if method.GetOptions().idempotency_level == no_side_effects
+    )
+
+
 #: The RPCs a ``read`` token may call; every other RPC needs ``write``.
-READ_METHODS = frozenset({
-    "/tannery.v1.Archives/List",
-    "/tannery.v1.Archives/Describe",
-    "/tannery.v1.Archives/Fetch",
-    "/tannery.v1.Channels/Subscribe",
-})
+READ_METHODS = _read_methods()
+_READ_NAMES = ", ".join(sorted(path.rsplit("/", 1)[1] for path in READ_METHODS))
 #: Services that answer without a token (an orchestrator's probe has none).
 OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
@@ -51,7 +65,7 @@ HASH_PREFIX = "sha256:"
 _HEX_DIGEST = re.compile(r"[0-9a-fA-F]{64}")
 
 TOKENS_HELP = (
-    "Tokens file format: one token a line, then its role (read: List, Describe, Fetch, Subscribe; write: "
+    f"Tokens file format: one token a line, then its role (read: {_READ_NAMES}; write: "
     "everything), '#' starts a comment; a token has no '#', comma or white space. A token is written as itself, or as sha256:<64 hex digits> of it "
     "(printf %s \"$TOKEN\" | sha256sum). TANNERY_TOKENS holds the same comma-separated with a colon before the "
     "role: 'tok1:write,sha256:<hex>:read'. Clients send 'authorization: Bearer <token>'. Without tokens the "

@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tannery/v1/channels.proto\x12\ntannery.v1\"0\n\x0ePublishRequest\x12\x0f\n\x07\x63hannel\x18\x01 \x01(\t\x12\r\n\x05\x63hunk\x18\x02 \x01(\x0c\"O\n\x0fPublishResponse\x12\x10\n\x08payloads\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x1b\n\x13\x64ropped_subscribers\x18\x03 \x01(\x04\"#\n\x10SubscribeRequest\x12\x0f\n\x07\x63hannel\x18\x01 \x01(\t\"5\n\x11SubscribeResponse\x12\r\n\x05\x63hunk\x18\x01 \x01(\x0c\x12\x11\n\tabandoned\x18\x02 \x01(\x08\x32\x9c\x01\n\x08\x43hannels\x12\x44\n\x07Publish\x12\x1a.tannery.v1.PublishRequest\x1a\x1b.tannery.v1.PublishResponse(\x01\x12J\n\tSubscribe\x12\x1c.tannery.v1.SubscribeRequest\x1a\x1d.tannery.v1.SubscribeResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tannery/v1/channels.proto\x12\ntannery.v1\"0\n\x0ePublishRequest\x12\x0f\n\x07\x63hannel\x18\x01 \x01(\t\x12\r\n\x05\x63hunk\x18\x02 \x01(\x0c\"O\n\x0fPublishResponse\x12\x10\n\x08payloads\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x1b\n\x13\x64ropped_subscribers\x18\x03 \x01(\x04\"#\n\x10SubscribeRequest\x12\x0f\n\x07\x63hannel\x18\x01 \x01(\t\"5\n\x11SubscribeResponse\x12\r\n\x05\x63hunk\x18\x01 \x01(\x0c\x12\x11\n\tabandoned\x18\x02 \x01(\x08\x32\xa1\x01\n\x08\x43hannels\x12\x44\n\x07Publish\x12\x1a.tannery.v1.PublishRequest\x1a\x1b.tannery.v1.PublishResponse(\x01\x12O\n\tSubscribe\x12\x1c.tannery.v1.SubscribeRequest\x1a\x1d.tannery.v1.SubscribeResponse\"\x03\x90\x02\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tannery.v1.channels_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_CHANNELS'].methods_by_name['Subscribe']._loaded_options = None
+  _globals['_CHANNELS'].methods_by_name['Subscribe']._serialized_options = b'\220\002\001'
   _globals['_PUBLISHREQUEST']._serialized_start=41
   _globals['_PUBLISHREQUEST']._serialized_end=89
   _globals['_PUBLISHRESPONSE']._serialized_start=91
@@ -40,5 +42,5 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SUBSCRIBERESPONSE']._serialized_start=209
   _globals['_SUBSCRIBERESPONSE']._serialized_end=262
   _globals['_CHANNELS']._serialized_start=265
-  _globals['_CHANNELS']._serialized_end=421
+  _globals['_CHANNELS']._serialized_end=426
 # @@protoc_insertion_point(module_scope)
