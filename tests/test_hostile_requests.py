@@ -17,6 +17,7 @@ from tannery import codec
 from tannery.v1 import archives_pb2 as pb
 from tannery.wire import WireError
 from tannery_server.archives import failure_of
+from tannery_server.storage import Storage
 
 from .server_harness import commit_request, running_server
 
@@ -100,12 +101,18 @@ def test_the_codec_names_an_absurd_shape_briefly():
 
 @pytest.mark.parametrize("exc, code, words", [
     (OSError(errno.ENOSPC, "No space left on device"), grpc.StatusCode.RESOURCE_EXHAUSTED, "storage is full"),
+    (OSError(errno.EFBIG, "File too large"), grpc.StatusCode.RESOURCE_EXHAUSTED, "a file size limit"),
     (OSError(errno.EMFILE, "Too many open files"), grpc.StatusCode.RESOURCE_EXHAUSTED, "out of resources"),
-    (OSError(errno.EIO, "Input/output error"), grpc.StatusCode.UNAVAILABLE, "storage error"),
+    (OSError(errno.EIO, "Input/output error"), grpc.StatusCode.UNAVAILABLE, "storage error in"),
     (sqlite3.OperationalError("database is locked"), grpc.StatusCode.UNAVAILABLE, "database is locked"),
     (RuntimeError("a bug"), grpc.StatusCode.INTERNAL, "RuntimeError: a bug"),
     (WireError("truncated varint"), grpc.StatusCode.INVALID_ARGUMENT, "truncated varint"),
 ])
-def test_every_exception_a_handler_raises_has_a_status_other_than_unknown(exc, code, words):
-    failure = failure_of(exc)
+def test_every_exception_a_handler_raises_has_a_status_other_than_unknown(tmp_path, exc, code, words):
+    """Storage turns its drivers' errors into the server's failures; the handlers the rest."""
+    storage = Storage.open_local(tmp_path)
+    try:
+        failure = failure_of(storage.failure_of(exc))
+    finally:
+        storage.close()
     assert failure.code == code and words in str(failure)

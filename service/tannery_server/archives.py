@@ -9,10 +9,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import errno
 import functools
 import logging
-import sqlite3
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, TypeVar
@@ -25,12 +23,12 @@ from tannery.v1 import archives_pb2, archives_pb2_grpc
 from .calllog import current_call
 from .config import Config
 from .failures import (
-    Cancelled, DeadlineExceeded, Failure, Internal, InvalidArgument, LimitExceeded, NotFound, Unavailable,
+    Cancelled, DeadlineExceeded, Failure, Internal, InvalidArgument, NotFound,
     trailing_metadata,
 )
 from .fetching import FetchStream, check_request
 from .storage import ArchiveRecord, Limits, Storage
-from .store_session import StoreSession, disk_full
+from .store_session import StoreSession
 from .validation import check_archive_name, check_prefix
 from tannery.wire import WireError, parse_store_request, serialize_response
 
@@ -52,26 +50,14 @@ def archive_info(record: ArchiveRecord) -> archives_pb2.ArchiveInfo:
     )
 
 
-#: Errors of the machine, not of the request or the storage: answered RESOURCE_EXHAUSTED.
-_EXHAUSTED = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
-
-
 def failure_of(exc: BaseException) -> Failure:
-    """The failure to answer for what a handler raised: its own Failure, a malformed message,
-    a full disk, an exhausted or failing storage; anything else is a bug, logged with its
-    traceback and answered INTERNAL (never UNKNOWN)."""
+    """The failure to answer for what a handler raised (storage errors already translated by
+    :meth:`Storage.failure_of`): its own Failure, a malformed message; anything else is a
+    bug, logged with its traceback and answered INTERNAL (never UNKNOWN)."""
     if isinstance(exc, Failure):
         return exc
     if isinstance(exc, WireError):
         return InvalidArgument(str(exc))
-    full = disk_full(exc)
-    if full is not None:
-        return full
-    if isinstance(exc, OSError) and exc.errno in _EXHAUSTED:
-        return LimitExceeded(f"the server is out of resources: {exc.strerror or exc}")
-    if isinstance(exc, (OSError, sqlite3.Error)):
-        log.warning("storage error in %s", current_call().method, exc_info=exc)
-        return Unavailable(f"storage error: {exc}")
     log.error("unexpected error in %s", current_call().method, exc_info=exc)
     return Internal(f"internal error ({type(exc).__name__}: {exc}); the server logged it")
 
@@ -105,7 +91,7 @@ def _answering_failures(method: Callable) -> Callable:
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
-            await _fail(context, self.storage.full_error(exc))  # a full disk named as such
+            await _fail(context, self.storage.failure_of(exc))  # storage errors as the server's failures
 
     return answering
 

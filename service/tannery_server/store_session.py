@@ -11,8 +11,6 @@ was written.
 
 from __future__ import annotations
 
-import errno
-import sqlite3
 
 from tannery.codec import Deframer, FormatError, Limits, OverLimit
 
@@ -27,16 +25,6 @@ from tannery.wire import StoreMessage
 #: payload size limit is checked separately, so that it answers RESOURCE_EXHAUSTED and a
 #: malformed payload INVALID_ARGUMENT.
 _ANY_SIZE = 1 << 64
-_DISK_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
-
-
-def disk_full(exc: BaseException) -> LimitExceeded | None:
-    """The failure for an error that means the disk (or a file size limit) is full, else None."""
-    if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
-        return LimitExceeded(f"storage is full: {exc.strerror or exc}")
-    if isinstance(exc, sqlite3.OperationalError) and "full" in str(exc):
-        return LimitExceeded(f"storage is full: catalog: {exc}")
-    return None
 
 
 class StoreSession:

@@ -4,7 +4,9 @@ the small :class:`Catalog` and :class:`BlobStore` protocols of :mod:`.base`."""
 from .base import (ArchiveRecord, BlobFile, BlobInfo, BlobStore, Catalog, CatalogTotals, EntryRecord, Limits,
                    TempBlob)
 from .reserve import SpaceReserve
-from .storage import Collected, DataDirectoryInUse, DataDirectoryLock, PayloadWriter, Storage, StorageFull
+from .storage import (
+    Collected, DataDirectoryInUse, DataDirectoryLock, PayloadWriter, Storage, StorageFull, StorageUnavailable,
+)
 
 __all__ = [
     "ArchiveRecord",
@@ -22,5 +24,6 @@ __all__ = [
     "SpaceReserve",
     "Storage",
     "StorageFull",
+    "StorageUnavailable",
     "TempBlob",
 ]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence, TypeVar
 
-from ..failures import LimitExceeded
+from ..failures import LimitExceeded, Unavailable
 from .base import ArchiveRecord, BlobFile, BlobInfo, BlobStore, Catalog, EntryRecord, Limits, TempBlob
 from .file_blobs import FileBlobStore
 from .integrity import BLOCK_SIZE, PayloadDigest, verify_digest
@@ -42,6 +42,12 @@ class StorageFull(LimitExceeded):
     """The disk of the data directory is full (RESOURCE_EXHAUSTED): the message names it and the remedy."""
 
 
+class StorageUnavailable(Unavailable):
+    """The storage failed to answer (an I/O or database error): UNAVAILABLE, worth a retry."""
+
+
+#: errnos of a machine out of descriptors or memory.
+_EXHAUSTED = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
 #: errnos of a write that found no room (EFBIG, a file size limit, is answered by the caller).
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 #: SQLite's primary result codes for a full disk, an I/O error and a file it cannot open.
@@ -229,6 +235,24 @@ class Storage:
             return exc
         return StorageFull(f"storage is full: no space left on device in {self.data_dir} "
                            f"({self._free_text()}): delete archives to free space")
+
+    def failure_of(self, exc: BaseException) -> BaseException:
+        """The server's failure for an error of the storage's drivers (files, SQLite), so that
+        callers know no driver: a full disk or a file size limit is StorageFull, exhausted
+        descriptors or memory LimitExceeded, any other I/O or database error
+        StorageUnavailable. Anything else is returned as it is."""
+        full = self.full_error(exc)
+        if full is not exc:
+            return full
+        if isinstance(exc, OSError) and exc.errno == errno.EFBIG:
+            return StorageFull(f"storage is full: a file size limit stopped a write in {self.data_dir} "
+                               f"({exc.strerror or exc}): raise the limit (ulimit -f) or store smaller entries")
+        if isinstance(exc, OSError) and exc.errno in _EXHAUSTED:
+            return LimitExceeded(f"the server is out of resources: {exc.strerror or exc}")
+        if isinstance(exc, (OSError, sqlite3.Error)):
+            log.warning("storage error", exc_info=exc)
+            return StorageUnavailable(f"storage error in {self.data_dir}: {exc}")
+        return exc
 
     def check_room(self) -> None:
         """StorageFull unless the space reserve is held (it is released while the disk is full)."""
