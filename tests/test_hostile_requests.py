@@ -16,7 +16,7 @@ import pytest
 from tannery import codec
 from tannery.v1 import archives_pb2 as pb
 from tannery.wire import WireError
-from tannery_server.archives import failure_of
+from tannery_server.handling import internal
 from tannery_server.storage import Storage
 
 from .server_harness import commit_request, running_server
@@ -112,7 +112,7 @@ def test_every_exception_a_handler_raises_has_a_status_other_than_unknown(tmp_pa
     """Storage turns its drivers' errors into the server's failures; the handlers the rest."""
     storage = Storage.open_local(tmp_path)
     try:
-        failure = failure_of(storage.failure_of(exc))
+        failure = internal(storage.failure_of(exc))
     finally:
         storage.close()
     assert failure.code == code and words in str(failure)

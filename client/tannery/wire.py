@@ -79,6 +79,14 @@ def _fields(data: memoryview):
         yield number, wire_type, value
 
 
+def length_delimited_fields(data: bytes | memoryview) -> Iterator[tuple[int, memoryview]]:
+    """(field number, view of the value) of each length-delimited field of a serialized message,
+    in order; WireError where the bytes stop making sense (to name a bad field in an error)."""
+    for number, wire_type, value in _fields(memoryview(data)):
+        if wire_type == _LEN:
+            yield number, value
+
+
 @dataclass(slots=True)
 class StoreMessage:
     """A ``StoreRequest`` whose chunk views the received bytes."""

@@ -9,10 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import functools
-import logging
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, TypeVar
 
 import grpc
@@ -22,19 +19,15 @@ from tannery.v1 import archives_pb2, archives_pb2_grpc
 
 from .calllog import current_call
 from .config import Config
-from .failures import (
-    Cancelled, DeadlineExceeded, Failure, Internal, InvalidArgument, NotFound,
-    trailing_metadata,
-)
+from .failures import Cancelled, DeadlineExceeded, InvalidArgument, NotFound
 from .fetching import FetchStream, check_request
+from .handling import add_service, answering_failures
 from .storage import ArchiveRecord, Limits, Storage
 from .store_session import StoreSession
 from .validation import check_archive_name, check_prefix
-from tannery.wire import WireError, parse_store_request, serialize_response
+from tannery.wire import parse_store_request, serialize_response
 
 T = TypeVar("T")
-log = logging.getLogger("tannery_server.archives")
-SERVICE = "tannery.v1.Archives"
 DEFAULT_PAGE = 100
 MAX_PAGE = 1000
 #: Bytes of messages a Fetch prepares per trip to a worker thread (one more batch is read ahead).
@@ -50,52 +43,6 @@ def archive_info(record: ArchiveRecord) -> archives_pb2.ArchiveInfo:
     )
 
 
-def failure_of(exc: BaseException) -> Failure:
-    """The failure to answer for what a handler raised (storage errors already translated by
-    :meth:`Storage.failure_of`): its own Failure, a malformed message; anything else is a
-    bug, logged with its traceback and answered INTERNAL (never UNKNOWN)."""
-    if isinstance(exc, Failure):
-        return exc
-    if isinstance(exc, WireError):
-        return InvalidArgument(str(exc))
-    log.error("unexpected error in %s", current_call().method, exc_info=exc)
-    return Internal(f"internal error ({type(exc).__name__}: {exc}); the server logged it")
-
-
-async def _fail(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
-    failure = failure_of(exc)
-    await context.abort(failure.code, str(failure), trailing_metadata=trailing_metadata(failure))
-
-
-@dataclass(frozen=True)
-class MalformedRequest:
-    """What a request deserializer returns for bytes that are not the message: the handler
-    answers INVALID_ARGUMENT with ``problem`` (grpc.aio would answer UNKNOWN to a raise)."""
-
-    problem: str
-
-
-def _check_parsed(request: Any) -> None:
-    if isinstance(request, MalformedRequest):
-        raise InvalidArgument(request.problem)
-
-
-def _answering_failures(method: Callable) -> Callable:
-    """Turn whatever a servicer method raises into its status (see :func:`failure_of`)."""
-
-    @functools.wraps(method)
-    async def answering(self, request, context):
-        try:
-            _check_parsed(request)
-            return await method(self, request, context)
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:
-            await _fail(context, self.storage.failure_of(exc))  # storage errors as the server's failures
-
-    return answering
-
-
 class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
     def __init__(self, storage: Storage, config: Config) -> None:
         self.storage = storage
@@ -109,11 +56,15 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
     def close(self) -> None:
         self._executor.shutdown(wait=True)
 
+    def failure_of(self, exc: BaseException) -> BaseException:
+        """Storage errors as the server's failures (what :func:`~.handling.answering_failures` asks)."""
+        return self.storage.failure_of(exc)
+
     def _archive_name(self, name: str) -> str:
         current_call().note("archive", name)
         return check_archive_name(name, self.config.max_name_bytes)
 
-    @_answering_failures
+    @answering_failures
     async def Store(self, request_iterator: AsyncIterator, context) -> archives_pb2.ArchiveInfo:
         first = await anext(aiter(request_iterator), None)
         if first is None or first.begin is None:
@@ -147,7 +98,7 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
     def _run_future(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
         return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    @_answering_failures
+    @answering_failures
     async def Union(self, request: archives_pb2.UnionRequest, context) -> archives_pb2.ArchiveInfo:
         target = self._archive_name(request.target)
         sources = []
@@ -157,7 +108,7 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
         record = await self._run(self.storage.union, target, sources, request.replace, self._limits)
         return archive_info(record)
 
-    @_answering_failures
+    @answering_failures
     async def Fetch(self, request: archives_pb2.FetchRequest, context) -> None:
         current_call().note("archive", request.archive)
         check_request(request)
@@ -199,7 +150,7 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
         if not stream.done:  # cancelled or failed midway: close it on a worker thread
             await self._run(stream.close)
 
-    @_answering_failures
+    @answering_failures
     async def Describe(self, request: archives_pb2.DescribeRequest, context) -> archives_pb2.ArchiveDescription:
         current_call().note("archive", request.archive)
 
@@ -219,7 +170,7 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
             ],
         )
 
-    @_answering_failures
+    @answering_failures
     async def List(self, request: archives_pb2.ListRequest, context) -> archives_pb2.ListResponse:
         limit = min(request.page_size or DEFAULT_PAGE, MAX_PAGE)
         after = _decode_token(request.page_token)
@@ -229,7 +180,7 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
         token = _encode_token(records[-1].name) if more else ""
         return archives_pb2.ListResponse(archives=[archive_info(r) for r in records], next_page_token=token)
 
-    @_answering_failures
+    @answering_failures
     async def Delete(self, request: archives_pb2.DeleteRequest, context) -> archives_pb2.DeleteResponse:
         current_call().note("archive", request.archive)
         record, collected = await self._run(self.storage.delete, request.archive)
@@ -285,41 +236,12 @@ def _decode_token(token: str) -> str:
     raise InvalidArgument(f"page_token {token[:40]!r} is not one this server gave")
 
 
-def _tolerant(message_type: type) -> Callable[[bytes], Any]:
-    """The deserializer of ``message_type`` that returns a MalformedRequest instead of raising."""
-
-    def parse(data: bytes) -> Any:
-        try:
-            return message_type.FromString(data)
-        except Exception as exc:  # DecodeError, and anything else bad bytes make the parser raise
-            return MalformedRequest(f"the request is not a valid {message_type.__name__}: {exc}")
-
-    return parse
-
-
 #: Hand-written (de)serializers of the hot messages: Store's requests and Fetch's responses are
 #: read and written without copying tensor bytes (tannery.wire).
 _HAND_WRITTEN = {"Store": {"request_deserializer": parse_store_request},
                  "Fetch": {"response_serializer": serialize_response}}
-_HANDLER_KINDS = {
-    (False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
-    (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler,
-}
-
-
-def method_handlers(servicer: ArchivesServicer) -> dict[str, grpc.RpcMethodHandler]:
-    """A handler for every RPC of ``archives.proto``, derived from its descriptor."""
-    handlers = {}
-    for method in archives_pb2.DESCRIPTOR.services_by_name["Archives"].methods:
-        request_type = getattr(archives_pb2, method.input_type.name)
-        response_type = getattr(archives_pb2, method.output_type.name)
-        options = {"request_deserializer": _tolerant(request_type),
-                   "response_serializer": response_type.SerializeToString, **_HAND_WRITTEN.get(method.name, {})}
-        kind = _HANDLER_KINDS[method.client_streaming, method.server_streaming]
-        handlers[method.name] = kind(getattr(servicer, method.name), **options)
-    return handlers
 
 
 def add_to_server(servicer: ArchivesServicer, server: grpc.aio.Server) -> None:
-    """Register the service, reading Store requests and writing Fetch responses without copies."""
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, method_handlers(servicer)),))
+    """Register every RPC of ``archives.proto``, reading Store requests and writing Fetch responses without copies."""
+    add_service(server, servicer, archives_pb2, "Archives", _HAND_WRITTEN)

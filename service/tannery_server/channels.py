@@ -25,29 +25,26 @@ measured slower for one subscriber and only 20% cheaper for sixteen). The buffer
 ordering rules live in :mod:`tannery_server.hub`.
 
 Every refusal is a :class:`~.failures.Failure`, turned into its status in one place
-(:func:`_answering_failures`). Requests are decoded by :func:`add_to_server`'s
-deserializers, which never raise: bytes that are not a valid request become an
-:class:`Undecodable`, refused with INVALID_ARGUMENT by the handler.
+(:func:`~.handling.answering_failures`). Requests are decoded by deserializers that never
+raise: bytes that are not a valid request become an :class:`~.handling.Undecodable`,
+refused with INVALID_ARGUMENT by the handler.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import unicodedata
-from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, AsyncIterator, Iterator
 
 import grpc
-from google.protobuf.message import DecodeError
 from tannery.codec import Buffer, Deframer, FormatError, Fragment, Limits
 from tannery.v1 import channels_pb2, channels_pb2_grpc
 
 from .calllog import current_call
-from .failures import BadPayload, Failure, InvalidArgument, LimitExceeded, trailing_metadata
+from .failures import BadPayload, Failure, InvalidArgument, LimitExceeded, Unavailable
+from .handling import Undecodable, add_service, answering_failures
 from .hub import Channel, FellBehind, Hub, HubClosed, Piece, Relay, SubscriptionEnded
 
-SERVICE = "tannery.v1.Channels"
 #: Longest channel name, in bytes of UTF-8.
 MAX_CHANNEL_NAME_BYTES = 255
 #: Trailing metadata of a call that failed because the codec refused a payload.
@@ -64,29 +61,10 @@ _DEFAULTS = {
 }
 
 
-class Unavailable(Failure):
-    """The server is shutting down, or the subscription was ended by the server."""
-
-    code = grpc.StatusCode.UNAVAILABLE
-
-
 class Stalled(Failure):
     """A publisher that held its channel mid-payload sent nothing for the channel timeout."""
 
     code = grpc.StatusCode.DEADLINE_EXCEEDED
-
-
-@dataclass(frozen=True)
-class Undecodable:
-    """A request whose bytes are not a valid message: what the deserializers give instead of raising."""
-
-    message_type: str
-    #: Why, naming the field when it can.
-    reason: str
-    nbytes: int
-
-    def failure(self, where: str) -> InvalidArgument:
-        return InvalidArgument(f"{where} is not a valid {self.message_type} ({self.nbytes} bytes): {self.reason}")
 
 
 def check_channel_name(name: str) -> None:
@@ -109,96 +87,6 @@ def split_piece(data: Buffer, chunk_size: int) -> Iterator[bytes]:
     view = memoryview(data)
     for start in range(0, len(view), chunk_size):
         yield bytes(view[start : start + chunk_size])
-
-
-# -- decoding requests without raising ----------------------------------------------------------
-
-
-def _channel_field(data: bytes) -> bytes | None:
-    """The raw bytes of field 1 (``channel``) of a serialized request, if it can be found."""
-    view, pos = memoryview(data), 0
-    found = None
-    try:
-        while pos < len(view):
-            key, pos = _varint(view, pos)
-            wire_type = key & 7
-            if wire_type == 0:
-                _, pos = _varint(view, pos)
-            elif wire_type == 2:
-                size, pos = _varint(view, pos)
-                if key >> 3 == 1:
-                    found = bytes(view[pos : pos + size])
-                pos += size
-            elif wire_type in (1, 5):
-                pos += 8 if wire_type == 1 else 4
-            else:
-                return found
-    except IndexError:
-        pass
-    return found
-
-
-def _varint(view: memoryview, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        byte = view[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return result, pos
-        shift += 7
-
-
-def _why_undecodable(data: bytes, error: DecodeError) -> str:
-    """Name the problem: the channel name when it is not UTF-8, protobuf's own words otherwise."""
-    channel = _channel_field(data)
-    if channel is not None:
-        try:
-            channel.decode("utf-8")
-        except UnicodeDecodeError as bad:
-            return f"its channel name {channel[:64]!r} is not valid UTF-8 ({bad.reason} at byte {bad.start})"
-    return str(error)
-
-
-def _decoder(message_class: Any) -> Callable[[bytes], Any]:
-    """A request deserializer that returns an :class:`Undecodable` for bytes it cannot parse.
-
-    gRPC answers a deserializer's exception with UNKNOWN (and, for a stream of requests,
-    raises it inside the handler): the handler must see the bad message to refuse it.
-    """
-    name = message_class.DESCRIPTOR.full_name
-
-    def decode(data: bytes) -> Any:
-        try:
-            return message_class.FromString(data)
-        except DecodeError as error:
-            return Undecodable(name, _why_undecodable(data, error), len(data))
-
-    return decode
-
-
-# -- failures into statuses, in one place ------------------------------------------------------
-
-
-def _as_failure(error: SubscriptionEnded) -> Failure:
-    """The failure a hub's SubscriptionEnded is answered with."""
-    if isinstance(error, FellBehind):
-        return LimitExceeded(str(error))
-    return Unavailable(str(error))
-
-
-def _answering_failures(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-    """Turn the Failures (and hub endings) a handler raises into their statuses."""
-
-    @functools.wraps(method)
-    async def answering(self: ChannelsServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            return await method(self, request, context)
-        except (Failure, SubscriptionEnded) as error:
-            failure = error if isinstance(error, Failure) else _as_failure(error)
-            await context.abort(failure.code, str(failure), trailing_metadata=trailing_metadata(failure))
-
-    return answering
 
 
 class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
@@ -227,7 +115,17 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
         """End every subscription (UNAVAILABLE: shutting down) and refuse new calls."""
         await self.hub.close(timeout=max(self.timeout, 1.0))
 
-    @_answering_failures
+    @staticmethod
+    def failure_of(exc: BaseException) -> BaseException:
+        """The failure a hub's SubscriptionEnded is answered with (what
+        :func:`~.handling.answering_failures` asks); others pass as they are."""
+        if isinstance(exc, FellBehind):
+            return LimitExceeded(str(exc))
+        if isinstance(exc, SubscriptionEnded):
+            return Unavailable(str(exc))
+        return exc
+
+    @answering_failures
     async def Publish(
         self,
         request_iterator: AsyncIterator[channels_pb2.PublishRequest | Undecodable],
@@ -241,13 +139,11 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
             publication.release()
         return publication.response()
 
-    @_answering_failures
+    @answering_failures
     async def Subscribe(
         self, request: channels_pb2.SubscribeRequest | Undecodable, context: grpc.aio.ServicerContext
     ) -> None:
         """Send every piece queued for this subscriber until it leaves, falls behind or the server closes."""
-        if isinstance(request, Undecodable):
-            raise request.failure("the Subscribe request")
         self._check_name(request.channel)
         try:
             subscription = self.hub.subscribe(request.channel)
@@ -390,18 +286,5 @@ async def _relay_last(relay: Relay, piece: Piece, timeout: float) -> int:
 
 
 def add_to_server(servicer: ChannelsServicer, server: grpc.aio.Server) -> None:
-    """Register the service with deserializers that let the handlers refuse undecodable requests."""
-    generic = grpc.method_handlers_generic_handler(
-        SERVICE,
-        {
-            "Publish": grpc.stream_unary_rpc_method_handler(
-                servicer.Publish, request_deserializer=_decoder(channels_pb2.PublishRequest),
-                response_serializer=channels_pb2.PublishResponse.SerializeToString,
-            ),
-            "Subscribe": grpc.unary_stream_rpc_method_handler(
-                servicer.Subscribe, request_deserializer=_decoder(channels_pb2.SubscribeRequest),
-                response_serializer=channels_pb2.SubscribeResponse.SerializeToString,
-            ),
-        },
-    )
-    server.add_generic_rpc_handlers((generic,))
+    """Register every RPC of ``channels.proto``, with deserializers that let the handlers refuse undecodable requests."""
+    add_service(server, servicer, channels_pb2, "Channels")
