@@ -40,7 +40,7 @@ def test_a_large_piece_hashed_on_another_thread_gives_the_same_digest(tmp_path):
         for start, stop in ((0, 100), (100, (1 << 20) + 100), ((1 << 20) + 100, len(data))):  # small, large, large
             writer.write(view[start:stop])
         assert writer.size == len(data)
-        blob = storage.publish(writer)
+        blob = storage.seal(writer)
         assert blob.digest == hashlib.sha256(data).hexdigest() and blob.size == len(data) and blob.blocks == 3
         storage.release([blob.digest], collect=True)
     finally:

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from tannery_server.failures import AlreadyExists, InvalidArgument, LimitExceeded, NotFound
-from tannery_server.storage import DataDirectoryInUse, EntryRecord, Limits, Storage
+from tannery_server.failures import LimitExceeded, Malformed, Missing, NameTaken
+from tannery_server.storage import ArchiveLimits, DataDirectoryInUse, EntryRecord, Storage
 from tannery_server.storage.integrity import PayloadDigest
 from tannery_server.storage.sqlite_catalog import SqliteCatalog
 
-LIMITS = Limits(max_entries=1000, max_name_bytes=64)
+LIMITS = ArchiveLimits(max_entries=1000, max_name_bytes=64)
 
 
 def test_payload_digest_matches_sha256_and_block_crcs_for_any_piece_sizes():
@@ -36,7 +36,7 @@ def _store(storage: Storage, name: str, payloads: dict[str, bytes], replace: boo
     for entry, data in payloads.items():
         writer = storage.new_payload()
         writer.write(data)
-        blob = storage.publish(writer)
+        blob = storage.seal(writer)
         blobs.append(blob)
         entries.append(EntryRecord(entry, "uint8", (len(data),), len(data), len(data), 0, blob.digest))
     try:
@@ -87,7 +87,7 @@ def test_replace_collects_the_old_blobs(storage, tmp_path):
     _store(storage, "a", {"x": b"old"})
     _store(storage, "a", {"x": b"new"}, replace=True)
     assert _blob_files(tmp_path / "data") == {hashlib.sha256(b"new").hexdigest()}
-    with pytest.raises(AlreadyExists, match="archive 'a' already exists"):
+    with pytest.raises(NameTaken, match="archive 'a' already exists"):
         _store(storage, "a", {"x": b"newer"})
     assert _blob_files(tmp_path / "data") == {hashlib.sha256(b"new").hexdigest()}
 
@@ -102,7 +102,7 @@ def test_recovery_removes_temporary_files_and_unreferenced_blobs(tmp_path):
     writer.write(b"half")
     orphan = storage.new_payload()
     orphan.write(b"orphan")
-    storage.publish(orphan)
+    storage.seal(orphan)
     storage.close()
     assert len(list((data_dir / "tmp").iterdir())) == 1
     storage = Storage.open_local(data_dir)
@@ -151,16 +151,16 @@ def test_union_is_one_transaction_and_names_a_duplicate(catalog):
     record, _ = catalog.union("u", [("a", "model"), ("c", "")], False, 2, LIMITS)
     assert (record.name, record.entries) == ("u", 3)
     assert [e.name for e in catalog.entries_under("u", "")] == ["model.b", "model.w", "w"]
-    with pytest.raises(InvalidArgument, match="union: 'w' is in two sources, 'a' and 'c'"):
+    with pytest.raises(Malformed, match="union: 'w' is in two sources, 'a' and 'c'"):
         catalog.union("v", [("a", ""), ("c", "")], False, 3, LIMITS)
     assert catalog.archive("v") is None
     assert [a.name for a in catalog.list_archives("", "", 10)] == ["a", "c", "u"]
-    with pytest.raises(NotFound, match="archive 'absent' not found"):
+    with pytest.raises(Missing, match="archive 'absent' not found"):
         catalog.union("v", [("absent", "")], False, 3, LIMITS)
     with pytest.raises(LimitExceeded, match="3 entries, over the limit of 2"):
-        catalog.union("v", [("a", ""), ("c", "x")], False, 3, Limits(2, 64))
-    with pytest.raises(InvalidArgument, match="over the limit of 8"):
-        catalog.union("v", [("a", "long-prefix")], False, 3, Limits(10, 8))
+        catalog.union("v", [("a", ""), ("c", "x")], False, 3, ArchiveLimits(2, 64))
+    with pytest.raises(Malformed, match="over the limit of 8"):
+        catalog.union("v", [("a", "long-prefix")], False, 3, ArchiveLimits(10, 8))
     assert catalog.archive("v") is None
 
 

@@ -19,10 +19,10 @@ from tannery.v1 import archives_pb2, archives_pb2_grpc
 
 from .calllog import current_call
 from .config import Config
-from .failures import Cancelled, DeadlineExceeded, InvalidArgument, NotFound
+from .failures import Cancelled, DeadlineExceeded, Malformed, Missing
 from .fetching import FetchStream, check_request
 from .handling import add_service, answering_failures
-from .storage import ArchiveRecord, Limits, Storage
+from .storage import ArchiveLimits, ArchiveRecord, Storage
 from .store_session import StoreSession
 from .validation import check_archive_name, check_prefix
 from tannery.wire import parse_store_request, serialize_response
@@ -48,7 +48,7 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
         self.storage = storage
         self.config = config
         self._executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="tannery-io")
-        self._limits = Limits(config.max_entries, config.max_name_bytes)
+        self._limits = ArchiveLimits(config.max_entries, config.max_name_bytes)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -68,7 +68,7 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
     async def Store(self, request_iterator: AsyncIterator, context) -> archives_pb2.ArchiveInfo:
         first = await anext(aiter(request_iterator), None)
         if first is None or first.begin is None:
-            raise InvalidArgument("the first message of Store must carry begin (the archive name)")
+            raise Malformed("the first message of Store must carry begin (the archive name)")
         name = self._archive_name(first.begin.archive)
         session = StoreSession(self.storage, self.config, name, first.begin.replace)
         pending: asyncio.Future | None = None
@@ -157,7 +157,7 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
         def read():
             record = self.storage.catalog.archive(request.archive)
             if record is None:
-                raise NotFound(f"archive {request.archive!r} not found")
+                raise Missing(f"archive {request.archive!r} not found")
             return record, self.storage.catalog.entries_under(request.archive, "")
 
         record, entries = await self._run(read)
@@ -185,7 +185,7 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
         current_call().note("archive", request.archive)
         record, collected = await self._run(self.storage.delete, request.archive)
         if record is None:
-            raise NotFound(f"archive {request.archive!r} not found")
+            raise Missing(f"archive {request.archive!r} not found")
         return archives_pb2.DeleteResponse(
             deleted=archive_info(record), blobs_removed=collected.blobs, bytes_freed=collected.bytes
         )
@@ -233,7 +233,7 @@ def _decode_token(token: str) -> str:
             return raw[3:].decode()
     except (binascii.Error, UnicodeDecodeError, ValueError):
         pass
-    raise InvalidArgument(f"page_token {token[:40]!r} is not one this server gave")
+    raise Malformed(f"page_token {token[:40]!r} is not one this server gave")
 
 
 #: Hand-written (de)serializers of the hot messages: Store's requests and Fetch's responses are

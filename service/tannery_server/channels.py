@@ -41,7 +41,7 @@ from tannery.codec import Buffer, Deframer, FormatError, Fragment, Limits
 from tannery.v1 import channels_pb2, channels_pb2_grpc
 
 from .calllog import current_call
-from .failures import BadPayload, Failure, InvalidArgument, LimitExceeded, Unavailable
+from .failures import BadPayload, Failure, Malformed, LimitExceeded, Unavailable
 from .handling import Undecodable, add_service, answering_failures
 from .hub import Channel, FellBehind, Hub, HubClosed, Piece, Relay, SubscriptionEnded
 
@@ -164,15 +164,15 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
             self.hub.unsubscribe(subscription)
 
     def _check_name(self, name: str) -> None:
-        """Note the channel in the call log; InvalidArgument unless it is a valid name."""
+        """Note the channel in the call log; Malformed unless it is a valid name."""
         current_call().note("channel", name)
         try:
             check_channel_name(name)
         except ValueError as error:
-            raise InvalidArgument(str(error)) from None
+            raise Malformed(str(error)) from None
 
     def attach(self, name: str) -> Channel:
-        """The channel ``name`` for a publisher (InvalidArgument for a bad name, Unavailable when closing)."""
+        """The channel ``name`` for a publisher (Malformed for a bad name, Unavailable when closing)."""
         self._check_name(name)
         try:
             return self.hub.attach_publisher(name)
@@ -206,14 +206,14 @@ class _Publication:
             if self.channel is None:
                 self.channel = self.servicer.attach(request.channel)
             elif request.channel and request.channel != self.channel.name:
-                raise InvalidArgument(
+                raise Malformed(
                     f"Publish names its channel in the first message only: got {request.channel!r} "
                     f"after {self.channel.name!r}"
                 )
             for fragment in self._fragments(request.chunk):
                 await self._relay(fragment)
         if self.channel is None:
-            raise InvalidArgument("Publish got no message naming a channel")
+            raise Malformed("Publish got no message naming a channel")
         try:
             self.deframer.close()
         except FormatError as error:

@@ -1,7 +1,9 @@
 """The failures a call can end with, each tied to the gRPC status it is answered with.
 
 Storage and validation raise these; the servicers turn them into statuses (with the
-``tannery-error`` trailing metadata the protocol defines) in one place.
+``tannery-error`` trailing metadata the protocol defines) in one place. Their names are the
+server's own (``Missing``, ``Malformed``, ``NameTaken``), distinct from the client's
+exceptions (``tannery.NotFound``, ``tannery.InvalidArgument``, ``tannery.AlreadyExists``).
 """
 
 from __future__ import annotations
@@ -17,13 +19,13 @@ class Failure(Exception):
     kind: str | None = None
 
 
-class InvalidArgument(Failure):
+class Malformed(Failure):
     """A malformed request: a bad name, an unknown dtype, a broken stream of messages."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
-class BadPayload(InvalidArgument):
+class BadPayload(Malformed):
     """The tannic codec refused a payload."""
 
     kind = "format"
@@ -35,11 +37,15 @@ class LimitExceeded(Failure):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
-class NotFound(Failure):
+class Missing(Failure):
+    """An archive, an entry or a prefix that is not there."""
+
     code = grpc.StatusCode.NOT_FOUND
 
 
-class AlreadyExists(Failure):
+class NameTaken(Failure):
+    """An archive name in use (and no ``replace``)."""
+
     code = grpc.StatusCode.ALREADY_EXISTS
 
 

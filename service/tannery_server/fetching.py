@@ -26,7 +26,7 @@ import numpy as np
 from tannery.codec import DTYPES, DType, encode_prefix, format_shape
 from tannery.v1 import archives_pb2
 
-from .failures import DataLoss, InvalidArgument, Mismatch, NotFound
+from .failures import DataLoss, Malformed, Mismatch, Missing
 from .storage import BlobFile, BlobInfo, EntryRecord, Storage
 from .storage.integrity import BlockCheck, check_block
 from tannery.wire import encode_fetch_response, encode_varint, split_parts
@@ -58,7 +58,7 @@ def _dtype_asked(what: str, name: str, field: str) -> DType:
     try:
         return DTYPES[name]
     except KeyError:
-        raise InvalidArgument(f"{what}: unknown dtype {name!r} in {field}; known: {', '.join(DTYPES)}") from None
+        raise Malformed(f"{what}: unknown dtype {name!r} in {field}; known: {', '.join(DTYPES)}") from None
 
 
 def check_request(request: archives_pb2.FetchRequest) -> None:
@@ -66,24 +66,24 @@ def check_request(request: archives_pb2.FetchRequest) -> None:
     for ask in request.entries:
         what = "Archive.float" if ask.cast else "Archive.tensor"
         if not ask.name:
-            raise InvalidArgument(f"{what}: an ask with an empty entry name")
+            raise Malformed(f"{what}: an ask with an empty entry name")
         if ask.dtype:
             _dtype_asked(what, ask.dtype, "dtype")
         if ask.cast:
             target = _dtype_asked(what, ask.cast, "cast")
             if not target.is_float:
-                raise InvalidArgument(f"Archive.float: {ask.cast} is not {_FLOATS}")
+                raise Malformed(f"Archive.float: {ask.cast} is not {_FLOATS}")
         if ask.HasField("rows") and ask.rows.start > ask.rows.stop:
-            raise InvalidArgument(
+            raise Malformed(
                 f"{what}: {ask.name}: rows [{ask.rows.start}, {ask.rows.stop}): start is after stop"
             )
 
 
 def plan_entry(ask: archives_pb2.EntryAsk, entry: EntryRecord | None, blob: BlobInfo | None = None) -> Plan:
-    """Check one ask against its catalog entry; Mismatch or NotFound with the archive issue's message."""
+    """Check one ask against its catalog entry; Mismatch or Missing with the archive issue's message."""
     what = "Archive.float" if ask.cast else "Archive.tensor"
     if entry is None:
-        raise NotFound(f"{what}: {ask.name}: no entry in the archive")
+        raise Missing(f"{what}: {ask.name}: no entry in the archive")
     shape = entry.shape
     stored = DTYPES[entry.dtype]
     if ask.HasField("shape") and tuple(ask.shape.dims) != shape:
@@ -132,17 +132,17 @@ def plan_entry(ask: archives_pb2.EntryAsk, entry: EntryRecord | None, blob: Blob
 def resolve(storage: Storage, request: archives_pb2.FetchRequest) -> list[Plan]:
     """The plans of a request, their blobs pinned (release ``digests(plans)`` afterwards).
 
-    NotFound for a missing archive or entry, Mismatch for an entry that is not what is asked.
+    Missing for a missing archive or entry, Mismatch for an entry that is not what is asked.
     """
     catalog = storage.catalog
 
     def lookup() -> list[Plan]:
         if catalog.archive(request.archive) is None:
-            raise NotFound(f"archive {request.archive!r} not found")
+            raise Missing(f"archive {request.archive!r} not found")
         if not request.entries:
             entries = catalog.entries_under(request.archive, request.prefix)
             if request.prefix and not entries:
-                raise NotFound(f"archive {request.archive!r}: no entry under prefix {request.prefix!r}")
+                raise Missing(f"archive {request.archive!r}: no entry under prefix {request.prefix!r}")
             return [Plan(e, None, 0, e.payload_bytes, DTYPES[e.dtype]) for e in entries]
         found = catalog.entries(request.archive, [ask.name for ask in request.entries])
         plans = []

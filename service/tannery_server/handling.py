@@ -21,7 +21,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from tannery.wire import WireError, length_delimited_fields
 
 from .calllog import current_call
-from .failures import Failure, Internal, InvalidArgument, trailing_metadata
+from .failures import Failure, Internal, Malformed, trailing_metadata
 
 log = logging.getLogger("tannery_server.handling")
 
@@ -35,8 +35,8 @@ class Undecodable:
     reason: str
     nbytes: int
 
-    def failure(self, where: str) -> InvalidArgument:
-        return InvalidArgument(f"{where} is not a valid {self.message_type} ({self.nbytes} bytes): {self.reason}")
+    def failure(self, where: str) -> Malformed:
+        return Malformed(f"{where} is not a valid {self.message_type} ({self.nbytes} bytes): {self.reason}")
 
 
 def _why_undecodable(message_class: Any, data: bytes, error: Exception) -> str:
@@ -95,7 +95,7 @@ def internal(exc: BaseException) -> Failure:
     if isinstance(exc, Failure):
         return exc
     if isinstance(exc, WireError):  # tannery.wire's parse of a hand-read message
-        return InvalidArgument(str(exc))
+        return Malformed(str(exc))
     log.error("unexpected error in %s", current_call().method, exc_info=exc)
     return Internal(f"internal error ({type(exc).__name__}: {exc}); the server logged it")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from tannery.codec import Deframer, FormatError, Limits, OverLimit
 
 from .config import Config
-from .failures import AlreadyExists, BadPayload, InvalidArgument, LimitExceeded
+from .failures import NameTaken, BadPayload, Malformed, LimitExceeded
 from .storage import ArchiveRecord, BlobInfo, EntryRecord, PayloadWriter, Storage
 from .validation import check_entry_name
 from tannery.v1.archives_pb2 import StoreCommit
@@ -48,21 +48,21 @@ class StoreSession:
     def check_name_free(self) -> None:
         """ALREADY_EXISTS before any data is received (checked again at commit)."""
         if not self.replace and self.storage.catalog.archive(self.archive) is not None:
-            raise AlreadyExists(f"archive {self.archive!r} already exists (ask to replace it)")
+            raise NameTaken(f"archive {self.archive!r} already exists (ask to replace it)")
 
     def feed(self, message: StoreMessage, first: bool = False) -> None:
         if self._commit is not None:
-            raise InvalidArgument("a message after commit: commit must be the last message of Store")
+            raise Malformed("a message after commit: commit must be the last message of Store")
         if message.commit is not None:
             self._take_commit(message)
             return
         if message.begin is not None and not first:
-            raise InvalidArgument("begin is allowed in the first message only")
+            raise Malformed("begin is allowed in the first message only")
         if message.entry:
             self._start_entry(message.entry)
         if message.chunk.nbytes:
             if self._entry is None:
-                raise InvalidArgument("payload bytes before any entry name")
+                raise Malformed("payload bytes before any entry name")
             if self._entry_has_payload and self._writer is None:
                 self._extra_bytes()
             self.bytes_received += message.chunk.nbytes
@@ -75,7 +75,7 @@ class StoreSession:
                     if fragment.last:
                         self._finish_payload(fragment.info)
             except OverLimit as exc:  # the server's rank limit: not a malformed payload
-                raise InvalidArgument(f"entry {self._entry!r}: {exc}") from None
+                raise Malformed(f"entry {self._entry!r}: {exc}") from None
             except FormatError as exc:
                 raise BadPayload(f"entry {self._entry!r}: {exc}") from None
             if self._entry_has_payload and self._writer is None and self._deframer.inside_payload:
@@ -94,7 +94,7 @@ class StoreSession:
         self._require_payload()
         check_entry_name(name, self.config.max_name_bytes)
         if name in self._names:
-            raise InvalidArgument(f"entry {name!r} is named twice")
+            raise Malformed(f"entry {name!r} is named twice")
         if len(self._names) >= self.config.max_entries:
             raise LimitExceeded(f"archive {self.archive!r}: more than {self.config.max_entries} entries")
         self._names.add(name)
@@ -103,7 +103,7 @@ class StoreSession:
 
     def _require_payload(self) -> None:
         if self._entry is not None and not self._entry_has_payload:
-            raise InvalidArgument(f"entry {self._entry!r} has no payload")
+            raise Malformed(f"entry {self._entry!r} has no payload")
 
     def _start_payload(self, info) -> None:
         if self._entry_has_payload:
@@ -120,7 +120,7 @@ class StoreSession:
     def _finish_payload(self, info) -> None:
         assert self._writer is not None and self._entry is not None
         writer, self._writer = self._writer, None
-        blob = self.storage.publish(writer)
+        blob = self.storage.seal(writer)
         self._blobs.append(blob)
         self._entries.append(
             EntryRecord(self._entry, info.dtype.name, tuple(info.shape), info.nbytes, info.size, info.data_offset,
@@ -130,7 +130,7 @@ class StoreSession:
     def _take_commit(self, message: StoreMessage) -> None:
         """The client's final word: every payload complete, and its counts those received."""
         if message.begin is not None or message.entry or message.chunk.nbytes:
-            raise InvalidArgument("commit must come alone, in the last message of Store")
+            raise Malformed("commit must come alone, in the last message of Store")
         try:
             self._deframer.close()
         except FormatError as exc:
@@ -139,7 +139,7 @@ class StoreSession:
         commit = message.commit
         assert commit is not None
         if commit.entries != len(self._entries) or commit.payload_bytes != self.bytes_received:
-            raise InvalidArgument(
+            raise Malformed(
                 f"commit says {commit.entries} entries of {commit.payload_bytes} payload bytes were sent, but "
                 f"{len(self._entries)} entries of {self.bytes_received} bytes arrived: nothing was stored"
             )
@@ -148,7 +148,7 @@ class StoreSession:
     def finish(self) -> ArchiveRecord:
         """Commit the archive once the client said so (``commit``) and every payload is durable."""
         if self._commit is None:
-            raise InvalidArgument(
+            raise Malformed(
                 f"Store of {self.archive!r} ended without commit, after {len(self._entries)} whole entries "
                 f"({self.bytes_received} payload bytes): nothing was stored (a client that sent everything "
                 "sends commit as its last message)"

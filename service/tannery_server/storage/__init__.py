@@ -1,10 +1,10 @@
 """Where archives live: a catalog (SQLite) and content-addressed blobs (files), behind
 the small :class:`Catalog` and :class:`BlobStore` protocols of :mod:`.base`."""
 
-from .base import (ArchiveRecord, BlobFile, BlobInfo, BlobStore, Catalog, CatalogTotals, EntryRecord, Limits,
+from .base import (ArchiveRecord, BlobFile, BlobInfo, BlobStore, Catalog, CatalogTotals, EntryRecord, ArchiveLimits,
                    TempBlob)
 from .reserve import SpaceReserve
-from .storage import (
+from .catalog_and_blobs import (
     Collected, DataDirectoryInUse, DataDirectoryLock, PayloadWriter, Storage, StorageFull, StorageUnavailable,
 )
 
@@ -19,7 +19,7 @@ __all__ = [
     "DataDirectoryInUse",
     "DataDirectoryLock",
     "EntryRecord",
-    "Limits",
+    "ArchiveLimits",
     "PayloadWriter",
     "SpaceReserve",
     "Storage",

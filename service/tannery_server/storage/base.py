@@ -12,7 +12,7 @@ import struct
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Protocol, Sequence
 
-from ..validation import joined
+from tannery.names import join
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class EntryRecord:
     digest: str
 
     def renamed(self, prefix: str) -> "EntryRecord":
-        return EntryRecord(joined(prefix, self.name), self.dtype, self.shape, self.nbytes, self.payload_bytes,
+        return EntryRecord(join(prefix, self.name), self.dtype, self.shape, self.nbytes, self.payload_bytes,
                            self.data_offset, self.digest)
 
 
@@ -75,7 +75,7 @@ class CatalogTotals:
 
 
 @dataclass(frozen=True)
-class Limits:
+class ArchiveLimits:
     """The bounds an archive must stay within (the catalog checks them for unions)."""
 
     max_entries: int
@@ -107,17 +107,17 @@ class Catalog(Protocol):
         """Create (or replace) an archive whose blobs are already durable.
 
         Returns the archive and the digests the replaced archive referenced (candidates
-        for collection). Raises AlreadyExists when it exists and ``replace`` is false.
+        for collection). Raises NameTaken when it exists and ``replace`` is false.
         """
         ...
 
     def union(
-        self, target: str, sources: Sequence[tuple[str, str]], replace: bool, created_ns: int, limits: Limits
+        self, target: str, sources: Sequence[tuple[str, str]], replace: bool, created_ns: int, limits: ArchiveLimits
     ) -> tuple[ArchiveRecord, list[str]]:
         """Create ``target`` from the entries of ``(archive, prefix)`` sources, without blob writes.
 
-        NotFound for a missing source, InvalidArgument for a name in two sources or too
-        long, LimitExceeded for too many entries, AlreadyExists unless ``replace``.
+        Missing for a missing source, Malformed for a name in two sources or too
+        long, LimitExceeded for too many entries, NameTaken unless ``replace``.
         """
         ...
 
@@ -165,11 +165,11 @@ class BlobFile(Protocol):
 
 
 class TempBlob(Protocol):
-    """A blob being written; nothing of it is visible until :meth:`publish`."""
+    """A blob being written; nothing of it is visible until :meth:`seal`."""
 
     def write(self, data: memoryview | bytes) -> None: ...
 
-    def publish(self, digest: str) -> bool:
+    def seal(self, digest: str) -> bool:
         """Make the written bytes blob ``digest`` (not yet durable: see ``make_durable``).
 
         Returns False when that blob already existed (the bytes written are dropped:

@@ -65,7 +65,7 @@ class FileTempBlob:
             written = os.write(self._fd, view)
             view = view[written:]
 
-    def publish(self, digest: str) -> bool:
+    def seal(self, digest: str) -> bool:
         # Not fsynced here: the kernel writes it back while later payloads arrive, and
         # make_durable() waits for it before the catalog may reference it. A crash before
         # that leaves an unreferenced file, which start-up removes.

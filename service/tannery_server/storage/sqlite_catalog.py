@@ -13,8 +13,8 @@ import threading
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from ..failures import AlreadyExists, InvalidArgument, LimitExceeded, NotFound
-from .base import ArchiveRecord, BlobInfo, CatalogTotals, EntryRecord, Limits
+from ..failures import NameTaken, Malformed, LimitExceeded, Missing
+from .base import ArchiveRecord, BlobInfo, CatalogTotals, EntryRecord, ArchiveLimits
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS archives (
@@ -202,7 +202,7 @@ class SqliteCatalog:
         """Check the name is free (or may be replaced) and create the archive under a
         temporary name, so that its sources may include the archive it replaces."""
         if not replace and conn.execute("SELECT 1 FROM archives WHERE name = ?", (name,)).fetchone():
-            raise AlreadyExists(f"archive {name!r} already exists (ask to replace it)")
+            raise NameTaken(f"archive {name!r} already exists (ask to replace it)")
         cursor = conn.execute(
             "INSERT INTO archives (name, created_ns, entries, nbytes, payload_bytes) VALUES (?, ?, 0, 0, 0)",
             (_BUILDING + name, created_ns),
@@ -251,14 +251,14 @@ class SqliteCatalog:
             return self._finish_archive(conn, archive_id, name)
 
     def union(
-        self, target: str, sources: Sequence[tuple[str, str]], replace: bool, created_ns: int, limits: Limits
+        self, target: str, sources: Sequence[tuple[str, str]], replace: bool, created_ns: int, limits: ArchiveLimits
     ) -> tuple[ArchiveRecord, list[str]]:
         with self._transaction() as conn:
             ids = []
             for archive, _prefix in sources:
                 row = conn.execute("SELECT id FROM archives WHERE name = ?", (archive,)).fetchone()
                 if row is None:
-                    raise NotFound(f"archive {archive!r} not found (a source of the union)")
+                    raise Missing(f"archive {archive!r} not found (a source of the union)")
                 ids.append(row[0])
             archive_id = self._begin_archive(conn, target, replace, created_ns)
             for index, ((archive, prefix), source_id) in enumerate(zip(sources, ids)):
@@ -282,14 +282,14 @@ class SqliteCatalog:
                     "SELECT name FROM entries WHERE archive_id = ? ORDER BY length(CAST(name AS BLOB)) DESC LIMIT 1",
                     (archive_id,),
                 ).fetchone()[0]
-                raise InvalidArgument(
+                raise Malformed(
                     f"union {target!r}: entry name {name[:64]!r}... is {longest} bytes, over the limit of "
                     f"{limits.max_name_bytes}"
                 )
             return self._finish_archive(conn, archive_id, target)
 
     @staticmethod
-    def _duplicate(conn, archive_id: int, sources: Sequence[tuple[str, str]], ids: Sequence[int]) -> InvalidArgument:
+    def _duplicate(conn, archive_id: int, sources: Sequence[tuple[str, str]], ids: Sequence[int]) -> Malformed:
         """The error for the last source, which holds a name an earlier one already gave."""
         archive, prefix = sources[-1]
         row = conn.execute(
@@ -307,7 +307,7 @@ class SqliteCatalog:
             if conn.execute("SELECT 1 FROM entries WHERE archive_id = ? AND name = ?", (other_id, inner)).fetchone():
                 first = other
                 break
-        return InvalidArgument(f"union: {name!r} is in two sources, {first!r} and {archive!r}")
+        return Malformed(f"union: {name!r} is in two sources, {first!r} and {archive!r}")
 
     def delete_archive(self, name: str) -> tuple[ArchiveRecord | None, list[str]]:
         with self._transaction() as conn:

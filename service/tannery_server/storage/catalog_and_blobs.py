@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence, TypeVar
 
 from ..failures import LimitExceeded, Unavailable
-from .base import ArchiveRecord, BlobFile, BlobInfo, BlobStore, Catalog, EntryRecord, Limits, TempBlob
+from .base import ArchiveLimits, ArchiveRecord, BlobFile, BlobInfo, BlobStore, Catalog, EntryRecord, TempBlob
 from .file_blobs import FileBlobStore
 from .integrity import BLOCK_SIZE, PayloadDigest, verify_digest
 from .reserve import DEFAULT_CAP, SpaceReserve, free_bytes
@@ -372,13 +372,13 @@ class Storage:
             raise self.full_error(exc) from exc
         return PayloadWriter(temp, BLOCK_SIZE, self)
 
-    def publish(self, writer: PayloadWriter) -> BlobInfo:
+    def seal(self, writer: PayloadWriter) -> BlobInfo:
         """Make a written payload a blob, pinned until :meth:`release`."""
         blob = writer.finish()
         with self._gc_lock:
             self._pins[blob.digest] += 1
         try:
-            writer.temp.publish(blob.digest)
+            writer.temp.seal(blob.digest)
         except BaseException as exc:
             self.release([blob.digest], collect=True)
             if isinstance(exc, OSError):
@@ -389,7 +389,7 @@ class Storage:
     def commit_archive(
         self, name: str, entries: Sequence[EntryRecord], blobs: Sequence[BlobInfo], replace: bool
     ) -> ArchiveRecord:
-        """Record an archive whose (pinned) blobs are all published, once they are durable."""
+        """Record an archive whose (pinned) blobs are all sealed, once they are durable."""
         self._ensure_room()
         try:
             self.blobs.make_durable(b.digest for b in blobs)
@@ -400,7 +400,7 @@ class Storage:
         self.collect(released)
         return record
 
-    def union(self, target: str, sources: Sequence[tuple[str, str]], replace: bool, limits: Limits) -> ArchiveRecord:
+    def union(self, target: str, sources: Sequence[tuple[str, str]], replace: bool, limits: ArchiveLimits) -> ArchiveRecord:
         self._ensure_room()
         record, released = self._write_catalog(
             lambda: self.catalog.union(target, sources, replace, time.time_ns(), limits))
