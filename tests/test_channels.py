@@ -19,7 +19,6 @@ import sys
 import threading
 from contextlib import ExitStack
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Awaitable, Callable, Iterable, Iterator, Sequence
 
 import grpc
@@ -30,6 +29,7 @@ from tannery import codec
 from tannery.torch import deserialize, serialize
 from tannery.v1 import channels_pb2, channels_pb2_grpc
 from tannery_server.channels import ChannelsServicer, add_to_server
+from tannery_server.config import Config
 
 from tests.server_harness import running_server
 
@@ -45,7 +45,7 @@ class BareChannelsServer:
     """A grpc.aio server with only the Channels servicer, on a free port of 127.0.0.1."""
 
     def __init__(self, **config: Any) -> None:
-        self.config = SimpleNamespace(**config)
+        self.config = Config(**config)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="channels-server", daemon=True)
         self.thread.start()

@@ -41,6 +41,7 @@ from tannery.codec import Buffer, Deframer, FormatError, Fragment, Limits
 from tannery.v1 import channels_pb2, channels_pb2_grpc
 
 from .calllog import current_call
+from .config import Config
 from .failures import BadPayload, Failure, Malformed, LimitExceeded, Unavailable
 from .handling import Undecodable, add_service, answering_failures
 from .hub import Channel, FellBehind, Hub, HubClosed, Piece, Relay, SubscriptionEnded
@@ -52,13 +53,6 @@ FORMAT_ERROR_METADATA = (("tannery-error", "format"),)
 #: What a subscriber receives when the payload in progress was cut off by its publisher.
 ABANDONED = channels_pb2.SubscribeResponse(abandoned=True)
 
-_DEFAULTS = {
-    "chunk_size": 1 << 20,
-    "max_payload_bytes": 1 << 40,
-    "max_rank": 64,
-    "channel_buffer_bytes": 64 << 20,
-    "channel_timeout_seconds": 10.0,
-}
 
 
 class Stalled(Failure):
@@ -92,20 +86,19 @@ def split_piece(data: Buffer, chunk_size: int) -> Iterator[bytes]:
 class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
     """Async handlers of ``Channels`` over one in-memory :class:`~tannery_server.hub.Hub`.
 
-    ``config`` supplies ``chunk_size``, ``max_payload_bytes``, ``max_rank``,
-    ``channel_buffer_bytes`` and ``channel_timeout_seconds``; missing ones take the
-    defaults (1 MiB, 1 TiB, 64, 64 MiB, 10 s). The timeout bounds both a publisher's wait
-    for room for one piece and, while it holds its channel, its wait for its next message.
+    It reads ``chunk_size``, ``max_payload_bytes``, ``max_rank``, ``channel_buffer_bytes`` and
+    ``channel_timeout_seconds`` of the server's :class:`~.config.Config` (whose defaults are
+    the only ones). The timeout bounds both a publisher's wait for room for one piece and,
+    while it holds its channel, its wait for its next message.
     """
 
-    def __init__(self, config: object) -> None:
-        setting = {name: getattr(config, name, default) for name, default in _DEFAULTS.items()}
-        self.chunk_size = int(setting["chunk_size"])
-        self.limits = Limits(max_payload=int(setting["max_payload_bytes"]), max_rank=int(setting["max_rank"]))
-        self.timeout = float(setting["channel_timeout_seconds"])
+    def __init__(self, config: Config) -> None:
+        self.chunk_size = config.chunk_size
+        self.limits = Limits(max_payload=config.max_payload_bytes, max_rank=config.max_rank)
+        self.timeout = config.channel_timeout_seconds
         if self.chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, not {self.chunk_size}")
-        self.hub = Hub(buffer_bytes=int(setting["channel_buffer_bytes"]), timeout=self.timeout, abandoned=ABANDONED)
+        self.hub = Hub(buffer_bytes=config.channel_buffer_bytes, timeout=self.timeout, abandoned=ABANDONED)
 
     def pieces(self, data: Buffer) -> list[Piece]:
         """The messages a subscriber sends for ``data``, with the payload bytes each carries."""
