@@ -12,6 +12,7 @@ _DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
 def fsync_directory(path: Path) -> None:
+    """Make a directory's entries (a rename, a new file) durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)

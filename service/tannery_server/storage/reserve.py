@@ -24,6 +24,8 @@ import resource
 import threading
 from pathlib import Path
 
+from .file_blobs import fsync_directory
+
 log = logging.getLogger("tannery_server.storage")
 
 MiB = 1 << 20
@@ -48,14 +50,6 @@ def free_bytes(path: Path) -> int:
 def _file_size_limit() -> int:
     soft, _hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     return soft if soft != resource.RLIM_INFINITY else 1 << 62
-
-
-def _fsync_directory(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class SpaceReserve:
@@ -158,7 +152,7 @@ class SpaceReserve:
         finally:
             os.close(fd)
         if created:
-            _fsync_directory(self.data_dir)
+            fsync_directory(self.data_dir)
         self._size = target
         return True
 
