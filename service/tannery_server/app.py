@@ -239,8 +239,8 @@ def tune_malloc() -> bool:
 
     Every message is a new buffer of about a chunk (1 MiB). By default glibc maps such a
     buffer and unmaps it when freed (or trims the heap), so the next one page-faults
-    again: measured, a third of the server's CPU in Fetch. With these two settings freed
-    chunks are reused. Returns False where glibc is not the allocator.
+    again (what that cost: docs/benchmarks.md, "Measurements behind the code"). With these
+    two settings freed chunks are reused. Returns False where glibc is not the allocator.
     """
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

@@ -20,8 +20,8 @@ whole for some subscribers and abandoned for others.
 The relayed pieces are the chunk objects received (a chunk holding the end of one payload
 and the start of the next is sliced), at most ``chunk_size`` bytes each. Each piece
 becomes a ``SubscribeResponse`` once, at the publisher, and every subscriber writes that
-same message (gRPC serializes it once per subscriber; pre-serializing it once for all was
-measured slower for one subscriber and only 20% cheaper for sixteen). The buffering and
+same message (gRPC serializes it once per subscriber: pre-serializing it once for all did
+not pay, see docs/benchmarks.md, "Measurements behind the code"). The buffering and
 ordering rules live in :mod:`tannery_server.hub`.
 
 Every refusal is a :class:`~.failures.Failure`, turned into its status in one place
