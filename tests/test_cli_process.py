@@ -66,10 +66,12 @@ def test_help_needs_no_torch(argv: list[str]) -> None:
         assert "--data-dir" in result.stdout
 
 
-def test_a_client_command_without_torch_says_which_extra_to_install() -> None:
-    """The server image has no torch: a client subcommand there names the remedy, in one line."""
-    result = subprocess.run([sys.executable, "-c", _WITHOUT_TORCH.replace('assert "torch"', "# "), "ls"],
-                            capture_output=True, text=True, timeout=60, env=_env())
+def test_a_client_command_without_torch_says_which_extra_to_install(tmp_path: Path) -> None:
+    """The server image has no torch: a client subcommand that makes tensors (publish reads
+    its files into torch tensors) names the remedy there, in one line."""
+    np.save(tmp_path / "x.npy", np.zeros(3, np.float32))
+    result = subprocess.run([sys.executable, "-c", _WITHOUT_TORCH.replace('assert "torch"', "# "), "publish", "c",
+                             str(tmp_path / "x.npy")], capture_output=True, text=True, timeout=60, env=_env())
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.count("\n") == 1
     assert 'pip install "tannery[client]"' in result.stderr
