@@ -21,8 +21,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Union
 
-import numpy as np
-
 from . import codec
 from ._lazy import lazy_module
 from .codec import FLOAT_NAMES, format_shape
@@ -30,13 +28,14 @@ from .errors import ArchiveError
 from .names import join, owned, owns
 
 # Imported on first use: listing or describing archives never imports torch.
+np = lazy_module("numpy")
 torch = lazy_module("torch")
 torch_codec = lazy_module("tannery.torch")
 
 #: A dtype as callers may give it: ``torch.float32``, ``"float32"`` or a codec DType.
 DTypeLike = Union["torch.dtype", str, codec.DType]
 #: A tensor as callers may give it; numpy arrays become torch tensors sharing their memory.
-TensorLike = Union["torch.Tensor", np.ndarray]
+TensorLike = Union["torch.Tensor", "np.ndarray"]
 
 _FLOATS_TEXT = "float16, bfloat16, float32 or float64"
 #: Dtypes whose numpy arrays (ml_dtypes) torch.from_numpy cannot take directly.

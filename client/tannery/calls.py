@@ -15,8 +15,6 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-import numpy as np
-
 from . import errors, wire
 from ._lazy import lazy_module
 from .archive import Archive, EntryInfo, as_tensor
@@ -26,6 +24,7 @@ from .names import join, owned
 from .v1 import archives_pb2, channels_pb2
 
 # Imported where a tensor is made or sent: List, Describe, Delete and Union never import torch.
+np = lazy_module("numpy")
 torch = lazy_module("torch")
 torch_codec = lazy_module("tannery.torch")
 
