@@ -25,7 +25,7 @@ from . import codec
 from ._lazy import lazy_module
 from .codec import FLOAT_NAMES, format_shape
 from .errors import ArchiveError
-from .names import join, owned, owns
+from .names import did_you_mean, join, owned, owns
 
 # Imported on first use: listing or describing archives never imports torch.
 np = lazy_module("numpy")
@@ -335,7 +335,8 @@ class Archive(ABC):
         for name, leaf in leaves.items():
             info = self._info(name)
             if info is None:
-                raise ArchiveError(f"{where}: {name}: no entry in the archive, a leaf in the value")
+                raise ArchiveError(f"{where}: {name}: no entry in the archive, a leaf in the value"
+                                   f"{did_you_mean(name, self._names())}")
             shape = tuple(leaf.shape)
             if info.shape != shape:
                 raise ArchiveError(
@@ -361,7 +362,7 @@ class Archive(ABC):
         """The entry's info, checked to exist (and to have ``shape`` when given)."""
         info = self._info(_check_name(name, where))
         if info is None:
-            raise ArchiveError(f"{where}: {name}: no entry in the archive")
+            raise ArchiveError(f"{where}: {name}: no entry in the archive{did_you_mean(name, self._names())}")
         if shape is not None and info.shape != shape:
             raise ArchiveError(
                 f"{where}: {name}: shape {format_shape(info.shape)} in the archive, {format_shape(shape)} asked for"

@@ -33,12 +33,19 @@ def add_global_options(parser: argparse.ArgumentParser, *, on_subcommand: bool) 
     group.add_argument("--tls-key", metavar="PEM", default=default,
                        help="the client certificate's private key, a PEM file [env TANNERY_CLIENT_KEY]")
     parser.add_argument("-q", "--quiet", action="store_true", default=default,
-                        help="no progress bars or status lines (results and errors still print)")
+                        help="no progress bars or progress notes on stderr (results and errors still print)")
 
 
 def target_of(args: argparse.Namespace) -> str:
     """The server address: --target, then TANNERY_TARGET, then localhost:50051."""
     return getattr(args, "target", None) or os.environ.get("TANNERY_TARGET") or DEFAULT_TARGET
+
+
+def target_source(args: argparse.Namespace) -> str:
+    """Where :func:`target_of` found the address: ``"--target"``, ``"TANNERY_TARGET"`` or ``"default"``."""
+    if getattr(args, "target", None):
+        return "--target"
+    return "TANNERY_TARGET" if os.environ.get("TANNERY_TARGET") else "default"
 
 
 def _env_flag(name: str) -> bool:

@@ -71,8 +71,8 @@ def compact_json(value: Any) -> str:
 class Output:
     """Where a command writes: stdout for results, stderr for progress and errors.
 
-    ``quiet`` silences status lines and progress bars (never results or errors). Bars
-    are shown only when stderr is a terminal.
+    ``quiet`` silences what goes to stderr while a command works, progress bars and notes
+    (never results or errors). Bars are shown only when stderr is a terminal.
     """
 
     def __init__(self, quiet: bool = False, stdout: Any = None, stderr: Any = None) -> None:
@@ -84,10 +84,10 @@ class Output:
         """A result line on stdout (printed even with --quiet)."""
         print(text, file=self.stdout, flush=flush)
 
-    def status(self, text: str) -> None:
-        """A line saying what was done, on stdout; silent with --quiet."""
-        if not self.quiet:
-            print(text, file=self.stdout)
+    def result(self, text: str) -> None:
+        """A line saying what the command did (``pushed ...``, ``deleted ...``), on stdout:
+        the command's result, printed with --quiet too."""
+        print(text, file=self.stdout)
 
     def note(self, text: str) -> None:
         """A line about progress (not a result) on stderr; silent with --quiet."""
