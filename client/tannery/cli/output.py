@@ -8,10 +8,8 @@ rich only for a progress bar or a table wider than the terminal.
 from __future__ import annotations
 
 import datetime as dt
-import json
 import re
 import sys
-import unicodedata
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
@@ -64,6 +62,8 @@ _NUMBER_LIST = re.compile(r"\[\n\s*([-+0-9.eE,\s]*?)\n\s*\]")
 
 def compact_json(value: Any) -> str:
     """``value`` as JSON indented by two, with lists of numbers such as shapes on one line."""
+    import json  # here: only --json needs it
+
     text = json.dumps(value, indent=2, allow_nan=False)
     return _NUMBER_LIST.sub(lambda m: "[" + " ".join(m.group(1).split()) + "]", text)
 
@@ -184,6 +184,8 @@ def cell_width(text: str) -> int:
     combining marks, one for the others."""
     if text.isascii():
         return len(text)
+    import unicodedata
+
     width = 0
     for char in text:
         if unicodedata.combining(char):
