@@ -185,14 +185,14 @@ def test_every_command_creates_its_output_directories(server, model: str, tmp_pa
 
 
 def test_a_file_in_the_way_of_an_output_directory_is_named(server, model: str, tmp_path: Path) -> None:
-    (tmp_path / "file").write_bytes(b"")
-    for argv in (["pull", model, "-o", str(tmp_path / "file" / "x.safetensors")],
-                 ["get", model, "2.bias", "-o", str(tmp_path / "file" / "b.npy")],
-                 ["subscribe", "c", "-o", str(tmp_path / "file" / "dir")]):
+    file = tmp_path / "file"
+    file.write_bytes(b"")
+    for argv, directory in ((["pull", model, "-o", str(file / "x.safetensors")], file),
+                            (["get", model, "2.bias", "-o", str(file / "b.npy")], file),
+                            (["subscribe", "c", "-o", str(file / "dir")], file / "dir")):
         run = tannery(*argv, target=server.target, tmp=tmp_path)
         assert run.code == 1 and run.lines == [
-            f"tannery {argv[0]}: error: cannot make the directory {tmp_path / 'file' / ('dir' if argv[0] == 'subscribe' else '')}"
-            .rstrip("/") + ": a file is in the way",
+            f"tannery {argv[0]}: error: cannot make the directory {directory}: a file is in the way",
             "hint: give -o a path in a directory, or move that file"], run.err
 
 

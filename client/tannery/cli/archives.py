@@ -147,18 +147,20 @@ def union_sources(plain: list[str], prefixed: list[str]) -> dict[str, str] | lis
     """The sources of a union as the client takes them: a list of names when none has a
     prefix, otherwise a mapping of prefix to name ("" for the one without)."""
     if not plain and not prefixed:
-        raise CommandError("no sources: give SRC archives or --prefix P=SRC")
+        raise CommandError("no sources", hint="give SRC archives, or --prefix P=SRC for each source under a prefix")
     if not prefixed:
         return list(plain)
     if len(plain) > 1:
-        raise CommandError("with --prefix, at most one source may go without a prefix; give the others --prefix P=SRC")
+        raise CommandError("with --prefix, at most one source may go without a prefix",
+                           hint="give the others as --prefix P=SRC")
     sources: dict[str, str] = {"": plain[0]} if plain else {}
     for item in prefixed:
         prefix, sep, name = item.partition("=")
         if not sep or not prefix or not name:
-            raise CommandError(f"--prefix {item!r}: expected PREFIX=SOURCE, for example --prefix encoder=bert-base")
+            raise CommandError(f"--prefix {item!r}: expected PREFIX=SOURCE",
+                               hint="for example --prefix encoder=bert-base")
         if prefix in sources:
-            raise CommandError(f"--prefix {prefix}: given twice")
+            raise CommandError(f"--prefix {prefix}: given twice", hint="give each prefix once")
         sources[prefix] = name
     return sources
 
@@ -198,7 +200,7 @@ _SHOW_HINT = "tannery show {} lists its entries"
 def _split_names(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",") if name.strip()]
     if not names:
-        raise CommandError("--names: no entry names given")
+        raise CommandError("--names: no entry names given", hint="give them comma-separated: --names a.weight,a.bias")
     return names
 
 

@@ -54,7 +54,8 @@ def _env_flag(name: str) -> bool:
         return True
     if raw in _FALSE:
         return False
-    raise CommandError(f"{name}={os.environ[name]!r}: expected 1/0, true/false, yes/no or on/off")
+    raise CommandError(f"{name}={os.environ[name]!r}: not a yes or no",
+                       hint=f"set {name} to 1/0, true/false, yes/no or on/off (or unset it)")
 
 
 def tls_options(args: argparse.Namespace) -> dict[str, str] | None:
@@ -67,7 +68,8 @@ def tls_options(args: argparse.Namespace) -> dict[str, str] | None:
     if not wanted:
         return None
     if bool(cert) != bool(key):
-        raise CommandError("--tls-cert and --tls-key go together (a client certificate and its key)")
+        raise CommandError("--tls-cert without --tls-key, or --tls-key without --tls-cert",
+                           hint="give both: a client certificate and its key (or TANNERY_CLIENT_CERT and TANNERY_CLIENT_KEY)")
     for flag, path in (("--tls-ca", ca), ("--tls-cert", cert), ("--tls-key", key)):
         if path and not os.path.isfile(path):
             raise CommandError(f"{flag} {path}: no such file")

@@ -52,8 +52,9 @@ def checkpoint_kind(path: str | os.PathLike[str], *, writing: bool = False) -> s
     if not writing and name.endswith(TORCH_SUFFIXES):
         return "torch"
     if writing:
-        raise CommandError(f"{path}: cannot tell the format from the extension; write a .safetensors file or a .tannic pair")
-    raise CommandError(f"{path}: cannot tell the format from the extension; give a {READABLE} file")
+        raise CommandError(f"{path}: cannot tell the format from the extension",
+                           hint="write a .safetensors file or a .tannic pair (-o NAME.safetensors, -o NAME.tannic)")
+    raise CommandError(f"{path}: cannot tell the format from the extension", hint=f"give a {READABLE} file")
 
 
 def check_exists(path: str | os.PathLike[str]) -> None:
@@ -81,7 +82,8 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Archive:
         return load_tannic(path)
     value = load_torch(path)
     if isinstance(value, torch.Tensor):
-        raise CommandError(f"{path}: one tensor, not a checkpoint of named tensors; publish it, or save a dict")
+        raise CommandError(f"{path}: one tensor, not a checkpoint of named tensors",
+                           hint="publish it (tannery publish CHANNEL FILE), or save a dict of tensors to push")
     try:
         archive = Archive.of_value(value)
     except (TypeError, ValueError) as exc:
@@ -215,7 +217,8 @@ def read_tensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tens
         for entry in archive.names():
             yield entry, archive.find(entry)
         return
-    raise CommandError(f"{path}: cannot tell the format from the extension; give a .npy or .pt tensor, or a {READABLE} file")
+    raise CommandError(f"{path}: cannot tell the format from the extension",
+                       hint=f"give a .npy or .pt tensor, or a {READABLE} file")
 
 
 def _load_npy(path: str | os.PathLike[str]) -> np.ndarray:
@@ -255,13 +258,14 @@ def save_tensor(path: str | os.PathLike[str], tensor: torch.Tensor) -> None:
     if path.suffix == ".npy":
         dtype = _short(tensor)
         if dtype in _NOT_NPY:
-            raise CommandError(f"{path}: a .npy file cannot record {dtype}; write a .pt file instead")
+            raise CommandError(f"{path}: a .npy file cannot record {dtype}", hint="write a .pt file instead")
         array = to_numpy(tensor)
         _write_atomically(path, lambda f: np.save(f, array, allow_pickle=False))
     elif path.suffix == ".pt":
         _write_atomically(path, lambda f: torch.save(tensor.detach().cpu(), f))
     else:
-        raise CommandError(f"{path}: write a .npy or .pt file")
+        raise CommandError(f"{path}: cannot tell the format from the extension",
+                           hint="write a .npy (numpy) or .pt (torch.save) file")
 
 
 def _write_atomically(path: Path, write: Any) -> None:
