@@ -334,7 +334,7 @@ def test_get_writes_npy_and_pt(cli: Cli, tmp_path: Path) -> None:
     assert np.array_equal(np.load(tmp_path / "f.npy"), state["f"].numpy())
     cli.ok("get", "s", "h", "-o", str(tmp_path / "h.pt"))
     assert _same(torch.load(tmp_path / "h.pt", weights_only=True), state["h"])
-    assert "cannot record bfloat16; write a .pt file" in cli.fails("get", "s", "h", "-o", str(tmp_path / "h.npy"))
+    assert "cannot record bfloat16\nhint: write a .pt file instead" in cli.fails("get", "s", "h", "-o", str(tmp_path / "h.npy"))
     assert "write a .npy (numpy) or .pt (torch.save) file" == cli.hint("get", "s", "h", "-o", str(tmp_path / "h.csv"))
 
 

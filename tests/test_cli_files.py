@@ -182,11 +182,13 @@ def test_save_tensor_npy_and_pt(tmp_path: Path) -> None:
     half = torch.randn(4, dtype=torch.bfloat16)
     save_tensor(tmp_path / "h.pt", half)
     assert torch.equal(torch.load(tmp_path / "h.pt", weights_only=True), half)
-    with pytest.raises(CommandError, match="a .npy file cannot record bfloat16; write a .pt file"):
+    with pytest.raises(CommandError, match="a .npy file cannot record bfloat16") as info:
         save_tensor(tmp_path / "h.npy", half)
+    assert info.value.hint == "write a .pt file instead"
     assert not (tmp_path / "h.npy").exists()
-    with pytest.raises(CommandError, match="write a .npy or .pt file"):
+    with pytest.raises(CommandError, match="t.txt: cannot tell the format") as info:
         save_tensor(tmp_path / "t.txt", tensor)
+    assert info.value.hint == "write a .npy (numpy) or .pt (torch.save) file"
 
 
 # -- statistics and preview ------------------------------------------------------------------------

@@ -96,7 +96,7 @@ def cmd_show(args: argparse.Namespace, out: Output) -> int:
 def cmd_get(args: argparse.Namespace, out: Output) -> int:
     from ..codec import format_shape
     from .stats import format_number, preview, statistics
-    from .tensorfiles import output_directory, refuse_existing, save_tensor, to_numpy
+    from .tensorfiles import check_npy_dtype, output_directory, refuse_existing, save_tensor, to_numpy
 
     if args.output is not None:
         if not args.output.endswith((".npy", ".pt")):
@@ -110,6 +110,8 @@ def cmd_get(args: argparse.Namespace, out: Output) -> int:
             raise CommandError(f"{args.name}: no entry {args.entry!r} in the archive{did_you_mean(args.entry, remote.names())}",
                                hint=_SHOW_HINT.format(args.name))
         info = remote.info(args.entry)
+        if args.output is not None:
+            check_npy_dtype(args.output, info.dtype)  # before the transfer
         tensor = remote.find(args.entry)
     if args.output is not None:
         save_tensor(args.output, tensor)

@@ -256,9 +256,7 @@ def save_tensor(path: str | os.PathLike[str], tensor: torch.Tensor) -> None:
     """Write one tensor as .npy (numpy) or .pt (``torch.save``), by extension, atomically."""
     path = Path(path)
     if path.suffix == ".npy":
-        dtype = _short(tensor)
-        if dtype in _NOT_NPY:
-            raise CommandError(f"{path}: a .npy file cannot record {dtype}", hint="write a .pt file instead")
+        check_npy_dtype(path, _short(tensor))
         array = to_numpy(tensor)
         _write_atomically(path, lambda f: np.save(f, array, allow_pickle=False))
     elif path.suffix == ".pt":
@@ -266,6 +264,12 @@ def save_tensor(path: str | os.PathLike[str], tensor: torch.Tensor) -> None:
     else:
         raise CommandError(f"{path}: cannot tell the format from the extension",
                            hint="write a .npy (numpy) or .pt (torch.save) file")
+
+
+def check_npy_dtype(path: str | os.PathLike[str], dtype: str) -> None:
+    """CommandError when ``path`` is a .npy file and ``dtype`` one it cannot record (bfloat16, float8)."""
+    if Path(path).suffix == ".npy" and dtype in _NOT_NPY:
+        raise CommandError(f"{path}: a .npy file cannot record {dtype}", hint="write a .pt file instead")
 
 
 def _write_atomically(path: Path, write: Any) -> None:
@@ -283,6 +287,7 @@ def _write_atomically(path: Path, write: Any) -> None:
 __all__ = [
     "READABLE",
     "check_exists",
+    "check_npy_dtype",
     "check_writable",
     "checkpoint_kind",
     "load_torch",
