@@ -11,10 +11,25 @@ setup: $(STAMP)
 # The environment: the project (editable) with everything the tests need, pinned by
 # constraints.txt (torch==2.13.0 among them), and pytannic, whose metadata asks for
 # Python 3.12 although it runs on 3.11.
+#
+# `make serve` and `make test` may start at once on a fresh clone: the set-up holds the lock
+# directory $(LOCK) (mkdir is atomic), so the second waits for the first to finish installing
+# and then finds the environment ready instead of installing into it at the same time. A lock
+# left by a set-up killed with SIGKILL is reported after a minute; remove it then.
+LOCK := $(VENV).lock
 $(STAMP): pyproject.toml constraints.txt
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[client,dev]'
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --ignore-requires-python -c constraints.txt pytannic
+	@waited=0; until mkdir $(LOCK) 2>/dev/null; do \
+	  if [ $$waited -eq 0 ]; then echo "waiting for another make to finish setting up $(VENV) ($(LOCK))"; fi; \
+	  waited=$$((waited + 1)); \
+	  if [ $$waited -eq 60 ]; then echo "still waiting: if no other make runs, rmdir $(LOCK)"; fi; \
+	  sleep 1; \
+	done; \
+	trap 'rmdir $(LOCK)' EXIT; trap 'exit 130' INT TERM; \
+	if [ -f $@ ] && [ $@ -nt pyproject.toml ] && [ $@ -nt constraints.txt ]; then exit 0; fi; \
+	set -ex; \
+	$(PYTHON) -m venv $(VENV); \
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[client,dev]'; \
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --ignore-requires-python -c constraints.txt pytannic; \
 	touch $@
 
 serve: $(STAMP)
@@ -48,4 +63,4 @@ proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I protos --python_out=client --pyi_out=client --grpc_python_out=client protos/tannery/v1/*.proto
 
 clean:
-	rm -rf $(VENV) build *.egg-info .fuzz-work
+	rm -rf $(VENV) $(LOCK) build *.egg-info .fuzz-work

@@ -44,12 +44,25 @@ class Cli:
         return out
 
     def fails(self, *argv: str) -> str:
-        """The one error line of a failing command (status 1, nothing on stdout)."""
+        """The error line of a failing command (status 1, nothing on stdout), followed by the
+        ``hint:`` line when it has one."""
         code, out, err = self(*argv)
         assert code == 1, f"tannery {' '.join(argv)} exited {code}: {out} {err}"
-        assert out == "" and err.endswith("\n") and err.count("\n") == 1, err
+        lines = err.splitlines()
+        assert out == "" and err.endswith("\n") and len(lines) in (1, 2), err
+        assert lines[0].startswith(f"tannery {argv[0]}: error: ") or lines[0].startswith("tannery "), err
+        assert len(lines) == 1 or lines[1].startswith("hint: "), err
         assert "Traceback" not in err
         return err
+
+    def error(self, *argv: str) -> str:
+        """The error line alone of a failing command."""
+        return self.fails(*argv).splitlines()[0] + "\n"
+
+    def hint(self, *argv: str) -> str:
+        """The hint of a failing command (what to do), "" when it gives none."""
+        lines = self.fails(*argv).splitlines()
+        return lines[1].removeprefix("hint: ") if len(lines) == 2 else ""
 
     def json(self, *argv: str):
         return json.loads(self.ok(*argv, "--json"))
@@ -186,10 +199,12 @@ def test_push_bin_and_pt_extensions(cli: Cli, tmp_path: Path) -> None:
         assert cli.json("show", f"m{suffix}")["entries"][0]["dtype"] == "int64"
 
 
-def test_quiet_push_prints_nothing(cli: Cli, tmp_path: Path) -> None:
+def test_quiet_push_prints_its_result_only(cli: Cli, tmp_path: Path) -> None:
+    """-q silences progress on stderr; the result lines still print, as its help says."""
     safetensors.torch.save_file({"w": torch.ones(3)}, tmp_path / "w.safetensors")
-    assert cli.ok("push", str(tmp_path / "w.safetensors"), "--as", "w", "-q") == ""
-    assert cli.ok("--quiet", "rm", "w") == ""
+    assert cli.ok("push", str(tmp_path / "w.safetensors"), "--as", "w", "-q") == (
+        f"pushed {tmp_path / 'w.safetensors'} as w: 1 entry, 12 B\n")
+    assert cli.ok("--quiet", "rm", "w").startswith("deleted w")
 
 
 def test_progress_is_reported_to_the_bar(cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -242,9 +257,10 @@ def test_pull_refuses_before_transferring(cli: Cli, tmp_path: Path) -> None:
     assert not (tmp_path / "c.safetensors").exists()
     cli.ok("pull", "c", "-o", str(tmp_path / "c.tannic"))  # a pair carries complex128
     assert "cannot tell the format" in cli.fails("pull", "c", "-o", str(tmp_path / "c.npz"))
-    assert "no directory" in cli.fails("pull", "c", "-o", str(tmp_path / "nowhere" / "c.tannic"))
+    (tmp_path / "file").write_bytes(b"")
+    assert "a file is in the way" in cli.fails("pull", "c", "-o", str(tmp_path / "file" / "c.tannic"))
     err = cli.fails("pull", "c", "-o", str(tmp_path / "x.tannic"), "--names", "y")
-    assert err == "tannery pull: error: c: no entry 'y' in the archive\n"
+    assert err == "tannery pull: error: c: no entry 'y' in the archive\nhint: tannery show c lists its entries\n"
     assert "no entry under the prefix 'q'" in cli.fails("pull", "c", "-o", str(tmp_path / "x.tannic"), "--prefix", "q")
     assert "archive 'nope' not found" in cli.fails("pull", "nope", "-o", str(tmp_path / "x.tannic"))
 
@@ -318,16 +334,18 @@ def test_get_writes_npy_and_pt(cli: Cli, tmp_path: Path) -> None:
     assert np.array_equal(np.load(tmp_path / "f.npy"), state["f"].numpy())
     cli.ok("get", "s", "h", "-o", str(tmp_path / "h.pt"))
     assert _same(torch.load(tmp_path / "h.pt", weights_only=True), state["h"])
-    assert "cannot record bfloat16; write a .pt file" in cli.fails("get", "s", "h", "-o", str(tmp_path / "h.npy"))
-    assert "write a .npy or .pt file" in cli.fails("get", "s", "h", "-o", str(tmp_path / "h.csv"))
+    assert "cannot record bfloat16\nhint: write a .pt file instead" in cli.fails("get", "s", "h", "-o", str(tmp_path / "h.npy"))
+    assert "write a .npy (numpy) or .pt (torch.save) file" == cli.hint("get", "s", "h", "-o", str(tmp_path / "h.csv"))
 
 
 def test_get_missing_entry_or_archive(cli: Cli, tmp_path: Path) -> None:
     torch.save({"encoder.weight": torch.ones(1)}, tmp_path / "s.pt")
     cli.ok("push", str(tmp_path / "s.pt"), "--as", "s")
     assert cli.fails("get", "s", "encoder.wieght") == (
-        "tannery get: error: s: no entry 'encoder.wieght' in the archive; did you mean 'encoder.weight'?\n")
-    assert cli.fails("get", "nope", "w") == "tannery get: error: archive 'nope' not found\n"
+        "tannery get: error: s: no entry 'encoder.wieght' in the archive; did you mean 'encoder.weight'?\n"
+        "hint: tannery show s lists its entries\n")
+    assert cli.fails("get", "nope", "w") == (
+        "tannery get: error: archive 'nope' not found\nhint: tannery ls lists the archives on the server\n")
 
 
 # -- union, rm -------------------------------------------------------------------------------------
@@ -361,7 +379,7 @@ def test_rm(cli: Cli, tmp_path: Path) -> None:
     assert cli.ok("rm", "a") == "deleted a (0 B freed)\n"  # b and c still share the bytes
     assert cli.ok("rm", "b", "c") == "deleted b (0 B freed)\ndeleted c (1.0 KiB freed)\n"
     assert cli.json("ls") == []
-    assert cli.fails("rm", "a") == "tannery rm: error: archive 'a' not found\n"
+    assert cli.error("rm", "a") == "tannery rm: error: archive 'a' not found\n"
 
 
 # -- failures -------------------------------------------------------------------------------------
@@ -376,8 +394,10 @@ def test_unreachable_server_names_the_target(capsys: pytest.CaptureFixture[str])
     for argv in (["ls"], ["show", "x"], ["rm", "x"]):
         code = main(["--target", f"127.0.0.1:{port}", *argv])
         err = capsys.readouterr().err
-        assert code == 1 and err.startswith(f"tannery {argv[0]}: error: cannot reach the server at 127.0.0.1:{port}: ")
-        assert err.count("\n") == 1
+        assert code == 1 and err.splitlines() == [
+            f"tannery {argv[0]}: error: cannot reach the server at 127.0.0.1:{port} (connection refused)",
+            f"hint: is a server running at 127.0.0.1:{port} (given by --target)? Start one with 'tannery serve', "
+            "or give its address with --target HOST:PORT (or TANNERY_TARGET)"]
 
 
 def test_target_from_the_environment(server, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -392,8 +412,8 @@ def test_token_and_tls_flags_reach_the_client(cli: Cli, tmp_path: Path) -> None:
     # A server without tokens accepts any; one without TLS refuses a TLS handshake.
     assert cli.json("ls", "--token", "s3cret") == []
     err = cli.fails("ls", "--tls")
-    assert err.startswith(f"tannery ls: error: cannot reach the server at {cli.target}: ")
-    assert err.endswith(" (the server does not seem to use TLS: leave out --tls)\n")
+    assert err.startswith(f"tannery ls: error: cannot reach the server at {cli.target} (the TLS handshake failed)\n")
+    assert err.endswith("hint: the server does not seem to use TLS: leave out --tls and the --tls-* options\n")
 
 
 def test_malformed_files_are_one_line_errors(cli: Cli, tmp_path: Path) -> None:
@@ -497,7 +517,7 @@ def test_subscribe_prints_or_writes_count_tensors(cli: Cli, server, tmp_path: Pa
     assert code == 0
     assert out.splitlines() == ["000000  float32  [2, 3]  24 B  min=0  max=5  mean=2.5",
                                 "000001  bfloat16  [3]  6 B  min=1  max=1  mean=1"]
-    assert "-n 0: give a count of 1 or more" in cli.fails("subscribe", "ch", "-n", "0")
+    assert "-n 0: not a count of tensors\nhint: give -n 1 or more" in cli.fails("subscribe", "ch", "-n", "0")
 
 
 # -- tokens and TLS --------------------------------------------------------------------------------
@@ -512,7 +532,7 @@ def test_tokens(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch:
     torch.save({"w": torch.ones(2)}, tmp_path / "w.pt")
     with running_server(tmp_path, tokens=f"{WRITE_TOKEN}:write,{READ_TOKEN}:read") as server:
         cli = Cli(server.target, capsys)
-        assert cli.fails("ls").endswith(" (give --token, or set TANNERY_TOKEN)\n")
+        assert cli.hint("ls") == "give the server's token with --token TOKEN (or set TANNERY_TOKEN)"
         cli.ok("push", str(tmp_path / "w.pt"), "--as", "w", "--token", WRITE_TOKEN)
         assert [a["name"] for a in cli.json("ls", "--token", READ_TOKEN)] == ["w"]
         err = cli.fails("rm", "w", "--token", READ_TOKEN)
@@ -535,9 +555,11 @@ def test_tls_and_mutual_tls(tmp_path: Path, capsys: pytest.CaptureFixture[str], 
         assert cli.json("ls", *tls) == []
         err = cli.fails("ls")
         assert err.startswith(f"tannery ls: error: cannot reach the server at {server.target}")
-        assert err.endswith(" (if the server uses TLS, give --tls-ca CA.pem or --tls)\n")
+        assert err.endswith("hint: if the server uses TLS, give --tls-ca CA.pem (or --tls for a publicly trusted "
+                            "certificate)\n")
         err = cli.fails("ls", "--tls-ca", str(ca.path))  # no client certificate
-        assert err.endswith(" (if the server asks for a client certificate, give --tls-cert and --tls-key)\n")
+        assert err.endswith("hint: if the server asks for a client certificate, give --tls-cert CERT.pem and "
+                            "--tls-key KEY.pem\n")
         monkeypatch.setenv("TANNERY_TLS_CA", str(ca.path))
         monkeypatch.setenv("TANNERY_CLIENT_CERT", str(client_cert))
         monkeypatch.setenv("TANNERY_CLIENT_KEY", str(client_key))

@@ -73,8 +73,11 @@ def test_read_checkpoint_tannic_pair_by_either_name(tmp_path: Path) -> None:
 
 
 def test_read_checkpoint_refuses_unknown_extension(tmp_path: Path) -> None:
+    (tmp_path / "model.onnx").write_bytes(b"onnx")
     with pytest.raises(CommandError, match=r"model\.onnx: cannot tell the format"):
         read_checkpoint(tmp_path / "model.onnx")
+    with pytest.raises(FileNotFoundError):  # absent: "no such file", whatever the extension
+        read_checkpoint(tmp_path / "absent")
 
 
 def test_read_checkpoint_refuses_pickled_objects(tmp_path: Path) -> None:
@@ -122,8 +125,17 @@ def test_check_writable(tmp_path: Path) -> None:
         check_writable(tmp_path / "a.safetensors", ["complex128", "float32"])
     with pytest.raises(CommandError, match="cannot tell the format"):
         check_writable(tmp_path / "a.pt", ["float32"])
-    with pytest.raises(CommandError, match="no directory"):
-        check_writable(tmp_path / "missing" / "a.safetensors", ["float32"])
+    assert check_writable(tmp_path / "missing" / "a.safetensors", ["float32"]) == [tmp_path / "missing" / "a.safetensors"]
+    assert (tmp_path / "missing").is_dir()  # made, as every command makes its output directories
+    assert check_writable(tmp_path / "p.tannic", ["int8"]) == [tmp_path / "p.tannic", tmp_path / "p.metadata.tannic"]
+    (tmp_path / "p.metadata.tannic").write_bytes(b"")
+    with pytest.raises(CommandError, match="p.metadata.tannic: the file exists") as info:
+        check_writable(tmp_path / "p.tannic", ["int8"])
+    assert "--force" in (info.value.hint or "")
+    check_writable(tmp_path / "p.tannic", ["int8"], force=True)
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(CommandError, match="a file is in the way"):
+        check_writable(tmp_path / "file" / "a.safetensors", ["float32"])
 
 
 # -- single tensors ------------------------------------------------------------------------------
@@ -146,8 +158,12 @@ def test_read_tensors_refuses_bad_files(tmp_path: Path) -> None:
     np.save(tmp_path / "strings.npy", np.array(["a", "b"]))
     with pytest.raises(CommandError, match="strings.npy: numpy dtype <U1 has no tannic dcode"):
         list(read_tensors(tmp_path / "strings.npy"))
-    with pytest.raises(CommandError, match="give a .npy or .pt tensor"):
+    (tmp_path / "x.csv").write_text("1,2")
+    with pytest.raises(CommandError, match="x.csv: cannot tell the format") as info:
         list(read_tensors(tmp_path / "x.csv"))
+    assert (info.value.hint or "").startswith("give a .npy or .pt tensor")
+    with pytest.raises(FileNotFoundError):
+        list(read_tensors(tmp_path / "absent.csv"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e5m2, torch.bool, torch.complex64,
@@ -166,11 +182,13 @@ def test_save_tensor_npy_and_pt(tmp_path: Path) -> None:
     half = torch.randn(4, dtype=torch.bfloat16)
     save_tensor(tmp_path / "h.pt", half)
     assert torch.equal(torch.load(tmp_path / "h.pt", weights_only=True), half)
-    with pytest.raises(CommandError, match="a .npy file cannot record bfloat16; write a .pt file"):
+    with pytest.raises(CommandError, match="a .npy file cannot record bfloat16") as info:
         save_tensor(tmp_path / "h.npy", half)
+    assert info.value.hint == "write a .pt file instead"
     assert not (tmp_path / "h.npy").exists()
-    with pytest.raises(CommandError, match="write a .npy or .pt file"):
+    with pytest.raises(CommandError, match="t.txt: cannot tell the format") as info:
         save_tensor(tmp_path / "t.txt", tensor)
+    assert info.value.hint == "write a .npy (numpy) or .pt (torch.save) file"
 
 
 # -- statistics and preview ------------------------------------------------------------------------
@@ -253,13 +271,14 @@ def test_transfer_is_silent_off_a_terminal() -> None:
     assert stderr.getvalue() == ""
 
 
-def test_status_lines_and_quiet() -> None:
+def test_results_print_with_quiet() -> None:
+    """--quiet silences progress notes on stderr, never results on stdout."""
     stdout, stderr = io.StringIO(), io.StringIO()
     quiet = Output(quiet=True, stdout=stdout, stderr=stderr)
-    quiet.status("pushed")
+    quiet.result("pushed")
     quiet.note("subscribed")
     quiet.line("result")
-    assert (stdout.getvalue(), stderr.getvalue()) == ("result\n", "")
+    assert (stdout.getvalue(), stderr.getvalue()) == ("pushed\nresult\n", "")
 
 
 # -- arguments and errors ----------------------------------------------------------------------------
@@ -290,8 +309,9 @@ def test_tls_options(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     with pytest.raises(CommandError, match="TANNERY_TLS='maybe'"):
         tls_options(parser.parse_args(["ls"]))
     monkeypatch.delenv("TANNERY_TLS")
-    with pytest.raises(CommandError, match="--tls-cert and --tls-key go together"):
+    with pytest.raises(CommandError, match="--tls-cert without --tls-key") as info:
         tls_options(parser.parse_args(["ls", "--tls-cert", str(ca)]))
+    assert "give both" in (info.value.hint or "")
     with pytest.raises(CommandError, match="--tls-ca .*absent.pem: no such file"):
         tls_options(parser.parse_args(["ls", "--tls-ca", str(tmp_path / "absent.pem")]))
 
@@ -314,8 +334,11 @@ def test_error_messages_are_one_line() -> None:
     assert error_message(NotFound("archive 'x' not found")) == "archive 'x' not found"
     assert error_message(KeyError("entry")) == "entry"
     assert error_message(ValueError("line one\n  line two")) == "line one line two"
-    assert error_message(Unavailable("connection refused (server h:1)"), "h:1") == (
-        "cannot reach the server at h:1: connection refused")
+    gone = "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Failed to connect to remote " \
+           "host: Connection refused (server h:1)"
+    assert error_message(Unavailable(gone), "h:1") == "cannot reach the server at h:1 (connection refused)"
+    assert error_message(Unavailable("storage unavailable: disk I/O error (server h:1)"), "h:1") == (
+        "the server at h:1 is unavailable: storage unavailable: disk I/O error")
 
 
 @pytest.mark.parametrize("argv", [[], ["push", "x.pt"], ["pull", "x"], ["frobnicate"], ["pull", "a", "-o", "f",

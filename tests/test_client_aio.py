@@ -51,7 +51,7 @@ def test_a_refused_store_reports_the_servers_status_while_the_client_writes(serv
             return kinds
 
     kinds = run(main())
-    assert set(kinds) == {"AlreadyExists: archive 'taken' already exists (ask to replace it)"}
+    assert set(kinds) == {"AlreadyExists: archive 'taken' already exists (give replace=True to replace it)"}
 
 
 def test_a_refused_publish_reports_the_servers_status_while_the_client_writes(server):

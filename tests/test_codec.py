@@ -623,3 +623,12 @@ def test_reframer_gathers_a_payload_larger_than_its_eager_buffer():
     assert memoryview(gathered).nbytes == len(data) and gathered == view
     assert (np.frombuffer(gathered, np.uint8).ctypes.data + parse(data).data_offset) % codec.ALIGNMENT == 0
     assert not memoryview(gathered).readonly
+
+
+def test_the_dtype_table_agrees_with_numpy() -> None:
+    """The table names each dtype's element size without importing numpy; numpy's dtypes
+    (ml_dtypes' for bfloat16 and float8), made on first use, agree with it."""
+    for dtype in codec.DTYPES.values():
+        assert dtype.numpy.itemsize == dtype.itemsize, dtype
+        assert codec.dtype_of_numpy(dtype.numpy) is dtype
+    assert codec.DTYPES["bfloat16"].numpy.name == "bfloat16" and codec.DTYPES["bool"].numpy == np.bool_

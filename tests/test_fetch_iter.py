@@ -305,7 +305,7 @@ def test_a_pull_failing_midway_leaves_no_file_and_an_old_one_as_it_was(srv, tmp_
     write = CheckpointWriter.write
     monkeypatch.setattr(CheckpointWriter, "write",
                         lambda self, piece: (written.append(piece.name) if piece.last else None, write(self, piece)))
-    code, err = pull(srv.target, "m", "-o", str(out), capsys=capsys)
+    code, err = pull(srv.target, "m", "-o", str(out), "--force", capsys=capsys)
     assert written == ["a.bias", "a.weight", "b.mask", "c.empty"]  # written into the file before the failure
     assert code == 1 and "tannery pull: error:" in err and "is missing" in err
     assert {p.name: p.read_bytes() for p in out.parent.iterdir()} == before  # no temporary file either

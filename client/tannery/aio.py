@@ -24,10 +24,9 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping, Sequence
-from typing import Any, Coroutine
+from typing import TYPE_CHECKING, Any, Coroutine
 
 import grpc
-import torch
 
 from .archive import Archive, MemoryArchive
 from .calls import (
@@ -39,6 +38,9 @@ from .connection import Connection, TLSLike, rpc_error, service_error
 from .remote import AsyncRemoteArchive
 from .v1 import archives_pb2, channels_pb2
 from .wire import ABANDONED, encode_publish_request
+
+if TYPE_CHECKING:  # torch is imported where a tensor is made (tannery.calls)
+    import torch
 
 
 def _result_now(coroutine: Coroutine[Any, Any, Any]) -> Any:

@@ -21,19 +21,21 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Union
 
-import numpy as np
-import torch
-
 from . import codec
+from ._lazy import lazy_module
 from .codec import FLOAT_NAMES, format_shape
 from .errors import ArchiveError
-from .names import join, owned, owns
-from .torch import codec_dtype, short_name, torch_dtype
+from .names import did_you_mean, join, owned, owns
+
+# Imported on first use: listing or describing archives never imports torch.
+np = lazy_module("numpy")
+torch = lazy_module("torch")
+torch_codec = lazy_module("tannery.torch")
 
 #: A dtype as callers may give it: ``torch.float32``, ``"float32"`` or a codec DType.
-DTypeLike = Union[torch.dtype, str, codec.DType]
+DTypeLike = Union["torch.dtype", str, codec.DType]
 #: A tensor as callers may give it; numpy arrays become torch tensors sharing their memory.
-TensorLike = Union[torch.Tensor, np.ndarray]
+TensorLike = Union["torch.Tensor", "np.ndarray"]
 
 _FLOATS_TEXT = "float16, bfloat16, float32 or float64"
 #: Dtypes whose numpy arrays (ml_dtypes) torch.from_numpy cannot take directly.
@@ -74,7 +76,7 @@ def dtype_name(dtype: DTypeLike) -> str:
     ValueError for an unknown name, TypeError for anything else.
     """
     if isinstance(dtype, torch.dtype):
-        return short_name(dtype)
+        return torch_codec.short_name(dtype)
     if isinstance(dtype, codec.DType):
         return dtype.name
     if isinstance(dtype, str):
@@ -89,7 +91,7 @@ def leaf_dtype(leaf: TensorLike) -> str:
             return codec.dtype_of_numpy(leaf.dtype).name
         except TypeError:
             return str(leaf.dtype)
-    return short_name(leaf.dtype)
+    return torch_codec.short_name(leaf.dtype)
 
 
 def named_leaves(value: Any, prefix: str = "", where: str = "named_leaves") -> dict[str, TensorLike]:
@@ -170,12 +172,12 @@ def as_tensor(value: TensorLike, name: str, where: str) -> torch.Tensor:
         if dtype.name in _VIA_BITS:
             # ml_dtypes' types, which torch.from_numpy does not know: view their bits.
             bits = np.dtype(f"uint{8 * dtype.itemsize}")
-            return torch.from_numpy(value.view(bits)).view(torch_dtype(dtype))
+            return torch.from_numpy(value.view(bits)).view(torch_codec.torch_dtype(dtype))
         return torch.from_numpy(value)
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{where}: {name}: {type(value).__name__} is not a tensor")
     try:
-        codec_dtype(value.dtype)
+        torch_codec.codec_dtype(value.dtype)
     except TypeError as e:
         raise TypeError(f"{where}: {name}: {e}") from None
     if value.layout != torch.strided:
@@ -227,7 +229,7 @@ class Archive(ABC):
     def _cast(self, name: str, dtype: str) -> torch.Tensor:
         """Entry ``name`` cast to the float dtype ``dtype``, a new tensor (a remote archive
         may have its server cast)."""
-        return self._fetch([name])[0].to(torch_dtype(dtype))
+        return self._fetch([name])[0].to(torch_codec.torch_dtype(dtype))
 
     # -- building ------------------------------------------------------------------------
 
@@ -333,7 +335,8 @@ class Archive(ABC):
         for name, leaf in leaves.items():
             info = self._info(name)
             if info is None:
-                raise ArchiveError(f"{where}: {name}: no entry in the archive, a leaf in the value")
+                raise ArchiveError(f"{where}: {name}: no entry in the archive, a leaf in the value"
+                                   f"{did_you_mean(name, self._names())}")
             shape = tuple(leaf.shape)
             if info.shape != shape:
                 raise ArchiveError(
@@ -359,7 +362,7 @@ class Archive(ABC):
         """The entry's info, checked to exist (and to have ``shape`` when given)."""
         info = self._info(_check_name(name, where))
         if info is None:
-            raise ArchiveError(f"{where}: {name}: no entry in the archive")
+            raise ArchiveError(f"{where}: {name}: no entry in the archive{did_you_mean(name, self._names())}")
         if shape is not None and info.shape != shape:
             raise ArchiveError(
                 f"{where}: {name}: shape {format_shape(info.shape)} in the archive, {format_shape(shape)} asked for"
@@ -374,7 +377,7 @@ class Archive(ABC):
 
 def tensor_info(tensor: torch.Tensor) -> EntryInfo:
     """The info of a tensor held in memory."""
-    return EntryInfo(short_name(tensor.dtype), tuple(tensor.shape), tensor.numel() * tensor.element_size())
+    return EntryInfo(torch_codec.short_name(tensor.dtype), tuple(tensor.shape), tensor.numel() * tensor.element_size())
 
 
 class MemoryArchive(Archive):

@@ -15,16 +15,18 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-import numpy as np
-import torch
-
 from . import errors, wire
+from ._lazy import lazy_module
 from .archive import Archive, EntryInfo, as_tensor
 from .codec import Deframer, FormatError, PayloadInfo, Reframer, byte_buffer, format_shape
 from .errors import ArchiveError
 from .names import join, owned
-from .torch import deserialize, serialize_parts
 from .v1 import archives_pb2, channels_pb2
+
+# Imported where a tensor is made or sent: List, Describe, Delete and Union never import torch.
+np = lazy_module("numpy")
+torch = lazy_module("torch")
+torch_codec = lazy_module("tannery.torch")
 
 #: Called with the number of tensor bytes (payload bytes) just sent or received.
 Progress = Optional[Callable[[int], Any]]
@@ -200,7 +202,7 @@ def store_messages(
     for entry in archive.names():
         tensor = archive.find(entry)
         first = True
-        for chunk in wire.split_parts(serialize_parts(tensor), chunk_size):
+        for chunk in wire.split_parts(torch_codec.serialize_parts(tensor), chunk_size):
             yield wire.encode_store_request(entry=join(prefix, entry) if first else None, parts=chunk)
             first = False
             size = sum(piece.nbytes for piece in chunk)
@@ -223,7 +225,7 @@ def publish_messages(
     """The serialized ``PublishRequest``s of one tensor (a torch tensor or numpy array);
     ``channel`` names the channel in the first (for the call's first tensor)."""
     tensor = as_tensor(tensor, f"tensor {index}", "Client.publish")
-    for chunk in wire.split_parts(serialize_parts(tensor), chunk_size):
+    for chunk in wire.split_parts(torch_codec.serialize_parts(tensor), chunk_size):
         yield wire.encode_publish_request(channel, chunk)
         channel = None
         if progress is not None:
@@ -342,7 +344,7 @@ class EntryReader(_EntryStream):
         out = []
         for payload in self._reframer.feed(chunk):
             self._payload()
-            out.append((name, deserialize(payload)))
+            out.append((name, torch_codec.deserialize(payload)))
         return out
 
     def _close_entry(self) -> None:
@@ -411,7 +413,7 @@ class PayloadReader:
     def feed(self, chunk: memoryview) -> list[torch.Tensor]:
         if self._progress is not None and chunk.nbytes:
             self._progress(chunk.nbytes)
-        return [deserialize(payload) for payload in self._reframer.feed(chunk)]
+        return [torch_codec.deserialize(payload) for payload in self._reframer.feed(chunk)]
 
     def discard(self) -> None:
         """Forget the payload in progress (its publisher abandoned it): the next chunk starts a payload."""

@@ -21,10 +21,9 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
-import torch
 
 from .archive import Archive, MemoryArchive
 from .calls import (
@@ -36,6 +35,9 @@ from .connection import Connection, TLSLike, rpc_error
 from .remote import RemoteArchive
 from .v1 import archives_pb2, channels_pb2
 from .wire import ABANDONED, encode_publish_request
+
+if TYPE_CHECKING:  # torch is imported where a tensor is made (tannery.calls)
+    import torch
 
 
 class _Guarded:

@@ -23,10 +23,15 @@ import math
 import mmap
 import struct
 from dataclasses import dataclass
+from functools import cache, cached_property
 from typing import Iterator, Sequence, Union
 
-import ml_dtypes
-import numpy as np
+from ._lazy import lazy_module
+
+# Imported on first use, so that naming dtypes and formatting shapes (what the command's
+# ls and show do) costs no numpy import; every function that handles arrays imports it.
+np = lazy_module("numpy")
+ml_dtypes = lazy_module("ml_dtypes")
 
 MAGIC = 0x43495245
 VERSION = 1
@@ -60,7 +65,12 @@ class DType:
     name: str
     code: int
     itemsize: int
-    numpy: np.dtype
+
+    @cached_property
+    def numpy(self) -> np.dtype:
+        """numpy's dtype of the elements (ml_dtypes' for bfloat16 and float8), numpy imported now."""
+        module = ml_dtypes if self.name in _ML_DTYPES else np
+        return np.dtype(getattr(module, "bool_" if self.name == "bool" else self.name))
 
     @property
     def is_bool(self) -> bool:
@@ -79,40 +89,44 @@ class DType:
         return self.name
 
 
-def _dtype(name: str, code: int, np_type: object) -> DType:
-    np_dtype = np.dtype(np_type)
-    return DType(name, code, np_dtype.itemsize, np_dtype)
+#: Dtypes numpy lacks, whose numpy types come from ml_dtypes.
+_ML_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2", "bfloat16"})
 
-
-#: Every dtype of the format, by name. Codes 1 to 38 are Tannic's; 42 to 45, 22 and 221 are
+#: Every dtype of the format, by name, with its wire code and element size in bytes (numpy's
+#: itemsize; a test checks they agree). Codes 1 to 38 are Tannic's; 42 to 45, 22 and 221 are
 #: tannery extensions.
 DTYPES: dict[str, DType] = {
     d.name: d
     for d in (
-        _dtype("bool", 1, np.bool_),
-        _dtype("int8", 12, np.int8),
-        _dtype("int16", 13, np.int16),
-        _dtype("int32", 14, np.int32),
-        _dtype("int64", 15, np.int64),
-        _dtype("float8_e4m3fn", 22, ml_dtypes.float8_e4m3fn),
-        _dtype("float8_e5m2", 221, ml_dtypes.float8_e5m2),
-        _dtype("float16", 23, np.float16),
-        _dtype("bfloat16", 231, ml_dtypes.bfloat16),
-        _dtype("float32", 24, np.float32),
-        _dtype("float64", 25, np.float64),
-        _dtype("complex64", 37, np.complex64),
-        _dtype("complex128", 38, np.complex128),
-        _dtype("uint8", 42, np.uint8),
-        _dtype("uint16", 43, np.uint16),
-        _dtype("uint32", 44, np.uint32),
-        _dtype("uint64", 45, np.uint64),
+        DType("bool", 1, 1),
+        DType("int8", 12, 1),
+        DType("int16", 13, 2),
+        DType("int32", 14, 4),
+        DType("int64", 15, 8),
+        DType("float8_e4m3fn", 22, 1),
+        DType("float8_e5m2", 221, 1),
+        DType("float16", 23, 2),
+        DType("bfloat16", 231, 2),
+        DType("float32", 24, 4),
+        DType("float64", 25, 8),
+        DType("complex64", 37, 8),
+        DType("complex128", 38, 16),
+        DType("uint8", 42, 1),
+        DType("uint16", 43, 2),
+        DType("uint32", 44, 4),
+        DType("uint64", 45, 8),
     )
 }
 FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64")
 #: Codes read but never written: Tannic C++ writes complex64 and complex128 as 35 and 36.
 _CODE_ALIASES = {35: DTYPES["complex64"], 36: DTYPES["complex128"]}
 _BY_CODE: dict[int, DType] = {d.code: d for d in DTYPES.values()} | _CODE_ALIASES
-_BY_NUMPY: dict[np.dtype, DType] = {d.numpy: d for d in DTYPES.values()}
+
+
+@cache
+def _by_numpy() -> dict[np.dtype, DType]:
+    """Every dtype by its numpy dtype (built on first use: it imports numpy)."""
+    return {d.numpy: d for d in DTYPES.values()}
 
 
 def dtype_of_code(code: int) -> DType:
@@ -134,7 +148,7 @@ def dtype_named(name: str) -> DType:
 def dtype_of_numpy(np_dtype: np.dtype) -> DType:
     """The dtype of a numpy dtype; TypeError for one the format cannot carry."""
     try:
-        return _BY_NUMPY[np.dtype(np_dtype)]
+        return _by_numpy()[np.dtype(np_dtype)]
     except KeyError:
         raise TypeError(f"numpy dtype {np.dtype(np_dtype)} has no tannic dcode") from None
 

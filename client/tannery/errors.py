@@ -24,7 +24,14 @@ class NotFound(ServiceError, LookupError):
 
 
 class AlreadyExists(ServiceError):
-    """An archive of that name exists and replacing it was not asked."""
+    """An archive of that name exists and replacing it was not asked; the message says how
+    to (:data:`REPLACE_REMEDY`)."""
+
+
+#: What an AlreadyExists message adds, in parentheses, to the server's: the keyword that replaces.
+REPLACE_REMEDY = "give replace=True to replace it"
+#: What the server's message says instead (it knows no client's spelling of the flag).
+SERVER_REPLACE_REMEDY = "(ask to replace it)"
 
 
 class InvalidArgument(ServiceError, ValueError):
@@ -56,6 +63,7 @@ class Cancelled(ServiceError):
 
 
 __all__ = [
+    "REPLACE_REMEDY",
     "AlreadyExists",
     "ArchiveError",
     "Cancelled",

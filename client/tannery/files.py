@@ -23,15 +23,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import safetensors
-import torch
-
 from . import checkpoint, codec
-from . import torch as tensors
+from ._lazy import lazy_module
 from .archive import Archive, EntryInfo, IndexedArchive, leaf_dtype, named_leaves
 from .codec import FormatError, format_shape
 from .errors import ArchiveError
 from .safetensors_format import CODES, read_layout
+
+# Imported on first use: reading a file's layout needs neither; a tensor view needs torch.
+torch = lazy_module("torch")
+tensors = lazy_module("tannery.torch")
+safetensors = lazy_module("safetensors")
 
 PathLike = str | os.PathLike[str]
 

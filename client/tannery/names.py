@@ -7,6 +7,8 @@ here, in a module the server can import without torch:
   prefix; an empty prefix is left out with its dot (:func:`join`);
 - under a prefix ``p`` the entries that ``p`` owns are ``p`` itself and the names that
   start with ``p`` and a dot; an empty prefix owns every name (:func:`owns`).
+
+A message about a name that is not there suggests the close ones (:func:`did_you_mean`).
 """
 
 from __future__ import annotations
@@ -41,4 +43,14 @@ def owned(prefix: str, names: Iterable[str]) -> list[str]:
     return [name for name in names if owns(prefix, name)]
 
 
-__all__ = ["SEPARATOR", "join", "owned", "owns"]
+def did_you_mean(name: str, names: Iterable[str]) -> str:
+    """``"; did you mean 'a', 'b'?"`` with up to three names close to ``name`` (difflib's
+    closeness), ``""`` when none is: what a message about a missing name ends with, in the
+    command and in the library alike."""
+    import difflib
+
+    close = difflib.get_close_matches(name, list(names), n=3)
+    return f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+
+
+__all__ = ["SEPARATOR", "did_you_mean", "join", "owned", "owns"]

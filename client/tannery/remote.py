@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .archive import DTypeLike, EntryInfo, IndexedArchive, MemoryArchive
 from .calls import ArchiveDescription, ArchiveInfo, EntryDescription, entry_ask
@@ -26,8 +24,11 @@ from .codec import format_shape
 from .errors import ArchiveError
 from .v1 import archives_pb2
 
+if TYPE_CHECKING:
+    import torch
+
 #: Fetches entries by their asks, in order (one Fetch call).
-Transfer = Callable[[Sequence[archives_pb2.EntryAsk]], list[torch.Tensor]]
+Transfer = Callable[[Sequence[archives_pb2.EntryAsk]], list["torch.Tensor"]]
 
 
 def _row_bound(value: object, what: str) -> int:

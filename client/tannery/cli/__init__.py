@@ -6,8 +6,9 @@ Building the parser imports neither torch nor the server: ``serve`` hands over t
 ``tannery_server.cli`` at once, and the client subcommands import torch-facing modules
 when they run.
 
-Exit status: 0 on success, 1 on a failure (one line on stderr: the server's message, the
-file, or the target that cannot be reached), 2 on a usage error, 130 on Ctrl-C.
+Exit status: 0 on success, 1 on a failure (on stderr, one line saying what failed: the
+server's message, the file, or the target that cannot be reached; then, when there is
+something to do about it, a ``hint:`` line saying what), 2 on a usage error, 130 on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import sys
 from typing import Sequence
 
 from .. import __version__
-from .connection import add_global_options, target_of, tls_options
-from .errors import error_message, hint
+from .connection import add_global_options, target_of, target_source, tls_options
+from .errors import Where, error_message, one_line, remedy
 from .output import Output
 
 #: Set to 1 to get a traceback for an unexpected error (a bug) instead of one line.
@@ -41,8 +42,8 @@ examples:
   tannery pull mnist -o copy.safetensors
   tannery --target gpu-box:50051 ls
 
-exit status: 0 on success, 1 on failure (the reason on one line on stderr), 2 on a usage
-error, 130 when interrupted (Ctrl-C)."""
+exit status: 0 on success, 1 on failure (the reason on one line on stderr, then a "hint:"
+line when there is something to do), 2 on a usage error, 130 when interrupted (Ctrl-C)."""
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -106,11 +107,21 @@ def _run(args: argparse.Namespace, out: Output) -> int:
     except Exception as exc:
         if os.environ.get(DEBUG_ENV):
             raise
-        message = error_message(exc, target_of(args)) + hint(exc, _using_tls(args))
-        if not _expected(exc):
-            message += f" (an unexpected {type(exc).__name__}; {DEBUG_ENV}=1 shows a traceback)"
-        print(f"tannery {args.command}: error: {message}", file=sys.stderr)
+        _report(exc, args)
         return 1
+
+
+def _report(exc: Exception, args: argparse.Namespace) -> None:
+    """Print a failure: what happened on one line, then what to do (``hint: ...``) when there
+    is something to do."""
+    where = Where(target_of(args), target_source(args), _using_tls(args), args.command)
+    message, advice = error_message(exc, where.target), remedy(exc, where)
+    if not _expected(exc):
+        message = f"an unexpected {type(exc).__name__}: {message}"
+        advice = f"this is a bug in tannery; run again with {DEBUG_ENV}=1 for the traceback to report"
+    print(f"tannery {args.command}: error: {message}", file=sys.stderr)
+    if advice:
+        print(f"hint: {one_line(advice)}", file=sys.stderr)
 
 
 def _using_tls(args: argparse.Namespace) -> bool:

@@ -9,6 +9,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from pathlib import Path
+
+from ..names import did_you_mean
 from .connection import connect
 from .errors import CommandError
 from .output import Output, human_size, iso_time, local_time
@@ -21,29 +24,32 @@ def cmd_push(args: argparse.Namespace, out: Output) -> int:
     total = payload_total(archive)
     with connect(args) as client, out.transfer(f"push {args.name}", total) as progress:
         info = client.store(args.name, archive, prefix=args.prefix, replace=args.replace, progress=progress)
-    out.status(f"pushed {args.file} as {info.name}: {_entries(info.entries)}, {human_size(info.nbytes)}")
+    out.result(f"pushed {args.file} as {info.name}: {_entries(info.entries)}, {human_size(info.nbytes)}")
     return 0
 
 
 def cmd_pull(args: argparse.Namespace, out: Output) -> int:
     from ..names import owns
     from .checkpoint_writer import CheckpointWriter
-    from .tensorfiles import check_writable
+    from .tensorfiles import check_writable, refuse_existing
 
     names = _split_names(args.names) if args.names is not None else None
+    output = Path(args.output)
+    refuse_existing([output], args.force)  # before the call: nothing to wait for
     with connect(args) as client:
         described = {entry.name: entry for entry in entries_of(client.describe(args.name))}
         if names is not None:
             missing = [name for name in names if name not in described]
             if missing:
                 raise CommandError(f"{args.name}: no entry {', '.join(map(repr, missing))} in the archive"
-                                   + _did_you_mean(missing[0], list(described)))
+                                   + did_you_mean(missing[0], list(described)), hint=_SHOW_HINT.format(args.name))
             selected = names
         else:
             selected = [name for name in described if owns(args.prefix or "", name)]
             if not selected:
-                raise CommandError(f"{args.name}: no entry under the prefix {args.prefix!r}")
-        check_writable(args.output, sorted({described[name].dtype for name in selected}))
+                raise CommandError(f"{args.name}: no entry under the prefix {args.prefix!r}",
+                                   hint=_SHOW_HINT.format(args.name))
+        check_writable(output, sorted({described[name].dtype for name in selected}), args.force)
         total = sum(described[name].payload_bytes for name in selected)
         # The file is laid out from the description, then written piece by piece as the
         # messages arrive (one held at a time), and renamed into place when whole.
@@ -53,7 +59,7 @@ def cmd_pull(args: argparse.Namespace, out: Output) -> int:
                 writer.write(piece)
             paths = writer.finish()
     nbytes = sum(described[name].nbytes for name in selected)
-    out.status(f"pulled {args.name} into {' and '.join(map(str, paths))}: {_entries(len(selected))}, {human_size(nbytes)}")
+    out.result(f"pulled {args.name} into {' and '.join(map(str, paths))}: {_entries(len(selected))}, {human_size(nbytes)}")
     return 0
 
 
@@ -90,15 +96,22 @@ def cmd_show(args: argparse.Namespace, out: Output) -> int:
 def cmd_get(args: argparse.Namespace, out: Output) -> int:
     from ..codec import format_shape
     from .stats import format_number, preview, statistics
-    from .tensorfiles import save_tensor, to_numpy
+    from .tensorfiles import check_npy_dtype, output_directory, refuse_existing, save_tensor, to_numpy
 
-    if args.output is not None and not args.output.endswith((".npy", ".pt")):
-        raise CommandError(f"{args.output}: write a .npy or .pt file")
+    if args.output is not None:
+        if not args.output.endswith((".npy", ".pt")):
+            raise CommandError(f"-o {args.output}: cannot tell the format from the extension",
+                               hint="write a .npy (numpy) or .pt (torch.save) file")
+        refuse_existing([Path(args.output)], args.force)
+        output_directory(Path(args.output).parent)
     with connect(args) as client:
         remote = client.archive(args.name)
         if args.entry not in remote:
-            raise CommandError(f"{args.name}: no entry {args.entry!r} in the archive{_did_you_mean(args.entry, remote.names())}")
+            raise CommandError(f"{args.name}: no entry {args.entry!r} in the archive{did_you_mean(args.entry, remote.names())}",
+                               hint=_SHOW_HINT.format(args.name))
         info = remote.info(args.entry)
+        if args.output is not None:
+            check_npy_dtype(args.output, info.dtype)  # before the transfer
         tensor = remote.find(args.entry)
     if args.output is not None:
         save_tensor(args.output, tensor)
@@ -120,7 +133,7 @@ def cmd_get(args: argparse.Namespace, out: Output) -> int:
             out.line(f"{key:<{width}}  {value}")
         out.line(shown)
     if args.output is not None:
-        (out.note if args.json else out.status)(f"wrote {args.output}")  # stdout stays JSON only
+        (out.note if args.json else out.result)(f"wrote {args.output}")  # stdout stays JSON only
     return 0
 
 
@@ -128,7 +141,7 @@ def cmd_union(args: argparse.Namespace, out: Output) -> int:
     sources = union_sources(args.sources, args.prefixed or [])
     with connect(args) as client:
         info = client.union(args.target_name, sources, replace=args.replace)
-    out.status(f"created {info.name}: {_entries(info.entries)}, {human_size(info.nbytes)} (no tensor bytes copied)")
+    out.result(f"created {info.name}: {_entries(info.entries)}, {human_size(info.nbytes)} (no tensor bytes copied)")
     return 0
 
 
@@ -136,18 +149,20 @@ def union_sources(plain: list[str], prefixed: list[str]) -> dict[str, str] | lis
     """The sources of a union as the client takes them: a list of names when none has a
     prefix, otherwise a mapping of prefix to name ("" for the one without)."""
     if not plain and not prefixed:
-        raise CommandError("no sources: give SRC archives or --prefix P=SRC")
+        raise CommandError("no sources", hint="give SRC archives, or --prefix P=SRC for each source under a prefix")
     if not prefixed:
         return list(plain)
     if len(plain) > 1:
-        raise CommandError("with --prefix, at most one source may go without a prefix; give the others --prefix P=SRC")
+        raise CommandError("with --prefix, at most one source may go without a prefix",
+                           hint="give the others as --prefix P=SRC")
     sources: dict[str, str] = {"": plain[0]} if plain else {}
     for item in prefixed:
         prefix, sep, name = item.partition("=")
         if not sep or not prefix or not name:
-            raise CommandError(f"--prefix {item!r}: expected PREFIX=SOURCE, for example --prefix encoder=bert-base")
+            raise CommandError(f"--prefix {item!r}: expected PREFIX=SOURCE",
+                               hint="for example --prefix encoder=bert-base")
         if prefix in sources:
-            raise CommandError(f"--prefix {prefix}: given twice")
+            raise CommandError(f"--prefix {prefix}: given twice", hint="give each prefix once")
         sources[prefix] = name
     return sources
 
@@ -157,7 +172,7 @@ def cmd_rm(args: argparse.Namespace, out: Output) -> int:
         for name in args.names:
             deleted = client.delete(name)
             freed = getattr(deleted, "bytes_freed", None)
-            out.status(f"deleted {name}" + (f" ({human_size(freed)} freed)" if freed is not None else ""))
+            out.result(f"deleted {name}" + (f" ({human_size(freed)} freed)" if freed is not None else ""))
     return 0
 
 
@@ -180,17 +195,14 @@ def entries_of(description: Any) -> list[Any]:
     return list(entries.values() if isinstance(entries, dict) else entries)
 
 
-def _did_you_mean(name: str, names: list[str]) -> str:
-    import difflib
-
-    close = difflib.get_close_matches(name, names, n=3)
-    return f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+#: The remedy of a name that is not in an archive.
+_SHOW_HINT = "tannery show {} lists its entries"
 
 
 def _split_names(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",") if name.strip()]
     if not names:
-        raise CommandError("--names: no entry names given")
+        raise CommandError("--names: no entry names given", hint="give them comma-separated: --names a.weight,a.bias")
     return names
 
 
@@ -250,7 +262,9 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
         cmd_pull,
     )
     pull.add_argument("name", metavar="NAME", type=name_arg, help="the archive")
-    pull.add_argument("-o", "--output", metavar="FILE", required=True, help="the file to write (.safetensors or .tannic)")
+    pull.add_argument("-o", "--output", metavar="FILE", required=True,
+                      help="the file to write (.safetensors or .tannic); missing directories are created")
+    pull.add_argument("-f", "--force", action="store_true", help="replace FILE if it exists (default: refuse)")
     which = pull.add_mutually_exclusive_group()
     which.add_argument("--prefix", metavar="P", help="only the entries under P (P itself and P.*)")
     which.add_argument("--names", metavar="A,B", help="only these entries, comma-separated")
@@ -284,7 +298,9 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
     )
     get.add_argument("name", metavar="NAME", type=name_arg, help="the archive")
     get.add_argument("entry", metavar="ENTRY", type=name_arg, help="the entry's full name")
-    get.add_argument("-o", "--output", metavar="FILE", help="also write the tensor to FILE.npy or FILE.pt")
+    get.add_argument("-o", "--output", metavar="FILE",
+                     help="also write the tensor to FILE.npy or FILE.pt; missing directories are created")
+    get.add_argument("-f", "--force", action="store_true", help="replace FILE if it exists (default: refuse)")
     get.add_argument("--json", action="store_true", help="print JSON (keys above)")
 
     union = command(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ def cmd_publish(args: argparse.Namespace, out: Output) -> int:
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     with connect(args) as client:
         result = client.publish(args.channel, iter(tensors))
-    out.status(f"published {_tensors(len(tensors))} ({human_size(nbytes)}) on {args.channel}")
+    out.result(f"published {_tensors(len(tensors))} ({human_size(nbytes)}) on {args.channel}")
     dropped = getattr(result, "dropped_subscribers", 0) or 0
     if dropped:
         out.note(f"warning: {dropped} subscriber(s) fell behind and were dropped by the server")
@@ -32,15 +33,14 @@ def cmd_subscribe(args: argparse.Namespace, out: Output) -> int:
     from ..codec import format_shape
     from ..torch import short_name
     from .stats import format_number, statistics
-    from .tensorfiles import save_tensor, to_numpy
+    from .tensorfiles import output_directory, save_tensor, to_numpy
 
     if args.count is not None and args.count < 1:
-        raise CommandError(f"-n {args.count}: give a count of 1 or more")
+        raise CommandError(f"-n {args.count}: not a count of tensors", hint="give -n 1 or more (or leave -n out)")
     directory = Path(args.output) if args.output is not None else None
     if directory is not None:
-        if directory.exists() and not directory.is_dir():
-            raise CommandError(f"-o {directory}: not a directory")
-        directory.mkdir(parents=True, exist_ok=True)
+        _refuse_earlier_tensors(directory, args.force)
+        output_directory(directory)
     with connect(args) as client:
         stream = client.subscribe(args.channel)
         try:
@@ -69,6 +69,20 @@ def cmd_subscribe(args: argparse.Namespace, out: Output) -> int:
     return 0
 
 
+def _refuse_earlier_tensors(directory: Path, force: bool) -> None:
+    """CommandError when ``directory`` holds tensors an earlier subscribe wrote (000000.npy,
+    ...), which this one would overwrite, unless ``force``: checked before subscribing."""
+    if force or not directory.is_dir():
+        return
+    earlier = sorted(path.name for path in directory.iterdir() if _RECEIVED.fullmatch(path.name))
+    if earlier:
+        shown = ", ".join(earlier[:3]) + (", ..." if len(earlier) > 3 else "")
+        raise CommandError(f"-o {directory}: holds {len(earlier)} received tensor file(s) ({shown}); nothing was received",
+                           hint="give --force to overwrite them, or another directory with -o")
+
+
+#: The names subscribe -o gives the files it writes.
+_RECEIVED = re.compile(r"[0-9]{6}\.(npy|pt)")
 #: Dtypes a .npy file cannot record: subscribe -o writes these as .pt.
 _NOT_NPY = frozenset({"bfloat16", "float8_e4m3fn", "float8_e5m2"})
 
@@ -102,4 +116,6 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
     subscribe.add_argument("channel", metavar="CHANNEL", type=name_arg, help="the channel's name")
     subscribe.add_argument("-n", "--count", metavar="COUNT", type=int, help="stop after COUNT tensors")
     subscribe.add_argument("-o", "--output", metavar="DIR", help="write each tensor to DIR (created if missing)")
+    subscribe.add_argument("-f", "--force", action="store_true",
+                           help="overwrite the tensor files an earlier subscribe left in DIR (default: refuse)")
     subscribe.set_defaults(run=cmd_subscribe)

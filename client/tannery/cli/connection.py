@@ -33,12 +33,19 @@ def add_global_options(parser: argparse.ArgumentParser, *, on_subcommand: bool) 
     group.add_argument("--tls-key", metavar="PEM", default=default,
                        help="the client certificate's private key, a PEM file [env TANNERY_CLIENT_KEY]")
     parser.add_argument("-q", "--quiet", action="store_true", default=default,
-                        help="no progress bars or status lines (results and errors still print)")
+                        help="no progress bars or progress notes on stderr (results and errors still print)")
 
 
 def target_of(args: argparse.Namespace) -> str:
     """The server address: --target, then TANNERY_TARGET, then localhost:50051."""
     return getattr(args, "target", None) or os.environ.get("TANNERY_TARGET") or DEFAULT_TARGET
+
+
+def target_source(args: argparse.Namespace) -> str:
+    """Where :func:`target_of` found the address: ``"--target"``, ``"TANNERY_TARGET"`` or ``"default"``."""
+    if getattr(args, "target", None):
+        return "--target"
+    return "TANNERY_TARGET" if os.environ.get("TANNERY_TARGET") else "default"
 
 
 def _env_flag(name: str) -> bool:
@@ -47,7 +54,8 @@ def _env_flag(name: str) -> bool:
         return True
     if raw in _FALSE:
         return False
-    raise CommandError(f"{name}={os.environ[name]!r}: expected 1/0, true/false, yes/no or on/off")
+    raise CommandError(f"{name}={os.environ[name]!r}: not a yes or no",
+                       hint=f"set {name} to 1/0, true/false, yes/no or on/off (or unset it)")
 
 
 def tls_options(args: argparse.Namespace) -> dict[str, str] | None:
@@ -60,7 +68,8 @@ def tls_options(args: argparse.Namespace) -> dict[str, str] | None:
     if not wanted:
         return None
     if bool(cert) != bool(key):
-        raise CommandError("--tls-cert and --tls-key go together (a client certificate and its key)")
+        raise CommandError("--tls-cert without --tls-key, or --tls-key without --tls-cert",
+                           hint="give both: a client certificate and its key (or TANNERY_CLIENT_CERT and TANNERY_CLIENT_KEY)")
     for flag, path in (("--tls-ca", ca), ("--tls-cert", cert), ("--tls-key", key)):
         if path and not os.path.isfile(path):
             raise CommandError(f"{flag} {path}: no such file")

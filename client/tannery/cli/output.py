@@ -1,14 +1,13 @@
 """What the command prints: human sizes and times, tables, JSON and transfer progress bars.
 
 Tables, status lines and JSON go to stdout; progress bars and errors to stderr, so a
-script can read stdout while a person watches the bar. Nothing here imports torch.
+script can read stdout while a person watches the bar. Nothing here imports torch, and
+rich only for a progress bar or a table wider than the terminal.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import io
-import json
 import re
 import sys
 from contextlib import contextmanager
@@ -63,6 +62,8 @@ _NUMBER_LIST = re.compile(r"\[\n\s*([-+0-9.eE,\s]*?)\n\s*\]")
 
 def compact_json(value: Any) -> str:
     """``value`` as JSON indented by two, with lists of numbers such as shapes on one line."""
+    import json  # here: only --json needs it
+
     text = json.dumps(value, indent=2, allow_nan=False)
     return _NUMBER_LIST.sub(lambda m: "[" + " ".join(m.group(1).split()) + "]", text)
 
@@ -70,8 +71,8 @@ def compact_json(value: Any) -> str:
 class Output:
     """Where a command writes: stdout for results, stderr for progress and errors.
 
-    ``quiet`` silences status lines and progress bars (never results or errors). Bars
-    are shown only when stderr is a terminal.
+    ``quiet`` silences what goes to stderr while a command works, progress bars and notes
+    (never results or errors). Bars are shown only when stderr is a terminal.
     """
 
     def __init__(self, quiet: bool = False, stdout: Any = None, stderr: Any = None) -> None:
@@ -83,10 +84,10 @@ class Output:
         """A result line on stdout (printed even with --quiet)."""
         print(text, file=self.stdout, flush=flush)
 
-    def status(self, text: str) -> None:
-        """A line saying what was done, on stdout; silent with --quiet."""
-        if not self.quiet:
-            print(text, file=self.stdout)
+    def result(self, text: str) -> None:
+        """A line saying what the command did (``pushed ...``, ``deleted ...``), on stdout:
+        the command's result, printed with --quiet too."""
+        print(text, file=self.stdout)
 
     def note(self, text: str) -> None:
         """A line about progress (not a result) on stderr; silent with --quiet."""
@@ -100,30 +101,35 @@ class Output:
     def table(self, columns: Sequence[tuple[str, str]], rows: Sequence[Sequence[str]], footer: str | None = None) -> None:
         """A table on stdout: ``columns`` are (header, justify) pairs, ``rows`` strings.
 
-        On a terminal rich fits it to the width; otherwise rows never wrap, so ``grep``
-        and ``awk`` see one row per line.
+        Columns are two spaces apart and rows never wrap, so ``grep`` and ``awk`` see one row
+        per line; cells are printed as given (no markup). On a terminal the header is bold, and
+        a table wider than the terminal is fitted to it by rich, imported only then (rich costs
+        more to import than the rest of ``tannery ls``).
         """
+        lines = plain_table(columns, rows)
+        terminal = _isatty(self.stdout)
+        if terminal and max(map(cell_width, lines), default=0) > _terminal_width():
+            self._rich_table(columns, rows, footer)
+            return
+        for index, line in enumerate(lines):
+            print(f"\x1b[1m{line}\x1b[0m" if index == 0 and terminal and _bold_ok() else line, file=self.stdout)
+        if footer:
+            print(footer, file=self.stdout)
+
+    def _rich_table(self, columns: Sequence[tuple[str, str]], rows: Sequence[Sequence[str]], footer: str | None) -> None:
+        """The table fitted to the terminal's width by rich (long cells folded)."""
         from rich.table import Table
+        from rich.text import Text
 
         table = Table(box=None, header_style="bold", pad_edge=False, show_edge=False)
         for header, justify in columns:
             table.add_column(header, justify=justify, no_wrap=True, overflow="fold")
         for row in rows:
-            table.add_row(*row)
-        if _isatty(self.stdout):
-            console = self._console(self.stdout)
-            console.print(table)
-            if footer:
-                console.print(footer, highlight=False, markup=False)
-            return
-        # Off a terminal: plain text, no trailing spaces, one row per line.
-        console = self._console(io.StringIO())
-        with console.capture() as captured:
-            console.print(table)
-        for line in captured.get().splitlines():
-            print(line.rstrip(), file=self.stdout)
+            table.add_row(*(Text(cell) for cell in row))  # Text: a name such as "[b]" is no markup
+        console = self._console(self.stdout)
+        console.print(table)
         if footer:
-            print(footer, file=self.stdout)
+            console.print(footer, highlight=False, markup=False)
 
     @staticmethod
     def _console(stream: Any) -> Any:
@@ -155,6 +161,50 @@ class Output:
             yield advance
             if total is not None:
                 progress.update(task, completed=total)
+
+
+def plain_table(columns: Sequence[tuple[str, str]], rows: Sequence[Sequence[str]]) -> list[str]:
+    """The lines of a table: a header, then a line per row, each column as wide as its widest
+    cell and justified as its ``(header, justify)`` says ("left" or "right"), two spaces apart,
+    no trailing spaces."""
+    table = [[header for header, _ in columns], *([str(cell) for cell in row] for row in rows)]
+    widths = [max(cell_width(line[i]) for line in table) for i in range(len(columns))]
+    lines = []
+    for line in table:
+        cells = []
+        for (_, justify), width, cell in zip(columns, widths, line):
+            pad = " " * (width - cell_width(cell))
+            cells.append(pad + cell if justify == "right" else cell + pad)
+        lines.append("  ".join(cells).rstrip())
+    return lines
+
+
+def cell_width(text: str) -> int:
+    """Columns ``text`` takes on a terminal: two for wide (East Asian) characters, none for
+    combining marks, one for the others."""
+    if text.isascii():
+        return len(text)
+    import unicodedata
+
+    width = 0
+    for char in text:
+        if unicodedata.combining(char):
+            continue
+        width += 2 if unicodedata.east_asian_width(char) in ("W", "F") else 1
+    return width
+
+
+def _terminal_width() -> int:
+    import shutil
+
+    return shutil.get_terminal_size().columns
+
+
+def _bold_ok() -> bool:
+    """Whether the terminal takes escape codes (not TERM=dumb)."""
+    import os
+
+    return os.environ.get("TERM", "") != "dumb"
 
 
 def _ignore(nbytes: int) -> None:

@@ -1,5 +1,10 @@
 """Files the command reads and writes: checkpoints (.safetensors, .tannic pairs, torch
-checkpoints) and single tensors (.npy, .pt). Imports torch: subcommands import it inside.
+checkpoints) and single tensors (.npy, .pt). torch and numpy are imported where a tensor is
+read or made: checking a file or an output path imports neither.
+
+Outputs are handled one way by every command: missing parent directories are created
+(:func:`output_directory`), and an existing file is replaced only with ``--force``
+(:func:`refuse_existing`).
 
 Every malformed or unsupported file is a :class:`CommandError` (or the library's
 FormatError) naming the file; nothing here prints.
@@ -14,13 +19,14 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
-import numpy as np
-import torch
-
 from .. import codec
+from .._lazy import lazy_module
 from ..archive import Archive, named_leaves
 from ..files import load_safetensors, load_tannic
 from .errors import CommandError
+
+np = lazy_module("numpy")
+torch = lazy_module("torch")
 
 #: Extensions of torch checkpoints, read with ``torch.load(weights_only=True)``.
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
@@ -31,8 +37,14 @@ READABLE = ".safetensors, .tannic (a pair) or a torch checkpoint (.pt, .pth, .bi
 
 
 def checkpoint_kind(path: str | os.PathLike[str], *, writing: bool = False) -> str:
-    """``"safetensors"``, ``"tannic"`` or ``"torch"`` (reading only) by the file's extension."""
+    """``"safetensors"``, ``"tannic"`` or ``"torch"`` (reading only) by the file's extension.
+
+    Reading, a file that is not there is a FileNotFoundError ("no such file") whatever its
+    name, before its extension is looked at (a .tannic pair is there when either file is).
+    """
     name = Path(path).name
+    if not writing:
+        check_exists(path)
     if name.endswith(".safetensors"):
         return "safetensors"
     if name.endswith(".tannic"):
@@ -40,8 +52,21 @@ def checkpoint_kind(path: str | os.PathLike[str], *, writing: bool = False) -> s
     if not writing and name.endswith(TORCH_SUFFIXES):
         return "torch"
     if writing:
-        raise CommandError(f"{path}: cannot tell the format from the extension; write a .safetensors file or a .tannic pair")
-    raise CommandError(f"{path}: cannot tell the format from the extension; give a {READABLE} file")
+        raise CommandError(f"{path}: cannot tell the format from the extension",
+                           hint="write a .safetensors file or a .tannic pair (-o NAME.safetensors, -o NAME.tannic)")
+    raise CommandError(f"{path}: cannot tell the format from the extension", hint=f"give a {READABLE} file")
+
+
+def check_exists(path: str | os.PathLike[str]) -> None:
+    """FileNotFoundError for a file to read that is not there (for a .tannic pair: neither file)."""
+    if Path(path).exists():
+        return
+    if Path(path).name.endswith(".tannic"):
+        from ..checkpoint import pair_paths
+
+        if any(Path(p).exists() for p in pair_paths(path)):
+            return
+    raise FileNotFoundError(2, "No such file", str(path))
 
 
 def read_checkpoint(path: str | os.PathLike[str]) -> Archive:
@@ -57,7 +82,8 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Archive:
         return load_tannic(path)
     value = load_torch(path)
     if isinstance(value, torch.Tensor):
-        raise CommandError(f"{path}: one tensor, not a checkpoint of named tensors; publish it, or save a dict")
+        raise CommandError(f"{path}: one tensor, not a checkpoint of named tensors",
+                           hint="publish it (tannery publish CHANNEL FILE), or save a dict of tensors to push")
     try:
         archive = Archive.of_value(value)
     except (TypeError, ValueError) as exc:
@@ -116,25 +142,58 @@ def payload_total(archive: Archive, names: list[str] | None = None) -> int:
     return total
 
 
-def check_writable(path: str | os.PathLike[str], dtypes: list[str]) -> None:
-    """Refuse, before anything is transferred, an output the pull could not write: an unknown
-    extension, a missing directory, or a dtype the format lacks (safetensors has no complex128)."""
+def check_writable(path: str | os.PathLike[str], dtypes: list[str], force: bool = False) -> list[Path]:
+    """The files a pull into ``path`` writes (one, or a .tannic pair), after refusing, before
+    anything is transferred, an output it could not or should not write: an unknown extension,
+    a dtype the format lacks (safetensors has no complex128), a parent that is not a directory,
+    or a file that exists (unless ``force``). Missing parent directories are created."""
+    from ..checkpoint import pair_paths
+
     kind = checkpoint_kind(path, writing=True)
-    parent = Path(path).parent
-    if not parent.is_dir():
-        raise CommandError(f"{path}: no directory {str(parent)!r} to write into")
     if kind == "safetensors":
         from ..safetensors_format import CODES
 
         for dtype in dtypes:
             if dtype not in CODES:
-                raise CommandError(f"{path}: safetensors has no {dtype} dtype; pull into a .tannic pair instead")
+                raise CommandError(f"{path}: safetensors has no {dtype} dtype",
+                                   hint="pull into a .tannic pair instead (-o NAME.tannic)")
+    paths = [Path(p) for p in pair_paths(path)] if kind == "tannic" else [Path(path)]
+    refuse_existing(paths, force)
+    output_directory(paths[0].parent)
+    return paths
+
+
+def refuse_existing(paths: list[Path], force: bool) -> None:
+    """CommandError for an output file that exists, unless ``force`` (then it is replaced,
+    whole, once the new one is written)."""
+    if force:
+        return
+    for path in paths:
+        if path.exists() or path.is_symlink():
+            what = "a directory" if path.is_dir() else "the file"
+            raise CommandError(f"{path}: {what} exists; nothing was written",
+                               hint="give --force to replace it, or write elsewhere with -o")
+
+
+def output_directory(directory: Path, flag: str = "-o") -> Path:
+    """``directory``, created with its missing parents (as ``mkdir -p``): every command that
+    writes files makes the directories it is told to write into. CommandError when a part of
+    it is a file."""
+    if directory.is_dir():
+        return directory
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise CommandError(f"cannot make the directory {directory}: a file is in the way",
+                           hint=f"give {flag} a path in a directory, or move that file") from None
+    return directory
 
 
 def read_tensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """Each tensor of a file with its name, in order: a .npy or .pt tensor, every tensor of a
     torch checkpoint in the order of its structure, or every entry of a .safetensors file or
     .tannic pair in name order."""
+    check_exists(path)
     name = Path(path).name
     if name.endswith(".npy"):
         yield Path(path).stem, torch.from_numpy(_load_npy(path))
@@ -158,7 +217,8 @@ def read_tensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tens
         for entry in archive.names():
             yield entry, archive.find(entry)
         return
-    raise CommandError(f"{path}: cannot tell the format from the extension; give a .npy or .pt tensor, or a {READABLE} file")
+    raise CommandError(f"{path}: cannot tell the format from the extension",
+                       hint=f"give a .npy or .pt tensor, or a {READABLE} file")
 
 
 def _load_npy(path: str | os.PathLike[str]) -> np.ndarray:
@@ -196,20 +256,24 @@ def save_tensor(path: str | os.PathLike[str], tensor: torch.Tensor) -> None:
     """Write one tensor as .npy (numpy) or .pt (``torch.save``), by extension, atomically."""
     path = Path(path)
     if path.suffix == ".npy":
-        dtype = _short(tensor)
-        if dtype in _NOT_NPY:
-            raise CommandError(f"{path}: a .npy file cannot record {dtype}; write a .pt file instead")
+        check_npy_dtype(path, _short(tensor))
         array = to_numpy(tensor)
         _write_atomically(path, lambda f: np.save(f, array, allow_pickle=False))
     elif path.suffix == ".pt":
         _write_atomically(path, lambda f: torch.save(tensor.detach().cpu(), f))
     else:
-        raise CommandError(f"{path}: write a .npy or .pt file")
+        raise CommandError(f"{path}: cannot tell the format from the extension",
+                           hint="write a .npy (numpy) or .pt (torch.save) file")
+
+
+def check_npy_dtype(path: str | os.PathLike[str], dtype: str) -> None:
+    """CommandError when ``path`` is a .npy file and ``dtype`` one it cannot record (bfloat16, float8)."""
+    if Path(path).suffix == ".npy" and dtype in _NOT_NPY:
+        raise CommandError(f"{path}: a .npy file cannot record {dtype}", hint="write a .pt file instead")
 
 
 def _write_atomically(path: Path, write: Any) -> None:
-    if not path.parent.is_dir():
-        raise CommandError(f"{path}: no directory {str(path.parent)!r} to write into")
+    output_directory(path.parent)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
@@ -222,12 +286,16 @@ def _write_atomically(path: Path, write: Any) -> None:
 
 __all__ = [
     "READABLE",
+    "check_exists",
+    "check_npy_dtype",
     "check_writable",
     "checkpoint_kind",
     "load_torch",
+    "output_directory",
     "payload_total",
     "read_checkpoint",
     "read_tensors",
+    "refuse_existing",
     "save_tensor",
     "to_numpy",
 ]
