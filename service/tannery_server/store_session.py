@@ -48,7 +48,7 @@ class StoreSession:
     def check_name_free(self) -> None:
         """ALREADY_EXISTS before any data is received (checked again at commit)."""
         if not self.replace and self.storage.catalog.archive(self.archive) is not None:
-            raise NameTaken(f"archive {self.archive!r} already exists (ask to replace it)")
+            raise NameTaken(f"archive {self.archive!r} already exists")
 
     def feed(self, message: StoreMessage, first: bool = False) -> None:
         if self._commit is not None:

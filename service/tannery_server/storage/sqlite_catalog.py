@@ -202,7 +202,7 @@ class SqliteCatalog:
         """Check the name is free (or may be replaced) and create the archive under a
         temporary name, so that its sources may include the archive it replaces."""
         if not replace and conn.execute("SELECT 1 FROM archives WHERE name = ?", (name,)).fetchone():
-            raise NameTaken(f"archive {name!r} already exists (ask to replace it)")
+            raise NameTaken(f"archive {name!r} already exists")
         cursor = conn.execute(
             "INSERT INTO archives (name, created_ns, entries, nbytes, payload_bytes) VALUES (?, ?, 0, 0, 0)",
             (_BUILDING + name, created_ns),
