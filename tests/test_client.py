@@ -29,7 +29,7 @@ from tannery.remote import AsyncRemoteArchive
 from tannery.torch import serialize
 from tannery.v1 import archives_pb2
 
-from .server_harness import running_server
+from .server_harness import running_server, wait_for
 
 KiB = 1 << 10
 SERVER_CHUNK = 4 * KiB
@@ -539,13 +539,19 @@ def test_publish_and_subscribe_relay_tensors_in_order_bit_for_bit(client):
         assert same_bits(got, tannery.archive.as_tensor(sent, "", ""))
 
 
-def test_closing_a_subscription_ends_it(client):
+def test_closing_a_subscription_ends_it(client, server):
     frames = client.subscribe("c")
+    assert server.hub.subscribers == 1  # registered once subscribe returns
     client.publish("c", [torch.ones(2)])
     assert torch.equal(next(frames), torch.ones(2))
     frames.close()
     assert list(frames) == []
-    assert client.publish("c", [torch.ones(2)]).payloads == 1
+    # Ended on the server too: its call is over and the hub holds no subscription for it.
+    assert wait_for(lambda: server.hub.subscribers == 0), f"{server.hub.subscribers} subscription left on the server"
+    assert "c" not in server.hub.channels
+    published = client.publish("c", [torch.ones(2)])
+    assert published.payloads == 1 and published.dropped_subscribers == 0
+    assert server.hub.dropped_subscribers == 0  # it left; it was not dropped for falling behind
 
 
 def test_publish_progress_and_an_empty_publish(client):

@@ -31,6 +31,14 @@ def run(coroutine):
     return asyncio.run(asyncio.wait_for(coroutine, 120))
 
 
+async def until(condition, timeout: float = 10, interval: float = 0.02) -> bool:
+    """Whether ``condition()`` holds within ``timeout`` seconds, polled without blocking the loop."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition() and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(interval)
+    return condition()
+
+
 def test_tannery_aio_is_a_submodule_reachable_as_an_attribute():
     import tannery as package
 
@@ -84,11 +92,15 @@ def test_publish_takes_an_async_iterable_and_subscriptions_are_async_iterators(s
                     if len(got) == 5:
                         break
             assert [t[0].item() for t in got] == [0.0, 1.0, 2.0, 3.0, 4.0]
+            # Leaving the block ended the subscription on the server too.
+            assert await until(lambda: server.hub.subscribers == 0), f"{server.hub.subscribers} left"
             subscription = await client.subscribe("frames")  # registered once awaited
+            assert server.hub.subscribers == 1
             await client.publish("frames", [torch.ones(3)])
             assert torch.equal(await subscription.__anext__(), torch.ones(3))
             subscription.close()
             assert [t async for t in subscription] == []
+            assert await until(lambda: server.hub.subscribers == 0), f"{server.hub.subscribers} left"
 
     run(main())
 
@@ -103,8 +115,12 @@ def test_a_task_waiting_on_a_subscription_can_be_cancelled(server):
             with pytest.raises(asyncio.CancelledError):
                 await waiting
             subscription.close()
-            # The server forgot it: a publish is not held up by a subscriber that reads nothing.
-            assert (await client.publish("quiet", [torch.zeros(10)])).payloads == 1
+            # The server forgot it (grpc cancels a call whose read is cancelled): its hub holds
+            # no subscription, and a publish reaches nobody.
+            assert await until(lambda: server.hub.subscribers == 0), f"{server.hub.subscribers} left"
+            published = await client.publish("quiet", [torch.zeros(10)])
+            assert published.payloads == 1 and published.dropped_subscribers == 0
+            assert server.hub.dropped_subscribers == 0
 
     run(main())
 
