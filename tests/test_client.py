@@ -11,6 +11,7 @@ import asyncio
 import datetime as dt
 import hashlib
 import inspect
+import logging
 import socket
 import threading
 from collections.abc import Iterator
@@ -433,9 +434,26 @@ def test_describe_gives_every_entry(client):
     assert description.entries[0].info == tannery.EntryInfo("float16", (32,), 64)
 
 
-def test_union_of_a_mapping_or_a_list_copies_no_bytes(client, server):
-    client.store("model", {"w": torch.ones(3)})
-    client.store("optim", {"m": torch.zeros(3)})
+def blob_files(server) -> dict[str, tuple[int, int, int]]:
+    """Every file under the server's ``blobs/`` and ``tmp/``: its path and (inode, size, mtime)."""
+    files = {}
+    for top in ("blobs", "tmp"):
+        for path in (server.data_dir / top).rglob("*"):
+            if path.is_file():
+                stat = path.stat()
+                files[str(path.relative_to(server.data_dir))] = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    return files
+
+
+def test_union_of_a_mapping_or_a_list_copies_no_bytes(client, server, caplog):
+    caplog.set_level(logging.INFO, logger="tannery_server.calls")
+    payload = 64 * KiB  # each payload is far larger than a Union's messages
+    client.store("model", {"w": torch.ones(payload // 4)})
+    client.store("optim", {"m": torch.zeros(payload // 4)})
+    stored = blob_files(server)
+    assert len(stored) == 2 and all(size > payload for _, size, _ in stored.values())
+    totals = server.storage.catalog.totals()
+    caplog.clear()
     info = client.union("ckpt", {"model": "model", "optim": "optim"})
     assert (info.name, info.entries) == ("ckpt", 2)
     assert client.fetch("ckpt").names() == ["model.w", "optim.m"]
@@ -448,6 +466,18 @@ def test_union_of_a_mapping_or_a_list_copies_no_bytes(client, server):
         client.union("x", ["model", "nope"])
     with pytest.raises(tannery.InvalidArgument, match="'w' is in two"):
         client.union("x", ["model", "model"])
+    # No payload byte was copied: the blobs are the very files the stores wrote, untouched,
+    # and nothing was written beside them; the new archives only refer to them.
+    assert blob_files(server) == stored
+    after = server.storage.catalog.totals()
+    assert (after.blobs, after.blob_bytes) == (totals.blobs, totals.blob_bytes)
+    digests = {e.name: e.digest for name in ("model", "optim") for e in client.describe(name)}
+    assert {e.name: e.digest for e in client.describe("ckpt")} == {"model.w": digests["w"], "optim.m": digests["m"]}
+    # Nor sent: the unions' messages are small, and no Store or Fetch carried a payload for them.
+    calls = [r.fields for r in caplog.records if r.name == "tannery_server.calls"]
+    unions = [c for c in calls if c["method"] == "Union"]
+    assert len(unions) == 6 and all(c["bytes"] < 1 * KiB for c in unions), unions
+    assert [c for c in calls if c["method"] not in ("Union", "Fetch", "Describe")] == []  # no Store
 
 
 def test_list_follows_every_page(client):
