@@ -7,6 +7,7 @@ subscriptions, concurrency, and the server's status on refused client-streaming 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -125,14 +126,46 @@ def test_a_task_waiting_on_a_subscription_can_be_cancelled(server):
     run(main())
 
 
-def test_many_reads_proceed_concurrently(server):
+class InFlight:
+    """Wraps a function the server's worker threads call once per Fetch (``Storage.open_blob``):
+    counts the calls in progress, and holds each until ``until`` are in progress at once, so
+    calls that can overlap do and :attr:`peak` says how many did. Calls made one at a time
+    never get there: the first gives up after ``timeout`` seconds and no call waits again."""
+
+    def __init__(self, fn, until: int, timeout: float = 20) -> None:
+        self.fn, self.until, self.timeout = fn, until, timeout
+        self.now = self.peak = 0
+        self.waiting = True
+        self._condition = threading.Condition()
+
+    def __call__(self, *args, **kwargs):
+        with self._condition:
+            self.now += 1
+            self.peak = max(self.peak, self.now)
+            self._condition.notify_all()
+            if self.waiting and not self._condition.wait_for(lambda: self.peak >= self.until, self.timeout):
+                self.waiting = False
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            with self._condition:
+                self.now -= 1
+
+
+def test_many_reads_proceed_concurrently(server, monkeypatch):
     async def main() -> None:
         async with tannery.aio.Client(server.target) as client:
             state = {f"layer{i}.w": torch.full((5000,), float(i)) for i in range(8)}
             await client.store("m", state)
             archive = await client.archive("m")
             assert "layer3.w" in archive and len(archive) == 8 and archive.info("layer3.w").shape == (5000,)
+            # Each read opens its blob on the server: all eight are opened at once, none
+            # waiting for another to finish (an observation on the server, not a timing).
+            opening = InFlight(server.storage.open_blob, until=len(state))
+            monkeypatch.setattr(server.storage, "open_blob", opening)
             got = await asyncio.gather(*(archive.tensor(name, [5000], torch.float32) for name in state))
+            monkeypatch.undo()
+            assert opening.peak == len(state), f"at most {opening.peak} of {len(state)} reads in progress at once"
             assert all(torch.equal(g, state[name]) for g, name in zip(got, state))
             with pytest.raises(tannery.ArchiveError, match=r"^Archive.tensor: layer0.w: shape \[5000\] in the archive"):
                 await archive.tensor("layer0.w", [5001], torch.float32)
