@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+import os
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -12,6 +15,18 @@ collect_ignore = ["fuzz"]
 #: Read-only data from other programs, beside the project; tests that use it skip without it.
 SHARED = ROOT.parent / "shared"
 FIXTURES = SHARED / "fixtures" / "tannic-nn"
+
+
+def peer(module: str) -> ModuleType:
+    """``module`` of another program the suite compares tannery with (pytannic, installed by
+    make's setup), imported. Missing, it fails the test that needs it, unless
+    ``TANNERY_ALLOW_MISSING_PEERS=1`` says this environment may lack it: then that test skips."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        if os.environ.get("TANNERY_ALLOW_MISSING_PEERS") == "1":
+            pytest.skip(f"{module} is not installed ({error}) and TANNERY_ALLOW_MISSING_PEERS=1")
+        raise
 
 
 @pytest.fixture

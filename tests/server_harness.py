@@ -4,7 +4,8 @@ Two ways to run it:
 
 - :func:`running_server` starts it in this process, on an event loop in a background
   thread, and yields an :class:`InProcessServer` (``.target``, ``.data_dir``, ``.config``,
-  ``.stop()``, ``.archives()``, ``.channel()``)::
+  ``.stop()``, ``.archives()``, ``.channel()``, and ``.storage`` and ``.hub`` for white-box
+  checks)::
 
       with running_server(tmp_path, chunk_size=4096) as server:
           stub = server.archives()
@@ -69,6 +70,20 @@ class InProcessServer:
     def storage(self):
         """The server's :class:`tannery_server.storage.Storage` (for white-box checks)."""
         return self._running.storage
+
+    @property
+    def hub(self):
+        """The Channels servicer's :class:`tannery_server.hub.Hub` (for white-box checks:
+        ``.subscribers``, ``.dropped_subscribers``, ``.channels``).
+
+        :class:`~tannery_server.app.RunningServer` keeps no reference to the servicer; it is
+        the owner of one of the closers run while calls drain (``servicer.close``).
+        """
+        for end in self._running._enders:
+            hub = getattr(getattr(end, "__self__", None), "hub", None)
+            if hub is not None:
+                return hub
+        raise AssertionError("this server has no Channels service")
 
     @property
     def metrics_port(self) -> int | None:

@@ -14,7 +14,14 @@ from tannery import torch as tt
 from tannery.checkpoint import ENTRY, PairEntry, parse_metadata
 from tannery.codec import FormatError
 
-pytannic_modules = pytest.importorskip("pytannic.torch.modules")
+from .conftest import peer
+
+
+@pytest.fixture
+def pytannic_modules():
+    """pytannic's module files, for the tests that read what it writes (only they need it)."""
+    return peer("pytannic.torch.modules")
+
 
 HEADER = struct.Struct("<IBHQ")
 MAGIC = 0x43495245
@@ -204,7 +211,7 @@ def test_missing_files(tmp_path):
 # ------------------------------------------------------------------------- pytannic's files
 
 
-def test_pytannic_write_is_read_back_bit_for_bit(tmp_path, monkeypatch, capsys):
+def test_pytannic_write_is_read_back_bit_for_bit(tmp_path, monkeypatch, capsys, pytannic_modules):
     monkeypatch.chdir(tmp_path)  # pytannic writes into the current directory, whatever the path says
     module = mlp()
     pytannic_modules.write(module, "elsewhere/net")
@@ -222,7 +229,7 @@ def test_pytannic_write_is_read_back_bit_for_bit(tmp_path, monkeypatch, capsys):
         assert (ours / f"net{suffix}").read_bytes() == (tmp_path / f"net{suffix}").read_bytes()
 
 
-def test_pytannic_file_of_a_module_with_buffers_is_refused_clearly(tmp_path, monkeypatch, capsys):
+def test_pytannic_file_of_a_module_with_buffers_is_refused_clearly(tmp_path, monkeypatch, capsys, pytannic_modules):
     # pytannic sizes the data header from parameters() and writes state_dict(): with a
     # BatchNorm the header undercounts the file, which tannery reports rather than guesses.
     monkeypatch.chdir(tmp_path)

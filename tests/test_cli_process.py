@@ -106,8 +106,19 @@ def test_serve_runs_without_torch(tmp_path: Path) -> None:
 
 
 def test_the_installed_script_and_version() -> None:
-    result = tannery("--version")
-    assert result.returncode == 0 and result.stdout.startswith("tannery ")
+    """``[project.scripts]`` names ``tannery``, and installing the project (``make test``'s
+    setup) put that script beside this Python: no fallback to ``python -m tannery.cli``."""
+    import tomllib
+
+    import tannery as package
+
+    from .conftest import ROOT
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"].get("scripts", {})
+    assert scripts.get("tannery") == "tannery.cli:main", f"pyproject.toml's [project.scripts]: {scripts}"
+    assert SCRIPT.is_file(), f"no {SCRIPT}: the project is not installed with its script (run make setup)"
+    result = subprocess.run([str(SCRIPT), "--version"], capture_output=True, text=True, timeout=120, env=_env())
+    assert (result.returncode, result.stdout, result.stderr) == (0, f"tannery {package.__version__}\n", "")
 
 
 def test_unreachable_server_exits_1_with_the_remedy() -> None:

@@ -11,6 +11,7 @@ import asyncio
 import datetime as dt
 import hashlib
 import inspect
+import logging
 import socket
 import threading
 from collections.abc import Iterator
@@ -29,7 +30,7 @@ from tannery.remote import AsyncRemoteArchive
 from tannery.torch import serialize
 from tannery.v1 import archives_pb2
 
-from .server_harness import running_server
+from .server_harness import running_server, wait_for
 
 KiB = 1 << 10
 SERVER_CHUNK = 4 * KiB
@@ -433,9 +434,26 @@ def test_describe_gives_every_entry(client):
     assert description.entries[0].info == tannery.EntryInfo("float16", (32,), 64)
 
 
-def test_union_of_a_mapping_or_a_list_copies_no_bytes(client, server):
-    client.store("model", {"w": torch.ones(3)})
-    client.store("optim", {"m": torch.zeros(3)})
+def blob_files(server) -> dict[str, tuple[int, int, int]]:
+    """Every file under the server's ``blobs/`` and ``tmp/``: its path and (inode, size, mtime)."""
+    files = {}
+    for top in ("blobs", "tmp"):
+        for path in (server.data_dir / top).rglob("*"):
+            if path.is_file():
+                stat = path.stat()
+                files[str(path.relative_to(server.data_dir))] = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    return files
+
+
+def test_union_of_a_mapping_or_a_list_copies_no_bytes(client, server, caplog):
+    caplog.set_level(logging.INFO, logger="tannery_server.calls")
+    payload = 64 * KiB  # each payload is far larger than a Union's messages
+    client.store("model", {"w": torch.ones(payload // 4)})
+    client.store("optim", {"m": torch.zeros(payload // 4)})
+    stored = blob_files(server)
+    assert len(stored) == 2 and all(size > payload for _, size, _ in stored.values())
+    totals = server.storage.catalog.totals()
+    caplog.clear()
     info = client.union("ckpt", {"model": "model", "optim": "optim"})
     assert (info.name, info.entries) == ("ckpt", 2)
     assert client.fetch("ckpt").names() == ["model.w", "optim.m"]
@@ -448,6 +466,18 @@ def test_union_of_a_mapping_or_a_list_copies_no_bytes(client, server):
         client.union("x", ["model", "nope"])
     with pytest.raises(tannery.InvalidArgument, match="'w' is in two"):
         client.union("x", ["model", "model"])
+    # No payload byte was copied: the blobs are the very files the stores wrote, untouched,
+    # and nothing was written beside them; the new archives only refer to them.
+    assert blob_files(server) == stored
+    after = server.storage.catalog.totals()
+    assert (after.blobs, after.blob_bytes) == (totals.blobs, totals.blob_bytes)
+    digests = {e.name: e.digest for name in ("model", "optim") for e in client.describe(name)}
+    assert {e.name: e.digest for e in client.describe("ckpt")} == {"model.w": digests["w"], "optim.m": digests["m"]}
+    # Nor sent: the unions' messages are small, and no Store or Fetch carried a payload for them.
+    calls = [r.fields for r in caplog.records if r.name == "tannery_server.calls"]
+    unions = [c for c in calls if c["method"] == "Union"]
+    assert len(unions) == 6 and all(c["bytes"] < 1 * KiB for c in unions), unions
+    assert [c for c in calls if c["method"] not in ("Union", "Fetch", "Describe")] == []  # no Store
 
 
 def test_list_follows_every_page(client):
@@ -539,13 +569,19 @@ def test_publish_and_subscribe_relay_tensors_in_order_bit_for_bit(client):
         assert same_bits(got, tannery.archive.as_tensor(sent, "", ""))
 
 
-def test_closing_a_subscription_ends_it(client):
+def test_closing_a_subscription_ends_it(client, server):
     frames = client.subscribe("c")
+    assert server.hub.subscribers == 1  # registered once subscribe returns
     client.publish("c", [torch.ones(2)])
     assert torch.equal(next(frames), torch.ones(2))
     frames.close()
     assert list(frames) == []
-    assert client.publish("c", [torch.ones(2)]).payloads == 1
+    # Ended on the server too: its call is over and the hub holds no subscription for it.
+    assert wait_for(lambda: server.hub.subscribers == 0), f"{server.hub.subscribers} subscription left on the server"
+    assert "c" not in server.hub.channels
+    published = client.publish("c", [torch.ones(2)])
+    assert published.payloads == 1 and published.dropped_subscribers == 0
+    assert server.hub.dropped_subscribers == 0  # it left; it was not dropped for falling behind
 
 
 def test_publish_progress_and_an_empty_publish(client):

@@ -7,6 +7,7 @@ subscriptions, concurrency, and the server's status on refused client-streaming 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -29,6 +30,14 @@ def server(tmp_path):
 
 def run(coroutine):
     return asyncio.run(asyncio.wait_for(coroutine, 120))
+
+
+async def until(condition, timeout: float = 10, interval: float = 0.02) -> bool:
+    """Whether ``condition()`` holds within ``timeout`` seconds, polled without blocking the loop."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition() and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(interval)
+    return condition()
 
 
 def test_tannery_aio_is_a_submodule_reachable_as_an_attribute():
@@ -84,11 +93,15 @@ def test_publish_takes_an_async_iterable_and_subscriptions_are_async_iterators(s
                     if len(got) == 5:
                         break
             assert [t[0].item() for t in got] == [0.0, 1.0, 2.0, 3.0, 4.0]
+            # Leaving the block ended the subscription on the server too.
+            assert await until(lambda: server.hub.subscribers == 0), f"{server.hub.subscribers} left"
             subscription = await client.subscribe("frames")  # registered once awaited
+            assert server.hub.subscribers == 1
             await client.publish("frames", [torch.ones(3)])
             assert torch.equal(await subscription.__anext__(), torch.ones(3))
             subscription.close()
             assert [t async for t in subscription] == []
+            assert await until(lambda: server.hub.subscribers == 0), f"{server.hub.subscribers} left"
 
     run(main())
 
@@ -103,20 +116,56 @@ def test_a_task_waiting_on_a_subscription_can_be_cancelled(server):
             with pytest.raises(asyncio.CancelledError):
                 await waiting
             subscription.close()
-            # The server forgot it: a publish is not held up by a subscriber that reads nothing.
-            assert (await client.publish("quiet", [torch.zeros(10)])).payloads == 1
+            # The server forgot it (grpc cancels a call whose read is cancelled): its hub holds
+            # no subscription, and a publish reaches nobody.
+            assert await until(lambda: server.hub.subscribers == 0), f"{server.hub.subscribers} left"
+            published = await client.publish("quiet", [torch.zeros(10)])
+            assert published.payloads == 1 and published.dropped_subscribers == 0
+            assert server.hub.dropped_subscribers == 0
 
     run(main())
 
 
-def test_many_reads_proceed_concurrently(server):
+class InFlight:
+    """Wraps a function the server's worker threads call once per Fetch (``Storage.open_blob``):
+    counts the calls in progress, and holds each until ``until`` are in progress at once, so
+    calls that can overlap do and :attr:`peak` says how many did. Calls made one at a time
+    never get there: the first gives up after ``timeout`` seconds and no call waits again."""
+
+    def __init__(self, fn, until: int, timeout: float = 20) -> None:
+        self.fn, self.until, self.timeout = fn, until, timeout
+        self.now = self.peak = 0
+        self.waiting = True
+        self._condition = threading.Condition()
+
+    def __call__(self, *args, **kwargs):
+        with self._condition:
+            self.now += 1
+            self.peak = max(self.peak, self.now)
+            self._condition.notify_all()
+            if self.waiting and not self._condition.wait_for(lambda: self.peak >= self.until, self.timeout):
+                self.waiting = False
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            with self._condition:
+                self.now -= 1
+
+
+def test_many_reads_proceed_concurrently(server, monkeypatch):
     async def main() -> None:
         async with tannery.aio.Client(server.target) as client:
             state = {f"layer{i}.w": torch.full((5000,), float(i)) for i in range(8)}
             await client.store("m", state)
             archive = await client.archive("m")
             assert "layer3.w" in archive and len(archive) == 8 and archive.info("layer3.w").shape == (5000,)
+            # Each read opens its blob on the server: all eight are opened at once, none
+            # waiting for another to finish (an observation on the server, not a timing).
+            opening = InFlight(server.storage.open_blob, until=len(state))
+            monkeypatch.setattr(server.storage, "open_blob", opening)
             got = await asyncio.gather(*(archive.tensor(name, [5000], torch.float32) for name in state))
+            monkeypatch.undo()
+            assert opening.peak == len(state), f"at most {opening.peak} of {len(state)} reads in progress at once"
             assert all(torch.equal(g, state[name]) for g, name in zip(got, state))
             with pytest.raises(tannery.ArchiveError, match=r"^Archive.tensor: layer0.w: shape \[5000\] in the archive"):
                 await archive.tensor("layer0.w", [5001], torch.float32)

@@ -11,6 +11,7 @@ import pytest
 from tannery import codec
 from tannery.v1 import archives_pb2 as pb
 from tannery_server.archives import FETCH_BATCH_BYTES
+from tannery_server.failures import DataLoss
 from tannery_server.fetching import FetchStream
 
 from .server_harness import collect_fetch, running_server, store_requests
@@ -64,7 +65,7 @@ def test_a_longer_fetch_says_which_batch_is_its_last(srv):
 def test_a_failing_first_batch_releases_the_pins(srv):
     digest = srv.storage.catalog.entries("a", ["small"])["small"].digest
     srv.storage.blobs.path(digest).unlink()
-    with pytest.raises(Exception, match="missing"):
+    with pytest.raises(DataLoss, match=f"'small'.*: stored blob {digest} is missing$"):
         FetchStream.open(srv.storage, request("small"), CHUNK, FETCH_BATCH_BYTES)
     assert pins(srv) == {}
 
@@ -74,7 +75,7 @@ def test_a_failure_comes_after_the_messages_before_it(srv):
     srv.storage.blobs.path(digest).unlink()
     stream, batch = FetchStream.open(srv.storage, request("small", "big"), CHUNK, FETCH_BATCH_BYTES)
     assert b"".join(batch).endswith(srv.payloads["small"]) and not stream.done
-    with pytest.raises(Exception, match="'big'.* is missing"):
+    with pytest.raises(DataLoss, match=f"'big'.*: stored blob {digest} is missing$"):
         stream.next_batch(FETCH_BATCH_BYTES)
     stream.close()
     assert pins(srv) == {}

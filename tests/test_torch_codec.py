@@ -15,7 +15,14 @@ from tannery import codec
 from tannery import torch as tt
 from tannery.codec import FormatError
 
-pytannic_tensors = pytest.importorskip("pytannic.torch.tensors")
+from .conftest import peer
+
+
+@pytest.fixture
+def pytannic_tensors():
+    """pytannic's tensor serialization, for the tests that compare with it (only they need it)."""
+    return peer("pytannic.torch.tensors")
+
 
 #: Every torch dtype of the format and its code (issue 2's table).
 CODES = {
@@ -212,7 +219,7 @@ def test_zero_dim_tensor_keeps_rank_zero():
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", PYTANNIC_DTYPES, ids=str)
-def test_bytes_equal_pytannic(dtype, shape):
+def test_bytes_equal_pytannic(dtype, shape, pytannic_tensors):
     tensor = sample(dtype, shape, seed=11)
     ours = tt.serialize(tensor)
     assert ours == pytannic_tensors.serialize(tensor)
@@ -222,13 +229,13 @@ def test_bytes_equal_pytannic(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", PYTANNIC_DTYPES, ids=str)
-def test_bytes_equal_pytannic_for_non_contiguous_tensors(dtype):
+def test_bytes_equal_pytannic_for_non_contiguous_tensors(dtype, pytannic_tensors):
     view = sample(dtype, (5, 6), seed=2).T[1:, ::2]
     assert tt.serialize(view) == pytannic_tensors.serialize(view)
 
 
 @pytest.mark.parametrize("shape", [(), (5,), (2, 3)], ids=str)
-def test_float16_is_written_as_23_where_pytannic_writes_231(shape):
+def test_float16_is_written_as_23_where_pytannic_writes_231(shape, pytannic_tensors):
     tensor = sample(torch.float16, shape, seed=4)
     ours, theirs = tt.serialize(tensor), pytannic_tensors.serialize(tensor)
     dcode_at = codec.HEADER.size
