@@ -74,16 +74,10 @@ class InProcessServer:
     @property
     def hub(self):
         """The Channels servicer's :class:`tannery_server.hub.Hub` (for white-box checks:
-        ``.subscribers``, ``.dropped_subscribers``, ``.channels``).
-
-        :class:`~tannery_server.app.RunningServer` keeps no reference to the servicer; it is
-        the owner of one of the closers run while calls drain (``servicer.close``).
-        """
-        for end in self._running._enders:
-            hub = getattr(getattr(end, "__self__", None), "hub", None)
-            if hub is not None:
-                return hub
-        raise AssertionError("this server has no Channels service")
+        ``.subscribers``, ``.dropped_subscribers``, ``.channels``)."""
+        if self._running.channels is None:
+            raise AssertionError("this server has no Channels service")
+        return self._running.channels.hub
 
     @property
     def metrics_port(self) -> int | None:

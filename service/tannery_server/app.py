@@ -106,6 +106,8 @@ class RunningServer:
     health: health.aio.HealthServicer
     #: Port of the metrics endpoint (None when metrics are off).
     metrics_port: int | None = None
+    #: The Channels servicer (its ``hub`` holds the channels), None when not installed.
+    channels: Any = None
     _closers: list[Callable[[], Awaitable[Any] | Any]] = field(default_factory=list)
     #: Run while calls drain: they end calls that would otherwise never finish (subscriptions).
     _enders: list[Callable[[], Awaitable[Any]]] = field(default_factory=list)
@@ -228,7 +230,8 @@ async def start(config: Config) -> RunningServer:
         raise
     for name in ("", *services):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    running = RunningServer(server, port, config, storage, health_servicer, metrics_port, closers, enders)
+    running = RunningServer(server, port, config, storage, health_servicer, metrics_port, channels_servicer,
+                            closers, enders)
     security = _security_summary(config, tokens, running.target)
     log.info("serving on %s (%s; data directory %s)", running.target, security, config.data_dir.resolve())
     return running
