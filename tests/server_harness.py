@@ -269,3 +269,22 @@ def wait_for(condition, timeout: float = 10, interval: float = 0.02) -> bool:
             return True
         time.sleep(interval)
     return condition()
+
+
+@contextmanager
+def mounted_tmpfs(mount_point: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` (``6m``, or bytes) mounted at ``mount_point`` (created), unmounted at the end:
+    a small disk to fill. Skips the test unless the mount works (it needs root)."""
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mount_point.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)

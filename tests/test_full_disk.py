@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
 from pathlib import Path
 
 import grpc
@@ -22,7 +21,7 @@ from tannery.codec import encode_numpy
 from tannery.v1 import archives_pb2 as pb
 from tannery_server.storage import Storage, StorageFull
 
-from .server_harness import collect_fetch, running_server, store_requests
+from .server_harness import collect_fetch, mounted_tmpfs, running_server, store_requests
 
 MiB = 1 << 20
 DISK = 24 * MiB
@@ -59,18 +58,8 @@ def fill(path: Path) -> Path:
 @pytest.fixture
 def small_disk(tmp_path: Path):
     """A 24 MiB tmpfs, unmounted at the end (skips unless root and mount works)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    mount_point = tmp_path / "disk"
-    mount_point.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK}", "tmpfs", str(mount_point)],
-                            capture_output=True, text=True)
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "disk", str(DISK)) as mount_point:
         yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
 def names(stub) -> list[str]:

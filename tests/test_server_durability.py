@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
-import subprocess
 import threading
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import torch
 from tannery.torch import deserialize, serialize
 from tannery.v1 import archives_pb2 as pb
 
-from .server_harness import ServerProcess, collect_fetch, running_server, store_requests, wait_for
+from .server_harness import ServerProcess, collect_fetch, mounted_tmpfs, running_server, store_requests, wait_for
 
 MiB = 1 << 20
 
@@ -185,16 +184,8 @@ def test_a_file_size_limit_is_resource_exhausted_and_the_server_keeps_serving(tm
 
 @pytest.fixture
 def small_tmpfs(tmp_path):
-    mount_point = tmp_path / "small-disk"
-    mount_point.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mount_point)],
-                            capture_output=True, text=True)
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "small-disk", "6m") as mount_point:
         yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
 def test_a_full_disk_is_resource_exhausted_and_the_server_keeps_serving(small_tmpfs):
