@@ -24,7 +24,7 @@ import torch
 import tannery
 import tannery.aio
 from tannery import codec, wire
-from tannery.calls import EntryReader
+from tannery.readers import EntryReader
 from tannery.remote import AsyncRemoteArchive
 from tannery.torch import serialize
 from tannery.v1 import archives_pb2

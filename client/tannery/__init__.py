@@ -35,10 +35,10 @@ _EXPORTS = {
     "Subscription": "tannery.client",
     "RemoteArchive": "tannery.remote",
     "TLS": "tannery.connection",
-    "ArchiveInfo": "tannery.calls",
-    "ArchiveDescription": "tannery.calls",
-    "EntryDescription": "tannery.calls",
-    "TensorPiece": "tannery.calls",
+    "ArchiveInfo": "tannery.records",
+    "ArchiveDescription": "tannery.records",
+    "EntryDescription": "tannery.records",
+    "TensorPiece": "tannery.readers",
 }
 
 

@@ -19,9 +19,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .archive import DTypeLike, EntryInfo, IndexedArchive, MemoryArchive
-from .calls import ArchiveDescription, ArchiveInfo, EntryDescription, entry_ask
 from .codec import format_shape
 from .errors import ArchiveError
+from .records import ArchiveDescription, ArchiveInfo, EntryDescription
+from .requests import entry_ask
 from .v1 import archives_pb2
 
 if TYPE_CHECKING:

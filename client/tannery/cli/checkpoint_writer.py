@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from .. import codec
-from ..calls import TensorPiece
+from ..readers import TensorPiece
 from ..checkpoint import PairEntry, encode_metadata, file_header, pair_paths
 from ..codec import format_shape
 from ..safetensors_format import CODES, encode_header
