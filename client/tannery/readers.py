@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 from . import wire
 from ._lazy import lazy_module
-from .codec import Deframer, FormatError, PayloadInfo, Reframer, byte_buffer
+from .codec import FormatError, PayloadInfo, byte_buffer
+from .framing import Deframer, Reframer
 from .requests import Progress
 
 if TYPE_CHECKING:
