@@ -430,7 +430,7 @@ def test_describe_gives_every_entry(client):
         assert (entry.dtype, entry.shape) == (tannery.torch.short_name(tensor.dtype), tuple(tensor.shape))
         assert entry.payload_bytes == len(serialize(tensor))
         assert entry.digest == hashlib.sha256(serialize(tensor)).hexdigest()
-    assert description.entries[0].info == tannery.EntryInfo("float16", (32,), 64)
+    assert description.entries[0].info == tannery.TensorInfo("float16", (32,), 64)
 
 
 def test_union_of_a_mapping_or_a_list_copies_no_bytes(client, server):

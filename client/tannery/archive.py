@@ -5,7 +5,9 @@ kinds implement three hooks only: ``_names`` (the sorted names), ``_info`` (an e
 dtype, shape and size, from metadata only) and ``_fetch`` (several entries at once, so
 that a remote archive answers ``to_value`` in one call); ``_cast`` is optional. Here
 are the in-memory kind (:meth:`Archive.of_list`, :meth:`Archive.of_value`) and the
-union (:meth:`Archive.union`); ``tannery.files`` has the memory-mapped one.
+union (:meth:`Archive.union`); ``tannery.files`` has the memory-mapped one, and
+``tannery.remote`` the server's. The values archives are made of and filled into (tensors,
+nested structures of them, their names) are :mod:`tannery.values`.
 
 A mismatch between an archive and what is asked of it is an :class:`ArchiveError`
 that names the entry, raised before any entry is read. Messages print shapes as
@@ -14,37 +16,30 @@ Python lists and dtypes by their short names (``float32``).
 
 from __future__ import annotations
 
-import copy
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Union
+from typing import Any
 
-from . import codec
 from ._lazy import lazy_module
 from .codec import FLOAT_NAMES, format_shape
 from .errors import ArchiveError
 from .names import did_you_mean, join, owned, owns
+from .values import (
+    DTypeLike, TensorLike, as_tensor, dtype_name, is_tensor_leaf, leaf_dtype, named_leaves, rebuild,
+)
 
 # Imported on first use: listing or describing archives never imports torch.
-np = lazy_module("numpy")
 torch = lazy_module("torch")
 torch_codec = lazy_module("tannery.torch")
 
-#: A dtype as callers may give it: ``torch.float32``, ``"float32"`` or a codec DType.
-DTypeLike = Union["torch.dtype", str, codec.DType]
-#: A tensor as callers may give it; numpy arrays become torch tensors sharing their memory.
-TensorLike = Union["torch.Tensor", "np.ndarray"]
-
 _FLOATS_TEXT = "float16, bfloat16, float32 or float64"
-#: Dtypes whose numpy arrays (ml_dtypes) torch.from_numpy cannot take directly.
-_VIA_BITS = frozenset({"bfloat16", "float8_e4m3fn", "float8_e5m2"})
 
 
 @dataclass(frozen=True)
-class EntryInfo:
-    """What an archive's metadata says of one entry: dtype name, shape and size in bytes.
+class TensorInfo:
+    """What an archive's metadata says of one entry's tensor: dtype name, shape and size in bytes.
 
     ``nbytes`` is the size of the elements where they are stored (booleans are
     bit-packed in .tannic files and tannic payloads, one byte each elsewhere).
@@ -62,127 +57,7 @@ class EntryInfo:
         return f"{self.dtype} {format_shape(self.shape)}"
 
     def __repr__(self) -> str:
-        return f"EntryInfo({self.dtype} {format_shape(self.shape)}, {self.nbytes} bytes)"
-
-
-def is_tensor_leaf(value: object) -> bool:
-    """Whether a leaf of a value is a tensor (torch tensor or numpy array), hence an entry."""
-    return isinstance(value, (torch.Tensor, np.ndarray))
-
-
-def dtype_name(dtype: DTypeLike) -> str:
-    """The short name of a dtype given as a torch dtype, a name or a codec DType.
-
-    ValueError for an unknown name, TypeError for anything else.
-    """
-    if isinstance(dtype, torch.dtype):
-        return torch_codec.short_name(dtype)
-    if isinstance(dtype, codec.DType):
-        return dtype.name
-    if isinstance(dtype, str):
-        return codec.dtype_named(dtype).name
-    raise TypeError(f"a dtype is a torch.dtype or a name such as 'float32', not {type(dtype).__name__}")
-
-
-def leaf_dtype(leaf: TensorLike) -> str:
-    """The short dtype name of a tensor leaf (a numpy array's included)."""
-    if isinstance(leaf, np.ndarray):
-        try:
-            return codec.dtype_of_numpy(leaf.dtype).name
-        except TypeError:
-            return str(leaf.dtype)
-    return torch_codec.short_name(leaf.dtype)
-
-
-def named_leaves(value: Any, prefix: str = "", where: str = "named_leaves") -> dict[str, TensorLike]:
-    """The tensor leaves of a structure of dicts, lists and tuples, by name, in order.
-
-    Each is named by its path, keys and indices joined with dots, under ``prefix``
-    (:func:`tannery.names.join`); other leaves are skipped. ValueError, prefixed by
-    ``where``, for a leaf left without a name or two leaves of one name.
-    """
-    leaves: dict[str, TensorLike] = {}
-    for path, leaf in _walk(value, ()):
-        name = join(prefix, *path)
-        if not name:
-            if not path:
-                raise ValueError(f"{where}: a leaf at the root has no name; give a prefix")
-            raise ValueError(f"{where}: a leaf at {list(path)} has an empty name; give a prefix")
-        if name in leaves:
-            raise ValueError(f"{where}: {name}: two leaves have this name")
-        leaves[name] = leaf
-    return leaves
-
-
-def _walk(value: Any, path: tuple[str, ...]):
-    """(path, leaf) for each tensor leaf of ``value``, depth first, in order."""
-    if is_tensor_leaf(value):
-        yield path, value
-    elif isinstance(value, Mapping):
-        for key, item in value.items():
-            yield from _walk(item, path + (str(key),))
-    elif isinstance(value, (list, tuple)):
-        for index, item in enumerate(value):
-            yield from _walk(item, path + (str(index),))
-
-
-def _rebuild(value: Any, path: tuple[str, ...], replace: Callable[[tuple[str, ...], Any], Any]) -> Any:
-    """``value`` with each tensor leaf replaced by ``replace(path, leaf)``; containers keep their types."""
-    if is_tensor_leaf(value):
-        return replace(path, value)
-    if isinstance(value, Mapping):
-        items = {key: _rebuild(item, path + (str(key),), replace) for key, item in value.items()}
-        if not isinstance(value, dict):
-            return items
-        # A shallow copy keeps the dict's class and attributes (a state_dict's _metadata).
-        new = copy.copy(value)
-        new.update(items)
-        return new
-    if isinstance(value, list):
-        items = [_rebuild(item, path + (str(i),), replace) for i, item in enumerate(value)]
-        if type(value) is list:
-            return items
-        new = copy.copy(value)
-        new[:] = items
-        return new
-    if isinstance(value, tuple):
-        items = [_rebuild(item, path + (str(i),), replace) for i, item in enumerate(value)]
-        if type(value) is tuple:
-            return tuple(items)
-        if hasattr(type(value), "_fields"):  # a namedtuple
-            return type(value)(*items)
-        return type(value)(items)
-    return value
-
-
-def as_tensor(value: TensorLike, name: str, where: str) -> torch.Tensor:
-    """A tensor leaf as a torch tensor an archive may hold, sharing a numpy array's memory.
-
-    TypeError naming the entry for anything else, a dtype the format cannot carry, or a
-    layout other than strided. A numpy array with negative strides, which torch cannot
-    view, is copied.
-    """
-    if isinstance(value, np.ndarray):
-        try:
-            dtype = codec.dtype_of_numpy(value.dtype)
-        except TypeError as e:
-            raise TypeError(f"{where}: {name}: {e}") from None
-        if any(stride < 0 for stride in value.strides):
-            value = np.ascontiguousarray(value)
-        if dtype.name in _VIA_BITS:
-            # ml_dtypes' types, which torch.from_numpy does not know: view their bits.
-            bits = np.dtype(f"uint{8 * dtype.itemsize}")
-            return torch.from_numpy(value.view(bits)).view(torch_codec.torch_dtype(dtype))
-        return torch.from_numpy(value)
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{where}: {name}: {type(value).__name__} is not a tensor")
-    try:
-        torch_codec.codec_dtype(value.dtype)
-    except TypeError as e:
-        raise TypeError(f"{where}: {name}: {e}") from None
-    if value.layout != torch.strided:
-        raise TypeError(f"{where}: {name}: a {value.layout} tensor; archives hold strided (dense) tensors")
-    return value
+        return f"TensorInfo({self.dtype} {format_shape(self.shape)}, {self.nbytes} bytes)"
 
 
 def _shape(shape: Sequence[int], where: str) -> tuple[int, ...]:
@@ -219,7 +94,7 @@ class Archive(ABC):
         """Every entry's name, sorted and distinct (the archive is immutable: cache it)."""
 
     @abstractmethod
-    def _info(self, name: str) -> EntryInfo | None:
+    def _info(self, name: str) -> TensorInfo | None:
         """An entry's dtype, shape and size from metadata only; None when there is none."""
 
     @abstractmethod
@@ -284,7 +159,7 @@ class Archive(ABC):
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and self._info(name) is not None
 
-    def info(self, name: str) -> EntryInfo:
+    def info(self, name: str) -> TensorInfo:
         """An entry's dtype, shape and size, from metadata only; ArchiveError when absent."""
         return self._lookup("Archive.info", name)
 
@@ -356,9 +231,9 @@ class Archive(ABC):
             device = leaf.device if isinstance(leaf, torch.Tensor) else torch.device("cpu")
             return entry if device.type == "meta" else entry.to(device)
 
-        return _rebuild(like, (), replace)
+        return rebuild(like, (), replace)
 
-    def _lookup(self, where: str, name: str, shape: tuple[int, ...] | None = None) -> EntryInfo:
+    def _lookup(self, where: str, name: str, shape: tuple[int, ...] | None = None) -> TensorInfo:
         """The entry's info, checked to exist (and to have ``shape`` when given)."""
         info = self._info(_check_name(name, where))
         if info is None:
@@ -375,9 +250,9 @@ class Archive(ABC):
         return f"<{type(self).__name__} of {len(names)} entries: {shown}>" if names else f"<empty {type(self).__name__}>"
 
 
-def tensor_info(tensor: torch.Tensor) -> EntryInfo:
+def tensor_info(tensor: torch.Tensor) -> TensorInfo:
     """The info of a tensor held in memory."""
-    return EntryInfo(torch_codec.short_name(tensor.dtype), tuple(tensor.shape), tensor.numel() * tensor.element_size())
+    return TensorInfo(torch_codec.short_name(tensor.dtype), tuple(tensor.shape), tensor.numel() * tensor.element_size())
 
 
 class MemoryArchive(Archive):
@@ -392,7 +267,7 @@ class MemoryArchive(Archive):
     def _names(self) -> Sequence[str]:
         return self._sorted
 
-    def _info(self, name: str) -> EntryInfo | None:
+    def _info(self, name: str) -> TensorInfo | None:
         tensor = self._tensors.get(name)
         return None if tensor is None else tensor_info(tensor)
 
@@ -413,7 +288,7 @@ class IndexedArchive(Archive):
     def _names(self) -> Sequence[str]:
         return self._sorted
 
-    def _info(self, name: str) -> EntryInfo | None:
+    def _info(self, name: str) -> TensorInfo | None:
         entry = self._entries.get(name)
         return None if entry is None else entry.info
 
@@ -430,7 +305,7 @@ class UnionArchive(Archive):
     def _names(self) -> Sequence[str]:
         return self._sorted
 
-    def _info(self, name: str) -> EntryInfo | None:
+    def _info(self, name: str) -> TensorInfo | None:
         source = self._sources.get(name)
         return None if source is None else source._info(name)
 
@@ -461,8 +336,9 @@ __all__ = [
     "Archive",
     "ArchiveError",
     "DTypeLike",
-    "EntryInfo",
+    "IndexedArchive",
     "MemoryArchive",
+    "TensorInfo",
     "TensorLike",
     "UnionArchive",
     "as_tensor",

@@ -25,10 +25,11 @@ from typing import Any
 
 from . import checkpoint, codec
 from ._lazy import lazy_module
-from .archive import Archive, EntryInfo, IndexedArchive, leaf_dtype, named_leaves
+from .archive import Archive, IndexedArchive, TensorInfo
 from .codec import FormatError, format_shape
 from .errors import ArchiveError
 from .safetensors_format import CODES, read_layout
+from .values import leaf_dtype, named_leaves
 
 # Imported on first use: reading a file's layout needs neither; a tensor view needs torch.
 torch = lazy_module("torch")
@@ -42,7 +43,7 @@ PathLike = str | os.PathLike[str]
 class MappedEntry:
     """Where one entry lies in a map, and how its elements are laid out there."""
 
-    info: EntryInfo
+    info: TensorInfo
     offset: int
     #: Booleans packed eight to a byte (.tannic) rather than one per byte (safetensors).
     packed_bools: bool = False
@@ -100,7 +101,7 @@ def load_safetensors(path: PathLike) -> MappedArchive:
     data = _map_file(path, 8, str(path))
     layout = read_layout(data, str(path))
     entries = {
-        e.name: MappedEntry(EntryInfo(e.dtype.name, e.shape, e.nbytes), layout.data_start + e.begin)
+        e.name: MappedEntry(TensorInfo(e.dtype.name, e.shape, e.nbytes), layout.data_start + e.begin)
         for e in layout.entries
     }
     return MappedArchive(path, data, entries)
@@ -166,7 +167,7 @@ def load_tannic(path: PathLike, like: Any = None, prefix: str = "") -> MappedArc
     entries = {}
     for entry in pair.entries:
         shape = shapes[entry.name] if entry.name in shapes else _flat_shape(entry)
-        info = EntryInfo(entry.dtype.name, shape, entry.nbytes)
+        info = TensorInfo(entry.dtype.name, shape, entry.nbytes)
         entries[entry.name] = MappedEntry(info, pair.data_start + entry.offset, packed_bools=True)
     return MappedArchive(checkpoint.pair_paths(path)[0], pair.data, entries)
 

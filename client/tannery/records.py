@@ -11,7 +11,7 @@ import datetime as dt
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .archive import EntryInfo
+from .archive import TensorInfo
 from .codec import format_shape
 from .v1 import archives_pb2, channels_pb2
 
@@ -45,8 +45,8 @@ class EntryDescription:
     digest: str
 
     @property
-    def info(self) -> EntryInfo:
-        return EntryInfo(self.dtype, self.shape, self.nbytes)
+    def info(self) -> TensorInfo:
+        return TensorInfo(self.dtype, self.shape, self.nbytes)
 
     def __str__(self) -> str:
         return f"{self.name}: {self.dtype} {format_shape(self.shape)}"

@@ -18,7 +18,7 @@ import operator
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .archive import DTypeLike, EntryInfo, IndexedArchive, MemoryArchive
+from .archive import DTypeLike, IndexedArchive, MemoryArchive, TensorInfo
 from .codec import format_shape
 from .errors import ArchiveError
 from .records import ArchiveDescription, ArchiveInfo, EntryDescription
@@ -141,7 +141,7 @@ class AsyncRemoteArchive:
     def names(self) -> list[str]:
         return self._planner.names()
 
-    def info(self, name: str) -> EntryInfo:
+    def info(self, name: str) -> TensorInfo:
         return self._planner.info(name)
 
     def entry(self, name: str) -> EntryDescription:

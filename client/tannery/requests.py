@@ -14,10 +14,11 @@ from typing import Any, Callable, Optional
 
 from . import errors, wire
 from ._lazy import lazy_module
-from .archive import Archive, as_tensor
+from .archive import Archive
 from .names import join
 from .records import EntryDescription
 from .v1 import archives_pb2, channels_pb2
+from .values import as_tensor
 
 # Imported where a tensor is sent: List, Describe, Delete and Union never import torch.
 np = lazy_module("numpy")

@@ -21,8 +21,9 @@ from typing import Any, Iterator
 
 from .. import codec
 from .._lazy import lazy_module
-from ..archive import Archive, named_leaves
+from ..archive import Archive
 from ..files import load_safetensors, load_tannic
+from ..values import named_leaves
 from .errors import CommandError
 
 np = lazy_module("numpy")
