@@ -10,8 +10,9 @@
             async for tensor in frames:
                 ...
 
-Create it inside the event loop that uses it. What is sent and received is built by
-:mod:`tannery.requests` and read by :mod:`tannery.readers`, as for the synchronous client; this module only waits differently.
+Create it inside the event loop that uses it. What is sent is built by :mod:`tannery.requests`
+and what is received read by :mod:`tannery.readers`, as for the synchronous client; this module
+only waits differently.
 
 A refused Store or Publish reports the server's status: grpc.aio may replace it with
 INTERNAL ("Failed execute_batch") when the server ends a client-streaming call while the

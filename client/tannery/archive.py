@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from . import mismatches
 from ._lazy import lazy_module
 from .codec import FLOAT_NAMES, format_shape
 from .errors import ArchiveError
@@ -33,9 +34,6 @@ from .values import (
 # Imported on first use: listing or describing archives never imports torch.
 torch = lazy_module("torch")
 torch_codec = lazy_module("tannery.torch")
-
-_FLOATS_TEXT = "float16, bfloat16, float32 or float64"
-
 
 @dataclass(frozen=True)
 class TensorInfo:
@@ -175,7 +173,7 @@ class Archive(ABC):
         shape, dtype = _shape(shape, where), dtype_name(dtype)
         info = self._lookup(where, name, shape)
         if info.dtype != dtype:
-            raise ArchiveError(f"{where}: {name}: {info.dtype} in the archive, {dtype} asked for")
+            raise ArchiveError(mismatches.dtype_differs(where, name, info.dtype, dtype))
         return self._fetch([name])[0]
 
     def float(self, name: str, shape: Sequence[int], dtype: DTypeLike) -> torch.Tensor:
@@ -188,10 +186,10 @@ class Archive(ABC):
         where = "Archive.float"
         shape, dtype = _shape(shape, where), dtype_name(dtype)
         if dtype not in FLOAT_NAMES:
-            raise ValueError(f"{where}: {dtype} is not {_FLOATS_TEXT}")
+            raise ValueError(f"{where}: {dtype} is not {mismatches.FLOATS_TEXT}")
         info = self._lookup(where, name, shape)
         if info.dtype not in FLOAT_NAMES:
-            raise ArchiveError(f"{where}: {name}: {info.dtype} in the archive, not {_FLOATS_TEXT}")
+            raise ArchiveError(mismatches.not_float(where, name, info.dtype))
         if info.dtype == dtype:
             return self._fetch([name])[0]
         return self._cast(name, dtype)
@@ -210,16 +208,14 @@ class Archive(ABC):
         for name, leaf in leaves.items():
             info = self._info(name)
             if info is None:
-                raise ArchiveError(f"{where}: {name}: no entry in the archive, a leaf in the value"
-                                   f"{did_you_mean(name, self._names())}")
+                leaf_only = f", a leaf in the value{did_you_mean(name, self._names())}"
+                raise ArchiveError(mismatches.no_entry(where, name, leaf_only))
             shape = tuple(leaf.shape)
             if info.shape != shape:
-                raise ArchiveError(
-                    f"{where}: {name}: shape {format_shape(info.shape)} in the archive, "
-                    f"{format_shape(shape)} in the value"
-                )
+                raise ArchiveError(mismatches.shape_differs(where, name, info.shape, shape, by="in the value"))
             if info.dtype != leaf_dtype(leaf):
-                raise ArchiveError(f"{where}: {name}: {info.dtype} in the archive, {leaf_dtype(leaf)} in the value")
+                raise ArchiveError(
+                    mismatches.dtype_differs(where, name, info.dtype, leaf_dtype(leaf), by="in the value"))
         for name in owned(prefix, self._names()):
             if name not in leaves:
                 raise ArchiveError(f"{where}: {name}: an entry in the archive, no leaf in the value")
@@ -237,11 +233,9 @@ class Archive(ABC):
         """The entry's info, checked to exist (and to have ``shape`` when given)."""
         info = self._info(_check_name(name, where))
         if info is None:
-            raise ArchiveError(f"{where}: {name}: no entry in the archive{did_you_mean(name, self._names())}")
+            raise ArchiveError(mismatches.no_entry(where, name, did_you_mean(name, self._names())))
         if shape is not None and info.shape != shape:
-            raise ArchiveError(
-                f"{where}: {name}: shape {format_shape(info.shape)} in the archive, {format_shape(shape)} asked for"
-            )
+            raise ArchiveError(mismatches.shape_differs(where, name, info.shape, shape))
         return info
 
     def __repr__(self) -> str:

@@ -18,8 +18,8 @@ import operator
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from . import mismatches
 from .archive import DTypeLike, IndexedArchive, MemoryArchive, TensorInfo
-from .codec import format_shape
 from .errors import ArchiveError
 from .records import ArchiveDescription, ArchiveInfo, EntryDescription
 from .requests import entry_ask
@@ -88,12 +88,9 @@ class RemoteArchive(IndexedArchive):
         if start < 0 or stop < start:
             raise ValueError(f"{where}: {name}: rows [{start}, {stop}) is not a range of rows (0 <= start <= stop)")
         if not info.shape:
-            raise ArchiveError(f"{where}: {name}: rows [{start}, {stop}) asked for, but the entry is a scalar")
+            raise ArchiveError(mismatches.rows_of_scalar(where, name, start, stop))
         if stop > info.shape[0]:
-            raise ArchiveError(
-                f"{where}: {name}: rows [{start}, {stop}) asked for, {info.shape[0]} rows in the archive "
-                f"(shape {format_shape(info.shape)})"
-            )
+            raise ArchiveError(mismatches.rows_past_end(where, name, start, stop, info.shape))
         return self._transfer([entry_ask(self._entries[name], rows=(start, stop))])[0]
 
     def __repr__(self) -> str:

@@ -150,4 +150,6 @@ def as_tensor(value: TensorLike, name: str, where: str) -> torch.Tensor:
     return value
 
 
-__all__ = ["DTypeLike", "TensorLike", "as_tensor", "dtype_name", "is_tensor_leaf", "leaf_dtype", "named_leaves", "rebuild"]
+__all__ = [
+    "DTypeLike", "TensorLike", "as_tensor", "dtype_name", "is_tensor_leaf", "leaf_dtype", "named_leaves", "rebuild",
+]
