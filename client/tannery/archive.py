@@ -249,17 +249,26 @@ def tensor_info(tensor: torch.Tensor) -> TensorInfo:
     return TensorInfo(torch_codec.short_name(tensor.dtype), tuple(tensor.shape), tensor.numel() * tensor.element_size())
 
 
-class MemoryArchive(Archive):
-    """An archive of tensors held in memory (the caller's own tensors: nothing is copied)."""
+class _KeyedArchive(Archive):
+    """A kind whose entries are the keys of one mapping, their names sorted once."""
 
-    __slots__ = ("_tensors", "_sorted")
+    __slots__ = ("_sorted",)
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        self._tensors = dict(tensors)
-        self._sorted = tuple(sorted(self._tensors))
+    def __init__(self, names: Iterable[str]) -> None:
+        self._sorted = tuple(sorted(names))
 
     def _names(self) -> Sequence[str]:
         return self._sorted
+
+
+class MemoryArchive(_KeyedArchive):
+    """An archive of tensors held in memory (the caller's own tensors: nothing is copied)."""
+
+    __slots__ = ("_tensors",)
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self._tensors = dict(tensors)
+        super().__init__(self._tensors)
 
     def _info(self, name: str) -> TensorInfo | None:
         tensor = self._tensors.get(name)
@@ -269,35 +278,29 @@ class MemoryArchive(Archive):
         return [self._tensors[name] for name in names]
 
 
-class IndexedArchive(Archive):
+class IndexedArchive(_KeyedArchive):
     """An archive that knows its entries from an index of records carrying an ``info``
     (a file's layout, a server's description): names and infos come from the index."""
 
-    __slots__ = ("_entries", "_sorted")
+    __slots__ = ("_entries",)
 
     def __init__(self, entries: Mapping[str, Any]) -> None:
         self._entries = dict(entries)
-        self._sorted = tuple(sorted(self._entries))
-
-    def _names(self) -> Sequence[str]:
-        return self._sorted
+        super().__init__(self._entries)
 
     def _info(self, name: str) -> TensorInfo | None:
         entry = self._entries.get(name)
         return None if entry is None else entry.info
 
 
-class UnionArchive(Archive):
+class UnionArchive(_KeyedArchive):
     """The entries of several archives, each still held (and read) by its own archive."""
 
-    __slots__ = ("_sources", "_sorted")
+    __slots__ = ("_sources",)
 
     def __init__(self, sources: Mapping[str, Archive]) -> None:
         self._sources = dict(sources)
-        self._sorted = tuple(sorted(self._sources))
-
-    def _names(self) -> Sequence[str]:
-        return self._sorted
+        super().__init__(self._sources)
 
     def _info(self, name: str) -> TensorInfo | None:
         source = self._sources.get(name)
