@@ -14,7 +14,8 @@ import torch
 
 import tannery
 from tannery import Archive, ArchiveError
-from tannery.archive import EntryInfo, MemoryArchive, UnionArchive, named_leaves
+from tannery.archive import MemoryArchive, TensorInfo, UnionArchive
+from tannery.values import named_leaves
 from tannery.names import join, owned, owns
 
 
@@ -119,7 +120,7 @@ def test_union_has_the_entries_of_all():
     b = Archive.of_list({"b": torch.zeros(2), "c": torch.ones(3, dtype=torch.int8)})
     u = Archive.union([a, b, Archive.of_list({})])
     assert u.names() == ["a", "b", "c"]
-    assert u.find("b") is b.find("b") and u.info("c") == EntryInfo("int8", (3,), 3)
+    assert u.find("b") is b.find("b") and u.info("c") == TensorInfo("int8", (3,), 3)
     assert len(Archive.union([])) == 0
     # A union of unions keeps pointing at the archives that hold the entries.
     uu = Archive.union([u, Archive.of_list({"d": torch.ones(1)})])
@@ -153,9 +154,9 @@ def test_union_fetches_once_per_source_archive():
 
 def test_info_reads_metadata_only_into_a_small_frozen_record(archive):
     info = archive.info("w")
-    assert info == EntryInfo("float32", (2, 2), 16)
+    assert info == TensorInfo("float32", (2, 2), 16)
     assert (info.dtype, info.shape, info.nbytes, info.numel) == ("float32", (2, 2), 16, 4)
-    assert repr(info) == "EntryInfo(float32 [2, 2], 16 bytes)"
+    assert repr(info) == "TensorInfo(float32 [2, 2], 16 bytes)"
     assert str(archive.info("scalar")) == "float64 []"
     with pytest.raises(dataclasses.FrozenInstanceError):
         info.dtype = "int8"  # type: ignore[misc]
@@ -502,10 +503,15 @@ def test_the_names_module_needs_no_torch():
 
 
 def test_the_package_exports_archives_lazily():
-    for name in ("Archive", "ArchiveError", "EntryInfo", "save_safetensors", "load_safetensors",
+    for name in ("Archive", "ArchiveError", "TensorInfo", "save_safetensors", "load_safetensors",
                  "save_tannic", "load_tannic"):
         assert name in dir(tannery) and getattr(tannery, name) is not None
     assert tannery.Archive is Archive
+
+
+def test_the_former_name_of_tensor_info_still_works_with_a_warning():
+    with pytest.warns(DeprecationWarning, match="tannery.EntryInfo is now tannery.TensorInfo"):
+        assert tannery.EntryInfo is TensorInfo
 
 
 def test_repr_names_the_kind_and_the_entries(archive):

@@ -309,10 +309,10 @@ def test_tannic_entries_are_flat_without_like(tmp_path):
     save_tannic(tmp_path / "p", Archive.of_list(tensors))
     loaded = load_tannic(tmp_path / "p")
     assert {n: loaded.info(n) for n in loaded.names()} == {
-        "flags": tannery.EntryInfo("bool", (8,), 1),  # bit-packed: eight elements per byte
-        "none": tannery.EntryInfo("float32", (0,), 0),
-        "s": tannery.EntryInfo("float32", (1,), 4),
-        "w": tannery.EntryInfo("int16", (6,), 12),
+        "flags": tannery.TensorInfo("bool", (8,), 1),  # bit-packed: eight elements per byte
+        "none": tannery.TensorInfo("float32", (0,), 0),
+        "s": tannery.TensorInfo("float32", (1,), 4),
+        "w": tannery.TensorInfo("int16", (6,), 12),
     }
     assert loaded.find("w").tolist() == [0, 1, 2, 3, 4, 5]
     assert loaded.find("flags").tolist()[:3] == [True, False, True]
@@ -405,7 +405,7 @@ def test_pytannic_pairs_load_into_their_models(tannic_nn, stem, module):
     offset = 0
     for name, tensor in like.items():  # pytannic wrote them in state_dict order, back to back
         stored = model.state_dict()[name]
-        assert archive.info(name) == tannery.EntryInfo("float32", tuple(tensor.shape), tensor.nbytes)
+        assert archive.info(name) == tannery.TensorInfo("float32", tuple(tensor.shape), tensor.nbytes)
         assert np.array_equal(stored.numpy().reshape(-1), raw_float32(tannic_nn / f"{stem}.tannic", offset, tensor.nbytes))
         assert torch.isfinite(stored).all() and stored.abs().sum() > 0
         offset += tensor.nbytes
@@ -414,7 +414,7 @@ def test_pytannic_pairs_load_into_their_models(tannic_nn, stem, module):
 def test_a_pytannic_pair_without_shapes_is_flat(tannic_nn):
     archive = load_tannic(tannic_nn / "dev-embd.metadata.tannic")
     assert archive.names() == ["weight"]
-    assert archive.info("weight") == tannery.EntryInfo("float32", (8192,), 32768)
+    assert archive.info("weight") == tannery.TensorInfo("float32", (8192,), 32768)
     weight = archive.tensor("weight", [8192], torch.float32)
     assert np.array_equal(weight.numpy(), raw_float32(tannic_nn / "dev-embd.tannic", 0, 32768))
     assert is_view_of_map(weight, tannic_nn / "dev-embd.tannic")
@@ -467,7 +467,7 @@ def assert_nothing_read(archive: Archive) -> None:
     page of any entry is in the page cache, then that reading one element shows up."""
     assert archive.names() == BIG_NAMES
     nbytes = math.prod(BIG_SHAPE) * 4
-    assert all(archive.info(n) == tannery.EntryInfo("float32", BIG_SHAPE, nbytes) for n in BIG_NAMES)
+    assert all(archive.info(n) == tannery.TensorInfo("float32", BIG_SHAPE, nbytes) for n in BIG_NAMES)
     asked = [archive.tensor(n, BIG_SHAPE, torch.float32) for n in BIG_NAMES]
     asked += [archive.float(n, BIG_SHAPE, torch.float32) for n in BIG_NAMES]
     asked += [archive.find(n) for n in BIG_NAMES]

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import tannery
 from tannery import Archive, ArchiveError, load_safetensors, load_tannic, save_safetensors, save_tannic
-from tannery.archive import is_tensor_leaf, named_leaves
+from tannery.values import is_tensor_leaf, named_leaves
 from tannery.codec import DTYPES
 
 ALL_DTYPES = list(DTYPES)
@@ -194,7 +194,7 @@ def test_a_like_that_differs_in_one_leaf_is_named(value, data):
 
 
 def replace_leaf(value: Any, prefix: str, name: str, new: torch.Tensor) -> Any:
-    from tannery.archive import _rebuild
+    from tannery.values import rebuild
     from tannery.names import join
 
-    return _rebuild(value, (), lambda path, leaf: new if join(prefix, *path) == name else leaf)
+    return rebuild(value, (), lambda path, leaf: new if join(prefix, *path) == name else leaf)

@@ -25,7 +25,7 @@ import torch
 import tannery
 import tannery.aio
 from tannery import codec, wire
-from tannery.calls import EntryReader
+from tannery.readers import EntryReader
 from tannery.remote import AsyncRemoteArchive
 from tannery.torch import serialize
 from tannery.v1 import archives_pb2
@@ -418,6 +418,28 @@ def test_a_remote_archive_replaced_after_it_was_opened_is_refused_not_misread(cl
         remote.find("w")
 
 
+def test_the_call_table_has_every_rpc_of_both_services_and_the_hand_written_codecs():
+    from tannery.requests import Methods
+    from tannery.v1 import channels_pb2
+
+    class Recording:
+        def __getattr__(self, kind):
+            return lambda path, **options: (kind, path, options)
+
+    methods = vars(Methods(Recording()))
+    expected = {}
+    for module, service in ((archives_pb2, "Archives"), (channels_pb2, "Channels")):
+        for method in module.DESCRIPTOR.services_by_name[service].methods:
+            expected[method.name.lower()] = f"/tannery.v1.{service}/{method.name}"
+    assert {name: path for name, (_, path, _) in methods.items()} == expected
+    assert methods["store"][0] == methods["publish"][0] == "stream_unary"
+    assert methods["fetch"][0] == methods["subscribe"][0] == "unary_stream"
+    assert methods["fetch"][2]["response_deserializer"] is wire.parse_fetch_response
+    assert methods["subscribe"][2]["response_deserializer"] is wire.parse_subscribe_response
+    assert methods["store"][2]["request_serializer"](b"as encoded") == b"as encoded"
+    assert methods["describe"][2]["response_deserializer"] == archives_pb2.ArchiveDescription.FromString
+
+
 # -- catalog calls ------------------------------------------------------------------------------
 
 
@@ -431,7 +453,7 @@ def test_describe_gives_every_entry(client):
         assert (entry.dtype, entry.shape) == (tannery.torch.short_name(tensor.dtype), tuple(tensor.shape))
         assert entry.payload_bytes == len(serialize(tensor))
         assert entry.digest == hashlib.sha256(serialize(tensor)).hexdigest()
-    assert description.entries[0].info == tannery.EntryInfo("float16", (32,), 64)
+    assert description.entries[0].info == tannery.TensorInfo("float16", (32,), 64)
 
 
 def blob_files(server) -> dict[str, tuple[int, int, int]]:

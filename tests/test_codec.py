@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tannery import codec
+from tannery import codec, framing
 from tannery.codec import (
     DEFAULT_LIMITS,
     DIM,
@@ -20,16 +20,15 @@ from tannery.codec import (
     HEADER,
     MAGIC,
     METADATA,
-    Deframer,
     FormatError,
     Limits,
-    Reframer,
     encode_numpy,
     encode_prefix,
     parse,
     read_info,
     to_numpy,
 )
+from tannery.framing import Deframer, Reframer
 
 # The dtype table of issue 2, written out by hand rather than read back from the module.
 CODES = {
@@ -176,7 +175,7 @@ def test_to_numpy_views_a_writable_buffer():
 
 @pytest.mark.parametrize("offset", [0, 1, 5, 33, 63])
 def test_aligned_buffer(offset):
-    buffer = codec.aligned_buffer(1000, offset)
+    buffer = framing.aligned_buffer(1000, offset)
     assert len(buffer) == 1000 and not buffer.readonly
     address = np.frombuffer(buffer, np.uint8).ctypes.data
     assert (address + offset) % codec.ALIGNMENT == 0
@@ -641,7 +640,7 @@ def test_empty_shapes_with_large_dimensions_are_fine():
 
 
 def test_reframer_gathers_a_payload_larger_than_its_eager_buffer():
-    size = codec.EAGER_GATHER + (5 << 20) + 3
+    size = framing.EAGER_GATHER + (5 << 20) + 3
     data = encode_prefix(DTYPES["uint8"], (size,)) + np.random.default_rng(0).integers(0, 256, size, np.uint8).tobytes()
     view = memoryview(data)
     reframer = Reframer()

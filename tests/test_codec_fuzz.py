@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tannery import checkpoint, codec
-from tannery.codec import DTYPES, Deframer, FormatError, Limits, Reframer, encode_numpy, encode_prefix, parse, to_numpy
+from tannery.codec import DTYPES, FormatError, Limits, encode_numpy, encode_prefix, parse, to_numpy
+from tannery.framing import Deframer, Reframer
 
 torch = pytest.importorskip("torch")
 from tannery import torch as tt  # noqa: E402

@@ -19,7 +19,7 @@ import torch
 import tannery
 import tannery.aio
 from tannery import load_tannic, wire
-from tannery.calls import PieceReader
+from tannery.readers import PieceReader
 from tannery.cli import main
 from tannery.cli.checkpoint_writer import CheckpointWriter
 from tannery.cli.errors import CommandError
@@ -214,7 +214,7 @@ def test_a_piece_stream_that_breaks_a_payload_is_a_format_error():
 
 
 def described(state: dict[str, torch.Tensor], order=None):
-    from tannery.calls import EntryDescription
+    from tannery.records import EntryDescription
     from tannery.torch import buffer_of, short_name
 
     names = order or sorted(state)

@@ -7,16 +7,17 @@ import mmap
 import numpy as np
 import pytest
 
-from tannery import codec
-from tannery.codec import DTYPES, Reframer, encode_prefix, parse, to_numpy
+from tannery import codec, framing
+from tannery.codec import DTYPES, encode_prefix, parse, to_numpy
+from tannery.framing import Reframer
 
 MiB = 1 << 20
 
 
-@pytest.mark.parametrize("size", [MiB + 5, codec.MAP_GATHER + 7, codec.EAGER_GATHER + 3 * MiB + 1])
+@pytest.mark.parametrize("size", [MiB + 5, framing.MAP_GATHER + 7, framing.EAGER_GATHER + 3 * MiB + 1])
 @pytest.mark.parametrize("huge_pages", [False, True])
 def test_split_payloads_are_gathered_aligned_writable_and_whole(size, huge_pages, monkeypatch):
-    monkeypatch.setattr(codec, "HUGE_PAGES", huge_pages)
+    monkeypatch.setattr(framing, "HUGE_PAGES", huge_pages)
     data = bytearray(encode_prefix(DTYPES["uint8"], (size,)))
     data += np.random.default_rng(size).integers(0, 256, size, np.uint8).tobytes()
     view = memoryview(data)
@@ -29,11 +30,11 @@ def test_split_payloads_are_gathered_aligned_writable_and_whole(size, huge_pages
     assert (array.ctypes.data % codec.ALIGNMENT) == 0
     assert np.shares_memory(array, np.frombuffer(gathered, np.uint8))
     owner = gathered.obj
-    assert isinstance(owner, mmap.mmap) == (size + codec.ALIGNMENT >= codec.MAP_GATHER)
+    assert isinstance(owner, mmap.mmap) == (size + codec.ALIGNMENT >= framing.MAP_GATHER)
 
 
 def test_a_map_is_never_larger_than_its_payload_needs():
-    size = codec.MAP_GATHER * 2
+    size = framing.MAP_GATHER * 2
     data = bytearray(encode_prefix(DTYPES["uint8"], (size,))) + bytes(size)
     reframer = Reframer()
     (gathered,) = [p for start in range(0, len(data), MiB) for p in reframer.feed(memoryview(data)[start : start + MiB])]

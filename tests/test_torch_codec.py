@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tannery import codec
+from tannery import codec, framing
 from tannery import torch as tt
 from tannery.codec import FormatError
 
@@ -362,7 +362,7 @@ def test_service_path_gathers_once_and_deserializes_in_place():
     tensor = sample(torch.float32, (300, 700), seed=8)
     parts = tt.serialize_parts(tensor)
     stream = b"".join(bytes(p) for p in parts)
-    reframer = codec.Reframer()
+    reframer = framing.Reframer()
     chunks = [stream[i : i + 65536] for i in range(0, len(stream), 65536)]
     (payload,) = [p for chunk in chunks for p in reframer.feed(chunk)]
     reframer.close()

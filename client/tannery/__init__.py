@@ -8,6 +8,7 @@ submodule; this package never binds the name ``torch`` itself.
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import Any
 
 __version__ = "0.1.0"
@@ -26,7 +27,7 @@ _EXPORTS = {
     "DataLoss": "tannery.errors",
     "Cancelled": "tannery.errors",
     "Archive": "tannery.archive",
-    "EntryInfo": "tannery.archive",
+    "TensorInfo": "tannery.archive",
     "save_safetensors": "tannery.files",
     "load_safetensors": "tannery.files",
     "save_tannic": "tannery.files",
@@ -35,12 +36,15 @@ _EXPORTS = {
     "Subscription": "tannery.client",
     "RemoteArchive": "tannery.remote",
     "TLS": "tannery.connection",
-    "ArchiveInfo": "tannery.calls",
-    "ArchiveDescription": "tannery.calls",
-    "EntryDescription": "tannery.calls",
-    "TensorPiece": "tannery.calls",
+    "ArchiveInfo": "tannery.records",
+    "ArchiveDescription": "tannery.records",
+    "EntryDescription": "tannery.records",
+    "TensorPiece": "tannery.readers",
 }
 
+
+#: Former names, still given with a DeprecationWarning: the new name and its module.
+_DEPRECATED = {"EntryInfo": ("TensorInfo", "tannery.archive")}
 
 #: Submodules reachable as attributes without importing them first (``tannery.aio.Client``).
 _SUBMODULES = {"aio"}
@@ -49,6 +53,10 @@ _SUBMODULES = {"aio"}
 def __getattr__(name: str) -> Any:
     if name in _SUBMODULES:
         return importlib.import_module(f"{__name__}.{name}")
+    if name in _DEPRECATED:
+        new, module = _DEPRECATED[name]
+        warnings.warn(f"tannery.{name} is now tannery.{new}", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(module), new)
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'tannery' has no attribute {name!r}")

@@ -10,8 +10,9 @@
             async for tensor in frames:
                 ...
 
-Create it inside the event loop that uses it. What is sent and received is built by
-:mod:`tannery.calls`, as for the synchronous client; this module only waits differently.
+Create it inside the event loop that uses it. What is sent is built by :mod:`tannery.requests`
+and what is received read by :mod:`tannery.readers`, as for the synchronous client; this module
+only waits differently.
 
 A refused Store or Publish reports the server's status: grpc.aio may replace it with
 INTERNAL ("Failed execute_batch") when the server ends a client-streaming call while the
@@ -29,17 +30,19 @@ from typing import TYPE_CHECKING, Any, Coroutine
 import grpc
 
 from .archive import Archive, MemoryArchive
-from .calls import (
-    ArchiveDescription, ArchiveInfo, Deleted, EntryReader, Methods, PayloadReader, PieceReader, Progress, Published,
-    TensorPiece, archive_to_store, check_fetched, check_tensors, fetch_request, list_request, plan_state_dict, publish_messages,
-    store_messages, union_request,
+from .readers import EntryReader, PayloadReader, PieceReader, TensorPiece, check_fetched
+from .records import ArchiveDescription, ArchiveInfo, Deleted, Published
+from .requests import (
+    Methods, Progress, archive_to_store, check_tensors, fetch_request, list_request, publish_messages, store_messages,
+    union_request,
 )
+from .state_dict import plan_state_dict
 from .connection import Connection, TLSLike, rpc_error, service_error
 from .remote import AsyncRemoteArchive
 from .v1 import archives_pb2, channels_pb2
 from .wire import ABANDONED, encode_publish_request
 
-if TYPE_CHECKING:  # torch is imported where a tensor is made (tannery.calls)
+if TYPE_CHECKING:  # torch is imported where a tensor is made (tannery.readers, tannery.requests)
     import torch
 
 

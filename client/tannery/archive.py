@@ -5,7 +5,9 @@ kinds implement three hooks only: ``_names`` (the sorted names), ``_info`` (an e
 dtype, shape and size, from metadata only) and ``_fetch`` (several entries at once, so
 that a remote archive answers ``to_value`` in one call); ``_cast`` is optional. Here
 are the in-memory kind (:meth:`Archive.of_list`, :meth:`Archive.of_value`) and the
-union (:meth:`Archive.union`); ``tannery.files`` has the memory-mapped one.
+union (:meth:`Archive.union`); ``tannery.files`` has the memory-mapped one, and
+``tannery.remote`` the server's. The values archives are made of and filled into (tensors,
+nested structures of them, their names) are :mod:`tannery.values`.
 
 A mismatch between an archive and what is asked of it is an :class:`ArchiveError`
 that names the entry, raised before any entry is read. Messages print shapes as
@@ -14,37 +16,28 @@ Python lists and dtypes by their short names (``float32``).
 
 from __future__ import annotations
 
-import copy
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Union
+from typing import Any
 
-from . import codec
+from . import mismatches
 from ._lazy import lazy_module
 from .codec import FLOAT_NAMES, format_shape
 from .errors import ArchiveError
 from .names import did_you_mean, join, owned, owns
+from .values import (
+    DTypeLike, TensorLike, as_tensor, dtype_name, is_tensor_leaf, leaf_dtype, named_leaves, rebuild,
+)
 
 # Imported on first use: listing or describing archives never imports torch.
-np = lazy_module("numpy")
 torch = lazy_module("torch")
 torch_codec = lazy_module("tannery.torch")
 
-#: A dtype as callers may give it: ``torch.float32``, ``"float32"`` or a codec DType.
-DTypeLike = Union["torch.dtype", str, codec.DType]
-#: A tensor as callers may give it; numpy arrays become torch tensors sharing their memory.
-TensorLike = Union["torch.Tensor", "np.ndarray"]
-
-_FLOATS_TEXT = "float16, bfloat16, float32 or float64"
-#: Dtypes whose numpy arrays (ml_dtypes) torch.from_numpy cannot take directly.
-_VIA_BITS = frozenset({"bfloat16", "float8_e4m3fn", "float8_e5m2"})
-
-
 @dataclass(frozen=True)
-class EntryInfo:
-    """What an archive's metadata says of one entry: dtype name, shape and size in bytes.
+class TensorInfo:
+    """What an archive's metadata says of one entry's tensor: dtype name, shape and size in bytes.
 
     ``nbytes`` is the size of the elements where they are stored (booleans are
     bit-packed in .tannic files and tannic payloads, one byte each elsewhere).
@@ -62,127 +55,7 @@ class EntryInfo:
         return f"{self.dtype} {format_shape(self.shape)}"
 
     def __repr__(self) -> str:
-        return f"EntryInfo({self.dtype} {format_shape(self.shape)}, {self.nbytes} bytes)"
-
-
-def is_tensor_leaf(value: object) -> bool:
-    """Whether a leaf of a value is a tensor (torch tensor or numpy array), hence an entry."""
-    return isinstance(value, (torch.Tensor, np.ndarray))
-
-
-def dtype_name(dtype: DTypeLike) -> str:
-    """The short name of a dtype given as a torch dtype, a name or a codec DType.
-
-    ValueError for an unknown name, TypeError for anything else.
-    """
-    if isinstance(dtype, torch.dtype):
-        return torch_codec.short_name(dtype)
-    if isinstance(dtype, codec.DType):
-        return dtype.name
-    if isinstance(dtype, str):
-        return codec.dtype_named(dtype).name
-    raise TypeError(f"a dtype is a torch.dtype or a name such as 'float32', not {type(dtype).__name__}")
-
-
-def leaf_dtype(leaf: TensorLike) -> str:
-    """The short dtype name of a tensor leaf (a numpy array's included)."""
-    if isinstance(leaf, np.ndarray):
-        try:
-            return codec.dtype_of_numpy(leaf.dtype).name
-        except TypeError:
-            return str(leaf.dtype)
-    return torch_codec.short_name(leaf.dtype)
-
-
-def named_leaves(value: Any, prefix: str = "", where: str = "named_leaves") -> dict[str, TensorLike]:
-    """The tensor leaves of a structure of dicts, lists and tuples, by name, in order.
-
-    Each is named by its path, keys and indices joined with dots, under ``prefix``
-    (:func:`tannery.names.join`); other leaves are skipped. ValueError, prefixed by
-    ``where``, for a leaf left without a name or two leaves of one name.
-    """
-    leaves: dict[str, TensorLike] = {}
-    for path, leaf in _walk(value, ()):
-        name = join(prefix, *path)
-        if not name:
-            if not path:
-                raise ValueError(f"{where}: a leaf at the root has no name; give a prefix")
-            raise ValueError(f"{where}: a leaf at {list(path)} has an empty name; give a prefix")
-        if name in leaves:
-            raise ValueError(f"{where}: {name}: two leaves have this name")
-        leaves[name] = leaf
-    return leaves
-
-
-def _walk(value: Any, path: tuple[str, ...]):
-    """(path, leaf) for each tensor leaf of ``value``, depth first, in order."""
-    if is_tensor_leaf(value):
-        yield path, value
-    elif isinstance(value, Mapping):
-        for key, item in value.items():
-            yield from _walk(item, path + (str(key),))
-    elif isinstance(value, (list, tuple)):
-        for index, item in enumerate(value):
-            yield from _walk(item, path + (str(index),))
-
-
-def _rebuild(value: Any, path: tuple[str, ...], replace: Callable[[tuple[str, ...], Any], Any]) -> Any:
-    """``value`` with each tensor leaf replaced by ``replace(path, leaf)``; containers keep their types."""
-    if is_tensor_leaf(value):
-        return replace(path, value)
-    if isinstance(value, Mapping):
-        items = {key: _rebuild(item, path + (str(key),), replace) for key, item in value.items()}
-        if not isinstance(value, dict):
-            return items
-        # A shallow copy keeps the dict's class and attributes (a state_dict's _metadata).
-        new = copy.copy(value)
-        new.update(items)
-        return new
-    if isinstance(value, list):
-        items = [_rebuild(item, path + (str(i),), replace) for i, item in enumerate(value)]
-        if type(value) is list:
-            return items
-        new = copy.copy(value)
-        new[:] = items
-        return new
-    if isinstance(value, tuple):
-        items = [_rebuild(item, path + (str(i),), replace) for i, item in enumerate(value)]
-        if type(value) is tuple:
-            return tuple(items)
-        if hasattr(type(value), "_fields"):  # a namedtuple
-            return type(value)(*items)
-        return type(value)(items)
-    return value
-
-
-def as_tensor(value: TensorLike, name: str, where: str) -> torch.Tensor:
-    """A tensor leaf as a torch tensor an archive may hold, sharing a numpy array's memory.
-
-    TypeError naming the entry for anything else, a dtype the format cannot carry, or a
-    layout other than strided. A numpy array with negative strides, which torch cannot
-    view, is copied.
-    """
-    if isinstance(value, np.ndarray):
-        try:
-            dtype = codec.dtype_of_numpy(value.dtype)
-        except TypeError as e:
-            raise TypeError(f"{where}: {name}: {e}") from None
-        if any(stride < 0 for stride in value.strides):
-            value = np.ascontiguousarray(value)
-        if dtype.name in _VIA_BITS:
-            # ml_dtypes' types, which torch.from_numpy does not know: view their bits.
-            bits = np.dtype(f"uint{8 * dtype.itemsize}")
-            return torch.from_numpy(value.view(bits)).view(torch_codec.torch_dtype(dtype))
-        return torch.from_numpy(value)
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{where}: {name}: {type(value).__name__} is not a tensor")
-    try:
-        torch_codec.codec_dtype(value.dtype)
-    except TypeError as e:
-        raise TypeError(f"{where}: {name}: {e}") from None
-    if value.layout != torch.strided:
-        raise TypeError(f"{where}: {name}: a {value.layout} tensor; archives hold strided (dense) tensors")
-    return value
+        return f"TensorInfo({self.dtype} {format_shape(self.shape)}, {self.nbytes} bytes)"
 
 
 def _shape(shape: Sequence[int], where: str) -> tuple[int, ...]:
@@ -219,7 +92,7 @@ class Archive(ABC):
         """Every entry's name, sorted and distinct (the archive is immutable: cache it)."""
 
     @abstractmethod
-    def _info(self, name: str) -> EntryInfo | None:
+    def _info(self, name: str) -> TensorInfo | None:
         """An entry's dtype, shape and size from metadata only; None when there is none."""
 
     @abstractmethod
@@ -284,7 +157,7 @@ class Archive(ABC):
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and self._info(name) is not None
 
-    def info(self, name: str) -> EntryInfo:
+    def info(self, name: str) -> TensorInfo:
         """An entry's dtype, shape and size, from metadata only; ArchiveError when absent."""
         return self._lookup("Archive.info", name)
 
@@ -300,7 +173,7 @@ class Archive(ABC):
         shape, dtype = _shape(shape, where), dtype_name(dtype)
         info = self._lookup(where, name, shape)
         if info.dtype != dtype:
-            raise ArchiveError(f"{where}: {name}: {info.dtype} in the archive, {dtype} asked for")
+            raise ArchiveError(mismatches.dtype_differs(where, name, info.dtype, dtype))
         return self._fetch([name])[0]
 
     def float(self, name: str, shape: Sequence[int], dtype: DTypeLike) -> torch.Tensor:
@@ -313,10 +186,10 @@ class Archive(ABC):
         where = "Archive.float"
         shape, dtype = _shape(shape, where), dtype_name(dtype)
         if dtype not in FLOAT_NAMES:
-            raise ValueError(f"{where}: {dtype} is not {_FLOATS_TEXT}")
+            raise ValueError(f"{where}: {dtype} is not {mismatches.FLOATS_TEXT}")
         info = self._lookup(where, name, shape)
         if info.dtype not in FLOAT_NAMES:
-            raise ArchiveError(f"{where}: {name}: {info.dtype} in the archive, not {_FLOATS_TEXT}")
+            raise ArchiveError(mismatches.not_float(where, name, info.dtype))
         if info.dtype == dtype:
             return self._fetch([name])[0]
         return self._cast(name, dtype)
@@ -335,16 +208,14 @@ class Archive(ABC):
         for name, leaf in leaves.items():
             info = self._info(name)
             if info is None:
-                raise ArchiveError(f"{where}: {name}: no entry in the archive, a leaf in the value"
-                                   f"{did_you_mean(name, self._names())}")
+                leaf_only = f", a leaf in the value{did_you_mean(name, self._names())}"
+                raise ArchiveError(mismatches.no_entry(where, name, leaf_only))
             shape = tuple(leaf.shape)
             if info.shape != shape:
-                raise ArchiveError(
-                    f"{where}: {name}: shape {format_shape(info.shape)} in the archive, "
-                    f"{format_shape(shape)} in the value"
-                )
+                raise ArchiveError(mismatches.shape_differs(where, name, info.shape, shape, by="in the value"))
             if info.dtype != leaf_dtype(leaf):
-                raise ArchiveError(f"{where}: {name}: {info.dtype} in the archive, {leaf_dtype(leaf)} in the value")
+                raise ArchiveError(
+                    mismatches.dtype_differs(where, name, info.dtype, leaf_dtype(leaf), by="in the value"))
         for name in owned(prefix, self._names()):
             if name not in leaves:
                 raise ArchiveError(f"{where}: {name}: an entry in the archive, no leaf in the value")
@@ -356,17 +227,15 @@ class Archive(ABC):
             device = leaf.device if isinstance(leaf, torch.Tensor) else torch.device("cpu")
             return entry if device.type == "meta" else entry.to(device)
 
-        return _rebuild(like, (), replace)
+        return rebuild(like, (), replace)
 
-    def _lookup(self, where: str, name: str, shape: tuple[int, ...] | None = None) -> EntryInfo:
+    def _lookup(self, where: str, name: str, shape: tuple[int, ...] | None = None) -> TensorInfo:
         """The entry's info, checked to exist (and to have ``shape`` when given)."""
         info = self._info(_check_name(name, where))
         if info is None:
-            raise ArchiveError(f"{where}: {name}: no entry in the archive{did_you_mean(name, self._names())}")
+            raise ArchiveError(mismatches.no_entry(where, name, did_you_mean(name, self._names())))
         if shape is not None and info.shape != shape:
-            raise ArchiveError(
-                f"{where}: {name}: shape {format_shape(info.shape)} in the archive, {format_shape(shape)} asked for"
-            )
+            raise ArchiveError(mismatches.shape_differs(where, name, info.shape, shape))
         return info
 
     def __repr__(self) -> str:
@@ -375,24 +244,33 @@ class Archive(ABC):
         return f"<{type(self).__name__} of {len(names)} entries: {shown}>" if names else f"<empty {type(self).__name__}>"
 
 
-def tensor_info(tensor: torch.Tensor) -> EntryInfo:
+def tensor_info(tensor: torch.Tensor) -> TensorInfo:
     """The info of a tensor held in memory."""
-    return EntryInfo(torch_codec.short_name(tensor.dtype), tuple(tensor.shape), tensor.numel() * tensor.element_size())
+    return TensorInfo(torch_codec.short_name(tensor.dtype), tuple(tensor.shape), tensor.numel() * tensor.element_size())
 
 
-class MemoryArchive(Archive):
-    """An archive of tensors held in memory (the caller's own tensors: nothing is copied)."""
+class _KeyedArchive(Archive):
+    """A kind whose entries are the keys of one mapping, their names sorted once."""
 
-    __slots__ = ("_tensors", "_sorted")
+    __slots__ = ("_sorted",)
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        self._tensors = dict(tensors)
-        self._sorted = tuple(sorted(self._tensors))
+    def __init__(self, names: Iterable[str]) -> None:
+        self._sorted = tuple(sorted(names))
 
     def _names(self) -> Sequence[str]:
         return self._sorted
 
-    def _info(self, name: str) -> EntryInfo | None:
+
+class MemoryArchive(_KeyedArchive):
+    """An archive of tensors held in memory (the caller's own tensors: nothing is copied)."""
+
+    __slots__ = ("_tensors",)
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self._tensors = dict(tensors)
+        super().__init__(self._tensors)
+
+    def _info(self, name: str) -> TensorInfo | None:
         tensor = self._tensors.get(name)
         return None if tensor is None else tensor_info(tensor)
 
@@ -400,37 +278,31 @@ class MemoryArchive(Archive):
         return [self._tensors[name] for name in names]
 
 
-class IndexedArchive(Archive):
+class IndexedArchive(_KeyedArchive):
     """An archive that knows its entries from an index of records carrying an ``info``
     (a file's layout, a server's description): names and infos come from the index."""
 
-    __slots__ = ("_entries", "_sorted")
+    __slots__ = ("_entries",)
 
     def __init__(self, entries: Mapping[str, Any]) -> None:
         self._entries = dict(entries)
-        self._sorted = tuple(sorted(self._entries))
+        super().__init__(self._entries)
 
-    def _names(self) -> Sequence[str]:
-        return self._sorted
-
-    def _info(self, name: str) -> EntryInfo | None:
+    def _info(self, name: str) -> TensorInfo | None:
         entry = self._entries.get(name)
         return None if entry is None else entry.info
 
 
-class UnionArchive(Archive):
+class UnionArchive(_KeyedArchive):
     """The entries of several archives, each still held (and read) by its own archive."""
 
-    __slots__ = ("_sources", "_sorted")
+    __slots__ = ("_sources",)
 
     def __init__(self, sources: Mapping[str, Archive]) -> None:
         self._sources = dict(sources)
-        self._sorted = tuple(sorted(self._sources))
+        super().__init__(self._sources)
 
-    def _names(self) -> Sequence[str]:
-        return self._sorted
-
-    def _info(self, name: str) -> EntryInfo | None:
+    def _info(self, name: str) -> TensorInfo | None:
         source = self._sources.get(name)
         return None if source is None else source._info(name)
 
@@ -461,8 +333,9 @@ __all__ = [
     "Archive",
     "ArchiveError",
     "DTypeLike",
-    "EntryInfo",
+    "IndexedArchive",
     "MemoryArchive",
+    "TensorInfo",
     "TensorLike",
     "UnionArchive",
     "as_tensor",

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from .atomic import Replacement
 from .codec import CHECKSUM, HEADER, MAGIC, VERSION, Buffer, DType, FormatError, byte_buffer, dtype_of_code
 
 ENTRY = struct.Struct("<BQQI")
@@ -33,6 +34,14 @@ class PairEntry:
     dtype: DType
     offset: int
     nbytes: int
+
+    @property
+    def flat_shape(self) -> tuple[int, ...]:
+        """The shape to read the entry at when none is given: 1-D, every element (booleans are
+        bit-packed, eight to a byte)."""
+        if self.dtype.is_bool:
+            return (self.nbytes * 8,)
+        return (self.nbytes // self.dtype.itemsize,)
 
 
 def pair_paths(path: str | os.PathLike[str]) -> tuple[Path, Path]:
@@ -188,18 +197,13 @@ def write_pair(path: str | os.PathLike[str], items: Iterable[tuple[str, DType, S
         nbytes = sum(p.nbytes for p in pieces)
         entries.append(PairEntry(name, dtype, offset, nbytes))
         offset += nbytes
-    _write_atomically(data_path, [file_header(offset)] + [p for _, _, pieces in items for p in pieces])
-    _write_atomically(metadata_path, [encode_metadata(entries)])
+    with Replacement(data_path) as tmp, open(tmp, "wb") as f:
+        f.write(file_header(offset))
+        for _, _, pieces in items:
+            for piece in pieces:
+                f.write(piece)
+    with Replacement(metadata_path) as tmp, open(tmp, "wb") as f:
+        f.write(encode_metadata(entries))
     return data_path, metadata_path
 
 
-def _write_atomically(path: Path, pieces: Iterable[Buffer]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            for piece in pieces:
-                f.write(piece)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise

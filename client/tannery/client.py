@@ -11,7 +11,7 @@
 Every failure raises a tannery exception with the server's message (``NotFound``,
 ``ArchiveError``, ``FormatError``, ``Unavailable``, ...; see :mod:`tannery.errors`); no
 ``grpc.RpcError`` escapes. The asyncio twin is :mod:`tannery.aio`; the two share
-:mod:`tannery.calls` (what is sent and received) and :mod:`tannery.connection`.
+:mod:`tannery.requests` (what is sent), :mod:`tannery.readers` (what is received) and :mod:`tannery.connection`.
 """
 
 from __future__ import annotations
@@ -26,17 +26,19 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from .archive import Archive, MemoryArchive
-from .calls import (
-    ArchiveDescription, ArchiveInfo, Deleted, EntryReader, Methods, PayloadReader, PieceReader, Progress, Published,
-    TensorPiece, archive_to_store, check_fetched, check_tensors, fetch_request, list_request, plan_state_dict, publish_messages,
-    store_messages, union_request,
+from .readers import EntryReader, PayloadReader, PieceReader, TensorPiece, check_fetched
+from .records import ArchiveDescription, ArchiveInfo, Deleted, Published
+from .requests import (
+    Methods, Progress, archive_to_store, check_tensors, fetch_request, list_request, publish_messages, store_messages,
+    union_request,
 )
+from .state_dict import plan_state_dict
 from .connection import Connection, TLSLike, rpc_error
 from .remote import RemoteArchive
 from .v1 import archives_pb2, channels_pb2
 from .wire import ABANDONED, encode_publish_request
 
-if TYPE_CHECKING:  # torch is imported where a tensor is made (tannery.calls)
+if TYPE_CHECKING:  # torch is imported where a tensor is made (tannery.readers, tannery.requests)
     import torch
 
 
@@ -187,7 +189,7 @@ class Client:
     def fetch_pieces(self, name: str, names: Iterable[str] | None = None, prefix: str | None = None, *,
                      progress: Progress = None) -> Iterator[TensorPiece]:
         """The entries :meth:`fetch_iter` would yield, as the pieces of their tensor bytes that
-        each message brings (:class:`~tannery.calls.TensorPiece`: name, dtype and shape,
+        each message brings (:class:`~tannery.readers.TensorPiece`: name, dtype and shape,
         offset, bytes), viewing the received messages: nothing is gathered or copied, so
         an entry of any size can be written to a file while only one message is held.
         """

@@ -14,17 +14,16 @@ A payload is ``[Header][Metadata][shape][buffer]``, little-endian and packed:
 Everything here works on bytes-like objects and numpy arrays and copies no tensor
 data it can view. Malformed input raises :class:`FormatError` naming the problem
 and its numbers, and nothing is allocated on the word of a header before the bytes
-it describes have arrived.
+it describes have arrived. Cutting a stream of chunks into payloads is :mod:`tannery.framing`.
 """
 
 from __future__ import annotations
 
 import math
-import mmap
 import struct
 from dataclasses import dataclass
 from functools import cache, cached_property
-from typing import Iterator, Sequence, Union
+from typing import Any, Sequence, Union
 
 from ._lazy import lazy_module
 
@@ -354,217 +353,13 @@ def buffer_to_numpy(buffer: Buffer, info: PayloadInfo) -> np.ndarray:
     return np.frombuffer(buffer, dtype=info.dtype.numpy, count=info.numel).reshape(info.shape)
 
 
-def aligned_buffer(size: int, data_offset: int) -> memoryview:
-    """A writable buffer of ``size`` bytes whose byte ``data_offset`` is aligned to 64.
-
-    Receivers gather a payload into it so that the tensor they view in place is as
-    aligned as one torch would allocate.
-    """
-    raw = np.empty(size + ALIGNMENT, dtype=np.uint8)
-    pad = (-(raw.ctypes.data + data_offset)) % ALIGNMENT
-    return memoryview(raw[pad : pad + size])
+#: Names that moved to :mod:`tannery.framing`, still reachable here.
+_MOVED_TO_FRAMING = frozenset({"Deframer", "Fragment", "Reframer", "aligned_buffer"})
 
 
-@dataclass(frozen=True)
-class Fragment:
-    """A piece of one payload in a stream of chunks.
+def __getattr__(name: str) -> Any:
+    if name in _MOVED_TO_FRAMING:
+        from . import framing
 
-    ``data`` is the chunk itself when the piece is a whole chunk, otherwise a view of
-    it; only the first few bytes of a payload whose header was split across chunks are
-    ever copied.
-    """
-
-    info: PayloadInfo
-    data: Buffer
-    first: bool
-    last: bool
-
-
-class Deframer:
-    """Splits a stream of byte chunks of any sizes into payloads, piece by piece.
-
-    Where a payload ends is read from its own header. Each header is checked (limits
-    included) before any of its buffer is accepted, and nothing is buffered but the
-    header bytes of a payload split across chunks.
-    """
-
-    def __init__(self, limits: Limits = DEFAULT_LIMITS) -> None:
-        self.limits = limits
-        self._head = bytearray()
-        self._info: PayloadInfo | None = None
-        self._remaining = 0
-        self.payloads = 0
-
-    @property
-    def inside_payload(self) -> bool:
-        """True between a payload's first byte and its last."""
-        return bool(self._head) or self._info is not None
-
-    def feed(self, chunk: Buffer) -> Iterator[Fragment]:
-        """The fragments of payloads that ``chunk`` completes or continues."""
-        view = byte_buffer(chunk)
-        pos, end = 0, len(view)
-        while pos < end:
-            if self._info is None:
-                pos = yield from self._start(chunk, view, pos)
-                continue
-            take = min(self._remaining, end - pos)
-            self._remaining -= take
-            info, last = self._info, self._remaining == 0
-            if last:
-                self._info = None
-                self.payloads += 1
-            piece = chunk if (take == end and isinstance(chunk, bytes)) else view[pos : pos + take]
-            yield Fragment(info, piece, first=False, last=last)
-            pos += take
-
-    def _start(self, chunk: Buffer, view: memoryview, pos: int) -> Iterator[Fragment]:
-        """Read a new payload's header from ``view[pos:]``; returns the position after what it used."""
-        if not self._head:
-            info = read_info(view[pos:], self.limits)
-            if info is not None:
-                take = min(info.size, len(view) - pos)
-                whole = pos == 0 and take == len(view) and isinstance(chunk, bytes)
-                yield from self._begin(info, chunk if whole else view[pos : pos + take], take)
-                return pos + take
-        # The header is split across chunks: gather it byte range by byte range, no further
-        # than the parser asks for, so a hostile header cannot make us buffer more.
-        while pos < len(view):
-            need = self._prefix_need()
-            take = min(need - len(self._head), len(view) - pos)
-            self._head += view[pos : pos + take]
-            pos += take
-            info = read_info(self._head, self.limits)
-            if info is not None:
-                head, self._head = bytes(self._head), bytearray()
-                yield from self._begin(info, head, len(head))
-                return pos
-        return pos
-
-    def _prefix_need(self) -> int:
-        """How many bytes of header the parser needs next, given what is gathered."""
-        if len(self._head) < HEADER.size:
-            return HEADER.size
-        if len(self._head) < FIXED_PREFIX:
-            return FIXED_PREFIX
-        return FIXED_PREFIX + DIM.size * self._head[FIXED_PREFIX - 1]
-
-    def _begin(self, info: PayloadInfo, piece: Buffer, taken: int) -> Iterator[Fragment]:
-        self._remaining = info.size - taken
-        last = self._remaining == 0
-        self._info = None if last else info
-        if last:
-            self.payloads += 1
-        yield Fragment(info, piece, first=True, last=last)
-
-    def close(self) -> None:
-        """Declare the stream over; FormatError if it stopped inside a payload."""
-        if self._info is not None:
-            got = self._info.size - self._remaining
-            raise FormatError(f"stream ended inside a payload: {got} of {self._info.size} bytes")
-        if self._head:
-            raise FormatError(
-                f"stream ended inside a payload header: {len(self._head)} bytes, too few for its header, "
-                "metadata and shape"
-            )
-
-
-#: Payloads from this size (with the alignment pad) are gathered into an anonymous map of
-#: their own; smaller ones into the heap (``aligned_buffer``), whose memory the allocator
-#: reuses. numpy asks for huge pages for arrays from 4 MiB: a map is how we avoid that.
-MAP_GATHER = 4 << 20
-#: A map is allocated whole up to this size: beyond, nothing more is reserved on the word of
-#: a header, and the map grows as the bytes arrive.
-EAGER_GATHER = 32 << 20
-#: Advise transparent huge pages (``MADV_HUGEPAGE``) for gather maps. Off: measured on the
-#: real client path (a 1 GiB Fetch, fresh processes, alternating), huge pages cost 5.0 CPU
-#: seconds per GiB against 2.0 without them: zeroing each 2 MiB page of fresh memory took
-#: 40% of the client's time (``clear_page_erms`` under ``do_huge_pmd_anonymous_page``). In
-#: a VM with free page reporting (virtio-balloon, Firecracker) the guest hands free 2 MiB
-#: blocks back to the host, so a huge page is memory the host must fault in again, 4 KiB at
-#: a time; 4 KiB pages come from recently freed memory. (Memory freed a moment ago is still
-#: backed: the Reframer alone, in a process that has just built its 1 GiB input, is faster
-#: with huge pages, 0.2-0.7 CPU-s/GiB against 0.7-0.9; a client receiving tensors is not.)
-HUGE_PAGES = False
-
-
-class _Gathering:
-    """A payload being gathered from fragments: the one copy a Reframer makes.
-
-    Up to :data:`EAGER_GATHER` bytes the buffer is allocated whole. Beyond, nothing more is
-    reserved on the word of the header: an anonymous map of that size is enlarged, doubling
-    up to the payload's size, as the bytes arrive, by ``mremap``, which moves pages without
-    copying them. Either way the tensor data lands on a 64-byte boundary.
-    """
-
-    def __init__(self, info: PayloadInfo) -> None:
-        if info.size + ALIGNMENT < MAP_GATHER:
-            self.pad, self.memory = 0, aligned_buffer(info.size, info.data_offset)
-        else:
-            self.pad = -info.data_offset % ALIGNMENT  # a map starts on a page boundary
-            self.memory = self._new_map(self.pad + min(info.size, EAGER_GATHER))
-        self.end = self.pad + info.size
-        self.filled = self.pad
-
-    @staticmethod
-    def _new_map(size: int) -> mmap.mmap:
-        return _Gathering._advise(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE))
-
-    @staticmethod
-    def _advise(memory: mmap.mmap) -> mmap.mmap:
-        if HUGE_PAGES and hasattr(mmap, "MADV_HUGEPAGE"):
-            memory.madvise(mmap.MADV_HUGEPAGE)
-        return memory
-
-    def add(self, data: Buffer) -> None:
-        n = memoryview(data).nbytes
-        if self.filled + n > len(self.memory):
-            self._grow(min(self.end, max(self.filled + n, 2 * len(self.memory))))
-        self.memory[self.filled : self.filled + n] = data
-        self.filled += n
-
-    def _grow(self, size: int) -> None:
-        assert isinstance(self.memory, mmap.mmap)
-        try:
-            self.memory.resize(size)
-        except (OSError, SystemError):  # no mremap on this platform: move to a new map
-            bigger = self._new_map(size)
-            bigger[: self.filled] = self.memory[: self.filled]
-            self.memory = bigger
-        else:
-            self._advise(self.memory)
-
-    def payload(self) -> memoryview:
-        return memoryview(self.memory)[self.pad : self.end]
-
-
-class Reframer:
-    """Turns a stream of byte chunks of any sizes into whole payloads.
-
-    A payload that arrives in one chunk is returned as a view of it; one spread over
-    several is gathered into an aligned, writable buffer, the only copy made. A header
-    gets at most :data:`EAGER_GATHER` bytes of memory on its word; the rest comes as the
-    bytes it announces arrive.
-    """
-
-    def __init__(self, limits: Limits = DEFAULT_LIMITS) -> None:
-        self._deframer = Deframer(limits)
-        self._gathering: _Gathering | None = None
-
-    def feed(self, chunk: Buffer) -> Iterator[Buffer]:
-        """The payloads that ``chunk`` completes, in order."""
-        for fragment in self._deframer.feed(chunk):
-            if fragment.first and fragment.last:
-                yield fragment.data
-                continue
-            if fragment.first:
-                self._gathering = _Gathering(fragment.info)
-            assert self._gathering is not None
-            self._gathering.add(fragment.data)
-            if fragment.last:
-                payload, self._gathering = self._gathering.payload(), None
-                yield payload
-
-    def close(self) -> None:
-        """Declare the stream over; FormatError if it stopped inside a payload."""
-        self._deframer.close()
+        return getattr(framing, name)
+    raise AttributeError(f"module 'tannery.codec' has no attribute {name!r}")

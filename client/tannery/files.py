@@ -17,18 +17,19 @@ from __future__ import annotations
 import math
 import mmap
 import os
-import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from . import checkpoint, codec
 from ._lazy import lazy_module
-from .archive import Archive, EntryInfo, IndexedArchive, leaf_dtype, named_leaves
+from .archive import Archive, IndexedArchive, TensorInfo
+from .atomic import Replacement
 from .codec import FormatError, format_shape
 from .errors import ArchiveError
 from .safetensors_format import CODES, read_layout
+from .values import leaf_dtype, named_leaves
 
 # Imported on first use: reading a file's layout needs neither; a tensor view needs torch.
 torch = lazy_module("torch")
@@ -42,7 +43,7 @@ PathLike = str | os.PathLike[str]
 class MappedEntry:
     """Where one entry lies in a map, and how its elements are laid out there."""
 
-    info: EntryInfo
+    info: TensorInfo
     offset: int
     #: Booleans packed eight to a byte (.tannic) rather than one per byte (safetensors).
     packed_bools: bool = False
@@ -100,7 +101,7 @@ def load_safetensors(path: PathLike) -> MappedArchive:
     data = _map_file(path, 8, str(path))
     layout = read_layout(data, str(path))
     entries = {
-        e.name: MappedEntry(EntryInfo(e.dtype.name, e.shape, e.nbytes), layout.data_start + e.begin)
+        e.name: MappedEntry(TensorInfo(e.dtype.name, e.shape, e.nbytes), layout.data_start + e.begin)
         for e in layout.entries
     }
     return MappedArchive(path, data, entries)
@@ -120,7 +121,7 @@ def save_safetensors(path: PathLike, archive: Archive) -> None:
             raise TypeError(
                 f"save_safetensors: {name}: {dtype} has no safetensors dtype; safetensors has {', '.join(CODES)}"
             )
-    host = [_host_contiguous(t) for t in archive._fetch(names)] if names else []
+    host = [tensors.cpu_contiguous(t) for t in archive._fetch(names)] if names else []
     specs = {
         name: safetensors.TensorSpec(
             dtype=tensors.short_name(t.dtype),
@@ -131,7 +132,8 @@ def save_safetensors(path: PathLike, archive: Archive) -> None:
         for name, t in zip(names, host)
     }
     # serialize_file reads each tensor's memory through its pointer: `host` keeps them alive.
-    _write_atomically(Path(path), lambda tmp: safetensors.serialize_file(specs, tmp))
+    with Replacement(path) as tmp:
+        safetensors.serialize_file(specs, tmp)
     del host
 
 
@@ -165,16 +167,10 @@ def load_tannic(path: PathLike, like: Any = None, prefix: str = "") -> MappedArc
             shapes[name] = _like_shape(found.get(name), name, leaf)
     entries = {}
     for entry in pair.entries:
-        shape = shapes[entry.name] if entry.name in shapes else _flat_shape(entry)
-        info = EntryInfo(entry.dtype.name, shape, entry.nbytes)
+        shape = shapes[entry.name] if entry.name in shapes else entry.flat_shape
+        info = TensorInfo(entry.dtype.name, shape, entry.nbytes)
         entries[entry.name] = MappedEntry(info, pair.data_start + entry.offset, packed_bools=True)
     return MappedArchive(checkpoint.pair_paths(path)[0], pair.data, entries)
-
-
-def _flat_shape(entry: checkpoint.PairEntry) -> tuple[int, ...]:
-    if entry.dtype.is_bool:
-        return (entry.nbytes * 8,)
-    return (entry.nbytes // entry.dtype.itemsize,)
 
 
 def _like_shape(entry: checkpoint.PairEntry | None, name: str, leaf: Any) -> tuple[int, ...]:
@@ -192,25 +188,6 @@ def _like_shape(entry: checkpoint.PairEntry | None, name: str, leaf: Any) -> tup
             f"shape {format_shape(shape)} of {dtype} in like takes {expected}"
         )
     return shape
-
-
-def _host_contiguous(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor itself when it is a contiguous CPU tensor, otherwise one copy that is."""
-    tensor = tensor.detach()
-    if tensor.device.type != "cpu":
-        tensor = tensor.cpu()
-    return tensor.resolve_conj().resolve_neg().contiguous()
-
-
-def _write_atomically(path: Path, write: Callable[[Path], None]) -> None:
-    """Have ``write(tmp)`` write a temporary file beside ``path``, then rename it into place."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 __all__ = ["MappedArchive", "MappedEntry", "load_safetensors", "load_tannic", "save_safetensors", "save_tannic"]

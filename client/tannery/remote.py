@@ -18,10 +18,11 @@ import operator
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .archive import DTypeLike, EntryInfo, IndexedArchive, MemoryArchive
-from .calls import ArchiveDescription, ArchiveInfo, EntryDescription, entry_ask
-from .codec import format_shape
+from . import mismatches
+from .archive import DTypeLike, IndexedArchive, MemoryArchive, TensorInfo
 from .errors import ArchiveError
+from .records import ArchiveDescription, ArchiveInfo, EntryDescription
+from .requests import entry_ask
 from .v1 import archives_pb2
 
 if TYPE_CHECKING:
@@ -87,12 +88,9 @@ class RemoteArchive(IndexedArchive):
         if start < 0 or stop < start:
             raise ValueError(f"{where}: {name}: rows [{start}, {stop}) is not a range of rows (0 <= start <= stop)")
         if not info.shape:
-            raise ArchiveError(f"{where}: {name}: rows [{start}, {stop}) asked for, but the entry is a scalar")
+            raise ArchiveError(mismatches.rows_of_scalar(where, name, start, stop))
         if stop > info.shape[0]:
-            raise ArchiveError(
-                f"{where}: {name}: rows [{start}, {stop}) asked for, {info.shape[0]} rows in the archive "
-                f"(shape {format_shape(info.shape)})"
-            )
+            raise ArchiveError(mismatches.rows_past_end(where, name, start, stop, info.shape))
         return self._transfer([entry_ask(self._entries[name], rows=(start, stop))])[0]
 
     def __repr__(self) -> str:
@@ -140,7 +138,7 @@ class AsyncRemoteArchive:
     def names(self) -> list[str]:
         return self._planner.names()
 
-    def info(self, name: str) -> EntryInfo:
+    def info(self, name: str) -> TensorInfo:
         return self._planner.info(name)
 
     def entry(self, name: str) -> EntryDescription:

@@ -71,7 +71,8 @@ def short_name(dtype: torch.dtype) -> str:
     return _NAMES.get(dtype) or str(dtype).removeprefix("torch.")
 
 
-def _cpu_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+def cpu_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor itself when it is a contiguous CPU tensor, otherwise one copy that is."""
     tensor = tensor.detach()
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
@@ -89,7 +90,7 @@ def buffer_of(tensor: torch.Tensor) -> memoryview:
     if tensor.numel() == 0:
         # An empty tensor may have stride 0 (torch.from_numpy of an empty array), which .view refuses.
         return memoryview(b"")
-    tensor = _cpu_contiguous(tensor)
+    tensor = cpu_contiguous(tensor)
     if dtype.is_bool:
         return memoryview(np.packbits(tensor.numpy().reshape(-1), bitorder="little"))
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
@@ -184,9 +185,7 @@ def read(path: str | os.PathLike[str], like: Mapping[str, torch.Tensor] | None =
 def _shape_of(entry: checkpoint.PairEntry, like: torch.Tensor | None) -> tuple[int, ...]:
     """The shape of a pair's entry: ``like``'s, checked against the entry's size, or 1-D."""
     if like is None:
-        if entry.dtype.is_bool:
-            return (entry.nbytes * 8,)
-        return (entry.nbytes // entry.dtype.itemsize,)
+        return entry.flat_shape
     if short_name(like.dtype) != entry.dtype.name:
         raise ValueError(f"read: {entry.name}: {entry.dtype} in the checkpoint, {short_name(like.dtype)} in like")
     expected = entry.dtype.buffer_nbytes(like.numel())
@@ -202,6 +201,7 @@ __all__ = [
     "FormatError",
     "buffer_of",
     "codec_dtype",
+    "cpu_contiguous",
     "dcodeof",
     "deserialize",
     "dtypeof",

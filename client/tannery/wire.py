@@ -112,6 +112,14 @@ def _merge(message: Any, name: str, value: memoryview) -> Any:
     return message
 
 
+def _utf8(value: memoryview, field: str) -> str:
+    """A string field's text; WireError naming the field for bytes that are not UTF-8."""
+    try:
+        return str(value, "utf-8")
+    except UnicodeDecodeError:
+        raise WireError(f"field {field} is not valid UTF-8") from None
+
+
 def parse_store_request(data: bytes) -> StoreMessage:
     """The request deserializer of ``Store``; WireError for bytes that are not a StoreRequest."""
     view = memoryview(data)
@@ -125,10 +133,7 @@ def parse_store_request(data: bytes) -> StoreMessage:
         if number == 1:
             begin = _merge(begin or archives_pb2.StoreBegin(), "begin", value)
         elif number == 2:
-            try:
-                entry = str(value, "utf-8")
-            except UnicodeDecodeError:
-                raise WireError("field entry is not valid UTF-8") from None
+            entry = _utf8(value, "entry")
         elif number == 3:
             chunk = value
         elif number == 4:
@@ -222,10 +227,7 @@ def parse_fetch_response(data: bytes) -> FetchMessage:
         if wire_type != _LEN:
             continue
         if number == 1:
-            try:
-                entry = str(value, "utf-8")
-            except UnicodeDecodeError:
-                raise WireError("field entry is not valid UTF-8") from None
+            entry = _utf8(value, "entry")
         elif number == 2:
             chunk = value
     return FetchMessage(entry, chunk)

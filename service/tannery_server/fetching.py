@@ -23,16 +23,14 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from tannery.codec import DTYPES, DType, encode_prefix, format_shape
+from tannery import mismatches
+from tannery.codec import DTYPES, DType, encode_prefix
 from tannery.v1 import archives_pb2
 
 from .failures import DataLoss, Malformed, Mismatch, Missing
 from .storage import BlobFile, BlobInfo, EntryRecord, Storage
 from .storage.integrity import BlockCheck, check_block
 from tannery.wire import encode_fetch_response, encode_varint, split_parts
-
-_FLOATS = "float16, bfloat16, float32 or float64"
-
 
 @dataclass(frozen=True)
 class Plan:
@@ -72,7 +70,7 @@ def check_request(request: archives_pb2.FetchRequest) -> None:
         if ask.cast:
             target = _dtype_asked(what, ask.cast, "cast")
             if not target.is_float:
-                raise Malformed(f"Archive.float: {ask.cast} is not {_FLOATS}")
+                raise Malformed(f"Archive.float: {ask.cast} is not {mismatches.FLOATS_TEXT}")
         if ask.HasField("rows") and ask.rows.start > ask.rows.stop:
             raise Malformed(
                 f"{what}: {ask.name}: rows [{ask.rows.start}, {ask.rows.stop}): start is after stop"
@@ -83,20 +81,17 @@ def plan_entry(ask: archives_pb2.EntryAsk, entry: EntryRecord | None, blob: Blob
     """Check one ask against its catalog entry; Mismatch or Missing with the archive issue's message."""
     what = "Archive.float" if ask.cast else "Archive.tensor"
     if entry is None:
-        raise Missing(f"{what}: {ask.name}: no entry in the archive")
+        raise Missing(mismatches.no_entry(what, ask.name))
     shape = entry.shape
     stored = DTYPES[entry.dtype]
     if ask.HasField("shape") and tuple(ask.shape.dims) != shape:
-        raise Mismatch(
-            f"{what}: {entry.name}: shape {format_shape(shape)} in the archive, "
-            f"{format_shape(ask.shape.dims)} asked for"
-        )
+        raise Mismatch(mismatches.shape_differs(what, entry.name, shape, ask.shape.dims))
     if ask.dtype and ask.dtype != entry.dtype:
-        raise Mismatch(f"{what}: {entry.name}: {entry.dtype} in the archive, {ask.dtype} asked for")
+        raise Mismatch(mismatches.dtype_differs(what, entry.name, entry.dtype, ask.dtype))
     target = None
     if ask.cast:
         if not stored.is_float:
-            raise Mismatch(f"Archive.float: {entry.name}: {entry.dtype} in the archive, not {_FLOATS}")
+            raise Mismatch(mismatches.not_float("Archive.float", entry.name, entry.dtype))
         if ask.cast != entry.dtype:
             target = DTYPES[ask.cast]
     out_dtype = target or stored
@@ -107,12 +102,9 @@ def plan_entry(ask: archives_pb2.EntryAsk, entry: EntryRecord | None, blob: Blob
 
     start, stop = ask.rows.start, ask.rows.stop
     if not shape:
-        raise Mismatch(f"{what}: {entry.name}: rows [{start}, {stop}) asked for, but the entry is a scalar")
+        raise Mismatch(mismatches.rows_of_scalar(what, entry.name, start, stop))
     if stop > shape[0]:
-        raise Mismatch(
-            f"{what}: {entry.name}: rows [{start}, {stop}) asked for, {shape[0]} rows in the archive "
-            f"(shape {format_shape(shape)})"
-        )
+        raise Mismatch(mismatches.rows_past_end(what, entry.name, start, stop, shape))
     assert blob is not None, "row ranges need the blob's block checksums"
     row_elements = math.prod(shape[1:])
     prefix = encode_prefix(out_dtype, (stop - start, *shape[1:]))

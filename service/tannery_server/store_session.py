@@ -12,7 +12,8 @@ was written.
 from __future__ import annotations
 
 
-from tannery.codec import Deframer, FormatError, Limits, OverLimit
+from tannery.codec import FormatError, Limits, OverLimit
+from tannery.framing import Deframer
 
 from .config import Config
 from .failures import NameTaken, BadPayload, Malformed, LimitExceeded

@@ -12,7 +12,7 @@ Variants:
   each message dropped as read (the floor of any Python client of this server);
 - ``tannery.Client`` / ``tannery.aio.Client``: ``fetch`` to tensors;
 - ``tannery.Client.fetch_iter``: the streaming fetch, each tensor dropped as it arrives;
-- ``tannery.Client, huge pages``: ``fetch`` with ``codec.HUGE_PAGES`` on (gather maps advised
+- ``tannery.Client, huge pages``: ``fetch`` with ``framing.HUGE_PAGES`` on (gather maps advised
   ``MADV_HUGEPAGE``, as numpy does for arrays from 4 MiB);
 - ``--before DIR``: ``tannery.Client`` from another source tree (``DIR/client``, e.g. from
   ``git archive``), to compare a change with what it replaces in the same run.
@@ -57,11 +57,11 @@ def measure(variant: str, target: str, server_pid: int, archive: str) -> dict:
 
     import tannery
     import tannery.aio
-    from tannery import codec
+    from tannery import framing
     from tannery.v1 import archives_pb2
 
     if variant == HUGE:
-        codec.HUGE_PAGES = True
+        framing.HUGE_PAGES = True
     if variant == RAW:
         channel = grpc.insecure_channel(target)
         fetch = channel.unary_stream("/tannery.v1.Archives/Fetch", archives_pb2.FetchRequest.SerializeToString,

@@ -19,7 +19,7 @@ for source in (ROOT / "client",):
         sys.path.insert(0, str(source))
 
 with atheris.instrument_imports(include=["tannery"]):
-    from tannery import codec  # noqa: E402
+    from tannery import codec, framing  # noqa: E402
 
 #: Dtype names in a fixed order, for inputs that pick one by index.
 DTYPE_NAMES = sorted(codec.DTYPES)

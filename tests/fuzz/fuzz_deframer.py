@@ -17,7 +17,7 @@ from pathlib import Path
 import atheris
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DTYPE_NAMES, codec, main, reference_split  # noqa: E402
+from common import DTYPE_NAMES, codec, framing, main, reference_split  # noqa: E402
 
 
 def valid_stream(fdp: atheris.FuzzedDataProvider) -> tuple[bytes, list[int]]:
@@ -53,7 +53,7 @@ def chunks_of(stream: bytes, sizes: list[int]) -> list[bytes]:
 
 def deframe(chunks: list[bytes]) -> list[bytes]:
     """Payloads a Deframer makes of ``chunks``, its fragments' flags and infos checked."""
-    deframer = codec.Deframer()
+    deframer = framing.Deframer()
     payloads: list[bytearray] = []
     open_info = None
     for chunk in chunks:
@@ -73,7 +73,7 @@ def deframe(chunks: list[bytes]) -> list[bytes]:
 
 
 def reframe(chunks: list[bytes]) -> list[bytes]:
-    reframer = codec.Reframer()
+    reframer = framing.Reframer()
     payloads = [bytes(p) for chunk in chunks for p in reframer.feed(chunk)]
     reframer.close()
     return payloads

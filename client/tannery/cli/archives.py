@@ -7,6 +7,7 @@ modules are imported inside them, so building the parser imports no torch.
 from __future__ import annotations
 
 import argparse
+import functools
 from typing import Any
 
 from pathlib import Path
@@ -227,14 +228,19 @@ JSON_GET = ("get --json prints {archive, entry, dtype, shape, nbytes, stats: {co
             "the population std, nan/inf are null for dtypes without them.")
 
 
+def subcommand(commands: Any, common: argparse.ArgumentParser, formatter: type,
+               name: str, help: str, description: str, examples: str, run: Any) -> argparse.ArgumentParser:
+    """Register subcommand ``name`` on ``commands`` (a subparsers action): its help line, its
+    description, its examples and the function that runs it; the parser, for its arguments."""
+    parser = commands.add_parser(name, help=help, description=description, parents=[common],
+                                 epilog="examples:\n" + examples, formatter_class=formatter)
+    parser.set_defaults(run=run)
+    return parser
+
+
 def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type) -> None:
     """Register the archive subcommands on ``commands`` (a subparsers action)."""
-
-    def command(name: str, help: str, description: str, examples: str, run: Any) -> argparse.ArgumentParser:
-        parser = commands.add_parser(name, help=help, description=description, parents=[common],
-                                     epilog="examples:\n" + examples, formatter_class=formatter)
-        parser.set_defaults(run=run)
-        return parser
+    command = functools.partial(subcommand, commands, common, formatter)
 
     push = command(
         "push", "store a checkpoint file as an archive",

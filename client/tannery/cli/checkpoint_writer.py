@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from .. import codec
-from ..calls import TensorPiece
+from ..readers import TensorPiece
+from ..atomic import Replacement
 from ..checkpoint import PairEntry, encode_metadata, file_header, pair_paths
 from ..codec import format_shape
 from ..safetensors_format import CODES, encode_header
@@ -47,12 +47,12 @@ class _Slot:
     nbytes: int
 
 
-class _TempFile:
-    """A file written under a temporary name beside ``path``, renamed into place by :meth:`commit`."""
+class _TempFile(Replacement):
+    """A file written at offsets under a temporary name beside ``path``, renamed into place by
+    :meth:`commit`."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
-        self.tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        super().__init__(path)
         self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
 
     def write_at(self, data: Any, offset: int) -> None:
@@ -61,16 +61,18 @@ class _TempFile:
             written = os.pwrite(self.fd, view, offset)
             view, offset = view[written:], offset + written
 
-    def commit(self) -> None:
-        os.close(self.fd)
-        self.fd = -1
-        os.replace(self.tmp, self.path)
-
-    def discard(self) -> None:
+    def _close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-        self.tmp.unlink(missing_ok=True)
+
+    def commit(self) -> None:
+        self._close()
+        super().commit()
+
+    def discard(self) -> None:
+        self._close()
+        super().discard()
 
 
 class CheckpointWriter:

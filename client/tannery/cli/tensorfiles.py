@@ -21,8 +21,10 @@ from typing import Any, Iterator
 
 from .. import codec
 from .._lazy import lazy_module
-from ..archive import Archive, named_leaves
+from ..archive import Archive
+from ..atomic import Replacement
 from ..files import load_safetensors, load_tannic
+from ..values import named_leaves
 from .errors import CommandError
 
 np = lazy_module("numpy")
@@ -258,9 +260,13 @@ def save_tensor(path: str | os.PathLike[str], tensor: torch.Tensor) -> None:
     if path.suffix == ".npy":
         check_npy_dtype(path, _short(tensor))
         array = to_numpy(tensor)
-        _write_atomically(path, lambda f: np.save(f, array, allow_pickle=False))
+        output_directory(path.parent)
+        with Replacement(path) as tmp, open(tmp, "wb") as f:
+            np.save(f, array, allow_pickle=False)
     elif path.suffix == ".pt":
-        _write_atomically(path, lambda f: torch.save(tensor.detach().cpu(), f))
+        output_directory(path.parent)
+        with Replacement(path) as tmp, open(tmp, "wb") as f:
+            torch.save(tensor.detach().cpu(), f)
     else:
         raise CommandError(f"{path}: cannot tell the format from the extension",
                            hint="write a .npy (numpy) or .pt (torch.save) file")
@@ -270,18 +276,6 @@ def check_npy_dtype(path: str | os.PathLike[str], dtype: str) -> None:
     """CommandError when ``path`` is a .npy file and ``dtype`` one it cannot record (bfloat16, float8)."""
     if Path(path).suffix == ".npy" and dtype in _NOT_NPY:
         raise CommandError(f"{path}: a .npy file cannot record {dtype}", hint="write a .pt file instead")
-
-
-def _write_atomically(path: Path, write: Any) -> None:
-    output_directory(path.parent)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 __all__ = [

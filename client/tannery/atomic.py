@@ -1,0 +1,53 @@
+"""Files that appear whole or not at all: written under a temporary name, then renamed into place.
+
+Every file tannery writes (``save_safetensors``, ``save_tannic``, ``tannery get -o``, ``tannery
+pull``) goes through :class:`Replacement`, so that a reader never sees half of one and an
+existing file is replaced only by a whole one. Nothing here imports numpy or torch.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+
+class Replacement:
+    """A file written at :attr:`tmp`, a hidden name beside ``path`` (one per process and thread),
+    that replaces ``path`` on :meth:`commit` and is removed on :meth:`discard`.
+
+    As a context manager it gives the temporary path and commits when the block ends
+    normally, discards when it raises::
+
+        with Replacement(path) as tmp, open(tmp, "wb") as f:
+            f.write(data)
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+
+    def commit(self) -> None:
+        """Rename the temporary file into place (removing it if that fails)."""
+        try:
+            os.replace(self.tmp, self.path)
+        except BaseException:
+            self.discard()
+            raise
+
+    def discard(self) -> None:
+        """Remove the temporary file, if it is still there; ``path`` is left as it was."""
+        self.tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> Path:
+        return self.tmp
+
+    def __exit__(self, kind: Any, *_: Any) -> None:
+        if kind is None:
+            self.commit()
+        else:
+            self.discard()
+
+
+__all__ = ["Replacement"]

@@ -1,0 +1,169 @@
+"""How the answers of Fetch and Subscribe become Python values, shared by both clients.
+
+The readers turn the chunks of a stream back into tensors, each payload gathered once
+into an aligned buffer that the tensor then shares (:class:`~tannery.framing.Reframer`
+and :func:`~tannery.torch.deserialize`), or into pieces (:class:`TensorPiece`) that view the
+received messages (:class:`PieceReader`, what ``tannery pull`` writes to files).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from . import wire
+from ._lazy import lazy_module
+from .codec import FormatError, PayloadInfo, byte_buffer
+from .framing import Deframer, Reframer
+from .requests import Progress
+
+if TYPE_CHECKING:
+    import torch
+
+# Imported where a tensor is made: PieceReader never imports torch.
+torch_codec = lazy_module("tannery.torch")
+
+
+class _EntryStream:
+    """The entries of a Fetch stream: each message that names an entry starts it, and each
+    entry carries exactly one payload. Subclasses read the payloads (:meth:`_read`)."""
+
+    def __init__(self, progress: Progress = None) -> None:
+        self._progress = progress
+        self._name: str | None = None
+        self._has_payload = False
+
+    def feed(self, message: wire.FetchMessage) -> list:
+        """What ``message`` completes (tensors or pieces, by the subclass)."""
+        if message.entry:
+            self._end_entry()
+            self._name, self._has_payload = message.entry, False
+            self._start_entry()
+        if self._name is None:
+            raise FormatError("Fetch: payload bytes before any entry name")
+        chunk = message.chunk
+        if self._progress is not None and chunk.nbytes:
+            self._progress(chunk.nbytes)
+        try:
+            return self._read(self._name, chunk)
+        except FormatError as e:
+            raise FormatError(f"Fetch: entry {self._name!r}: {e}") from None
+
+    def _payload(self) -> None:
+        """Count the entry's payload: FormatError for a second one."""
+        if self._has_payload:
+            raise FormatError("a second payload")
+        self._has_payload = True
+
+    def _end_entry(self) -> None:
+        if self._name is None:
+            return
+        try:
+            self._close_entry()
+        except FormatError as e:
+            raise FormatError(f"Fetch: entry {self._name!r}: {e}") from None
+        if not self._has_payload:
+            raise FormatError(f"Fetch: entry {self._name!r} came without a payload")
+
+    def close(self) -> None:
+        """The stream ended: FormatError if it stopped inside an entry."""
+        self._end_entry()
+
+    def _start_entry(self) -> None:
+        raise NotImplementedError
+
+    def _read(self, name: str, chunk: memoryview) -> list:
+        raise NotImplementedError
+
+    def _close_entry(self) -> None:
+        raise NotImplementedError
+
+
+class EntryReader(_EntryStream):
+    """Turns a Fetch stream into ``(name, tensor)`` pairs, each payload gathered once."""
+
+    def _start_entry(self) -> None:
+        self._reframer = Reframer()
+
+    def _read(self, name: str, chunk: memoryview) -> list[tuple[str, torch.Tensor]]:
+        out = []
+        for payload in self._reframer.feed(chunk):
+            self._payload()
+            out.append((name, torch_codec.deserialize(payload)))
+        return out
+
+    def _close_entry(self) -> None:
+        self._reframer.close()
+
+
+@dataclass(frozen=True)
+class TensorPiece:
+    """A piece of one entry's tensor bytes (its payload's buffer), as it arrived.
+
+    ``data`` views the received message (nothing is copied); it holds the tensor bytes
+    ``[offset, offset + len(data))`` of entry ``name``, whose payload header said ``info``
+    (dtype, shape, nbytes). Every entry comes as one or more pieces in order, from the
+    ``first`` (at offset 0, possibly empty) to the ``last`` (ending at ``info.nbytes``).
+    Booleans are bit-packed, eight to a byte, as the payload carries them.
+    """
+
+    name: str
+    info: PayloadInfo
+    offset: int
+    data: memoryview
+    first: bool
+    last: bool
+
+
+class PieceReader(_EntryStream):
+    """Turns a Fetch stream into tensor pieces (:class:`TensorPiece`), views of the received messages."""
+
+    def _start_entry(self) -> None:
+        self._deframer = Deframer()
+        self._position = 0  # payload bytes of the current payload seen so far
+
+    def _read(self, name: str, chunk: memoryview) -> list[TensorPiece]:
+        out = []
+        for fragment in self._deframer.feed(chunk):
+            if fragment.first:
+                self._payload()
+                self._position = 0
+            info, data = fragment.info, byte_buffer(fragment.data)
+            start, self._position = self._position, self._position + data.nbytes
+            skip = max(0, info.data_offset - start)  # header bytes: what info already says
+            if skip < data.nbytes or fragment.first or fragment.last:
+                offset = max(0, start - info.data_offset)
+                out.append(TensorPiece(name, info, offset, data[skip:], fragment.first, fragment.last))
+        return out
+
+    def _close_entry(self) -> None:
+        self._deframer.close()
+
+
+def check_fetched(asked: Sequence[str], got: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+    """The tensors of ``asked``, in order; FormatError if the server sent other entries."""
+    names = [name for name, _ in got]
+    if names != list(asked):
+        raise FormatError(f"Fetch: asked for entries {list(asked)[:8]}, the server sent {names[:8]}")
+    return [tensor for _, tensor in got]
+
+
+class PayloadReader:
+    """Turns a Subscribe stream into tensors, each payload gathered once."""
+
+    def __init__(self, progress: Progress = None) -> None:
+        self._progress = progress
+        self._reframer = Reframer()
+
+    def feed(self, chunk: memoryview) -> list[torch.Tensor]:
+        if self._progress is not None and chunk.nbytes:
+            self._progress(chunk.nbytes)
+        return [torch_codec.deserialize(payload) for payload in self._reframer.feed(chunk)]
+
+    def discard(self) -> None:
+        """Forget the payload in progress (its publisher abandoned it): the next chunk starts a payload."""
+        self._reframer = Reframer()
+
+
+__all__ = ["EntryReader", "PayloadReader", "PieceReader", "TensorPiece", "check_fetched"]

@@ -1,0 +1,107 @@
+"""The records calls return: what users get back from a call, built from its answer message.
+
+:class:`ArchiveInfo` (an archive as the catalog knows it), :class:`ArchiveDescription` and
+its entries (:class:`EntryDescription`), :class:`Deleted` and :class:`Published`. Shared by
+``tannery.Client``, ``tannery.aio.Client`` and the remote archives; nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from .archive import TensorInfo
+from .codec import format_shape
+from .v1 import archives_pb2, channels_pb2
+
+
+@dataclass(frozen=True)
+class ArchiveInfo:
+    """An archive as the catalog knows it: entries, tensor bytes, payload bytes (as stored and
+    sent), and when it was created (UTC)."""
+
+    name: str
+    entries: int
+    nbytes: int
+    payload_bytes: int
+    created: dt.datetime
+
+    @staticmethod
+    def of(message: archives_pb2.ArchiveInfo) -> "ArchiveInfo":
+        created = dt.datetime.fromtimestamp(message.created.ToNanoseconds() / 1e9, dt.timezone.utc)
+        return ArchiveInfo(message.name, message.entries, message.nbytes, message.payload_bytes, created)
+
+
+@dataclass(frozen=True)
+class EntryDescription:
+    """One stored entry: dtype, shape, tensor bytes, payload bytes and the payload's SHA-256."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    payload_bytes: int
+    digest: str
+
+    @property
+    def info(self) -> TensorInfo:
+        return TensorInfo(self.dtype, self.shape, self.nbytes)
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.dtype} {format_shape(self.shape)}"
+
+
+@dataclass(frozen=True)
+class ArchiveDescription:
+    """An archive's info and every entry, sorted by name (iterating gives the entries)."""
+
+    info: ArchiveInfo
+    entries: tuple[EntryDescription, ...]
+
+    @staticmethod
+    def of(message: archives_pb2.ArchiveDescription) -> "ArchiveDescription":
+        entries = tuple(
+            EntryDescription(e.name, e.dtype, tuple(e.shape), e.nbytes, e.payload_bytes, e.digest)
+            for e in message.entries
+        )
+        return ArchiveDescription(ArchiveInfo.of(message.info), entries)
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    def __iter__(self) -> Iterator[EntryDescription]:
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+@dataclass(frozen=True)
+class Deleted:
+    """What a delete removed: the archive, and the blobs no other archive used (and their bytes)."""
+
+    archive: ArchiveInfo
+    blobs_removed: int
+    bytes_freed: int
+
+    @staticmethod
+    def of(message: archives_pb2.DeleteResponse) -> "Deleted":
+        return Deleted(ArchiveInfo.of(message.deleted), message.blobs_removed, message.bytes_freed)
+
+
+@dataclass(frozen=True)
+class Published:
+    """What one publish call sent: payloads, their bytes, and subscribers dropped for falling behind."""
+
+    payloads: int
+    nbytes: int
+    dropped_subscribers: int
+
+    @staticmethod
+    def of(message: channels_pb2.PublishResponse) -> "Published":
+        return Published(message.payloads, message.bytes, message.dropped_subscribers)
+
+
+__all__ = ["ArchiveDescription", "ArchiveInfo", "Deleted", "EntryDescription", "Published"]

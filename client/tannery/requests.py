@@ -1,0 +1,207 @@
+"""What each call sends, shared by both clients: the RPC table and every request and message stream.
+
+:class:`Methods` is the table of both services' calls on a channel, derived from the
+generated descriptors. The rest builds what the calls send: the messages of a Store or a
+Publish (each tensor's bytes copied once, into its message, from
+:func:`~tannery.torch.serialize_parts`) and the requests of Fetch, Union and List.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from types import ModuleType
+from typing import Any, Callable, Optional
+
+from . import errors, wire
+from ._lazy import lazy_module
+from .archive import Archive
+from .names import join
+from .records import EntryDescription
+from .v1 import archives_pb2, channels_pb2
+from .values import as_tensor
+
+# Imported where a tensor is sent: List, Describe, Delete and Union never import torch.
+np = lazy_module("numpy")
+torch = lazy_module("torch")
+torch_codec = lazy_module("tannery.torch")
+
+#: Called with the number of tensor bytes (payload bytes) just sent or received.
+Progress = Optional[Callable[[int], Any]]
+
+
+# -- methods ---------------------------------------------------------------------------------
+
+
+def _encoded(message: bytes) -> bytes:
+    return message
+
+
+#: The (de)serializers written by hand, by RPC: Store and Publish send messages encoded by
+#: :mod:`tannery.wire`; Fetch and Subscribe answers are decoded as views of the received bytes.
+_HAND_WRITTEN: dict[str, dict[str, Callable]] = {
+    "Store": {"request_serializer": _encoded},
+    "Fetch": {"response_deserializer": wire.parse_fetch_response},
+    "Publish": {"request_serializer": _encoded},
+    "Subscribe": {"response_deserializer": wire.parse_subscribe_response},
+}
+
+_CALL_KINDS = {(False, False): "unary_unary", (False, True): "unary_stream",
+               (True, False): "stream_unary", (True, True): "stream_stream"}
+
+#: The services whose calls :class:`Methods` holds: generated module, service name.
+_SERVICES: tuple[tuple[ModuleType, str], ...] = ((archives_pb2, "Archives"), (channels_pb2, "Channels"))
+
+
+def _snake_case(name: str) -> str:
+    return "".join(f"_{c.lower()}" if c.isupper() and i else c.lower() for i, c in enumerate(name))
+
+
+class Methods:
+    """The calls of both services on a channel, sync or aio (the same factory methods): one
+    attribute per RPC (``store``, ``fetch``, ..., ``subscribe``), derived from the generated
+    descriptors, with the generated serializers but for :data:`_HAND_WRITTEN`."""
+
+    def __init__(self, channel: Any) -> None:
+        for module, service in _SERVICES:
+            descriptor = module.DESCRIPTOR.services_by_name[service]
+            for method in descriptor.methods:
+                options = {
+                    "request_serializer": getattr(module, method.input_type.name).SerializeToString,
+                    "response_deserializer": getattr(module, method.output_type.name).FromString,
+                    **_HAND_WRITTEN.get(method.name, {}),
+                }
+                factory = getattr(channel, _CALL_KINDS[method.client_streaming, method.server_streaming])
+                setattr(self, _snake_case(method.name), factory(f"/{descriptor.full_name}/{method.name}", **options))
+
+
+# -- requests --------------------------------------------------------------------------------
+
+
+def archive_to_store(name: str, value: Any, prefix: str = "") -> tuple[Archive, str]:
+    """The archive a ``store`` value stands for, and the prefix still to add to its names.
+
+    An Archive as it is; an ``nn.Module`` by its state_dict; a mapping, list or tuple by
+    :meth:`Archive.of_value` (which names each tensor by its path). Nothing is read yet.
+    The archive's name is checked to be a non-empty str first (an empty one would leave the
+    call without its first message, and the server's answer would not say why).
+    """
+    if not isinstance(name, str) or not name:
+        raise errors.InvalidArgument(f"Client.store: the archive's name is a non-empty str, not {name!r}")
+    if not isinstance(prefix, str):
+        raise TypeError(f"Client.store: prefix is a str, not {type(prefix).__name__}")
+    if isinstance(value, Archive):
+        return value, prefix
+    if isinstance(value, torch.nn.Module):
+        value = value.state_dict()
+    if not isinstance(value, (Mapping, list, tuple, torch.Tensor, np.ndarray)):
+        raise TypeError(
+            f"Client.store: a {type(value).__name__} is not something to store; give an Archive, a mapping of "
+            "names to tensors, an nn.Module or nested dicts, lists and tuples of tensors"
+        )
+    return Archive.of_value(value, prefix), ""
+
+
+def store_messages(
+    name: str, archive: Archive, prefix: str, replace: bool, chunk_size: int, progress: Progress = None
+) -> Iterator[bytes]:
+    """The serialized ``StoreRequest``s of an archive: begin, then each entry in name order,
+    its name in the first of its messages, then commit with the counts sent (the server
+    stores nothing without it). Entries are read one at a time, as sent."""
+    begin = archives_pb2.StoreBegin(archive=name, replace=replace).SerializeToString()
+    yield wire.encode_store_request(begin=begin)
+    entries = sent = 0
+    for entry in archive.names():
+        tensor = archive.find(entry)
+        first = True
+        for chunk in wire.split_parts(torch_codec.serialize_parts(tensor), chunk_size):
+            yield wire.encode_store_request(entry=join(prefix, entry) if first else None, parts=chunk)
+            first = False
+            size = sum(piece.nbytes for piece in chunk)
+            sent += size
+            if progress is not None:
+                progress(size)
+        entries += 1
+    yield wire.encode_store_commit(entries, sent)
+
+
+def check_tensors(tensors: Any) -> None:
+    """A publish takes an iterable of tensors: one tensor (iterable over its rows) is refused."""
+    if isinstance(tensors, (torch.Tensor, np.ndarray)):
+        raise TypeError("Client.publish: tensors is an iterable of tensors; for one tensor t, give [t]")
+
+
+def publish_messages(
+    tensor: Any, channel: str | None, chunk_size: int, progress: Progress = None, index: int = 0
+) -> Iterator[bytes]:
+    """The serialized ``PublishRequest``s of one tensor (a torch tensor or numpy array);
+    ``channel`` names the channel in the first (for the call's first tensor)."""
+    tensor = as_tensor(tensor, f"tensor {index}", "Client.publish")
+    for chunk in wire.split_parts(torch_codec.serialize_parts(tensor), chunk_size):
+        yield wire.encode_publish_request(channel, chunk)
+        channel = None
+        if progress is not None:
+            progress(sum(piece.nbytes for piece in chunk))
+
+
+def entry_ask(entry: EntryDescription, cast: str | None = None, rows: tuple[int, int] | None = None
+              ) -> archives_pb2.EntryAsk:
+    """An ask for ``entry`` that the server checks against what the client saw (the archive
+    may have been replaced since it was described)."""
+    ask = archives_pb2.EntryAsk(name=entry.name, shape=archives_pb2.Shape(dims=entry.shape), dtype=entry.dtype)
+    if cast:
+        ask.cast = cast
+    if rows is not None:
+        ask.rows.start, ask.rows.stop = rows
+    return ask
+
+
+def fetch_request(archive: str, names: Iterable[str] | None = None, prefix: str | None = None
+                  ) -> archives_pb2.FetchRequest:
+    """Entries by name (in that order), or those a prefix owns, or all of them."""
+    if names is not None and prefix is not None:
+        raise ValueError("Client.fetch: give names or a prefix, not both")
+    if isinstance(names, str):
+        raise TypeError("Client.fetch: names is a list of entry names, not one str")
+    request = archives_pb2.FetchRequest(archive=archive, prefix=prefix or "")
+    if names is not None:
+        names = list(names)
+        if not names:
+            raise ValueError("Client.fetch: an empty list of names (give None for every entry)")
+        request.entries.extend(archives_pb2.EntryAsk(name=n) for n in names)
+    return request
+
+
+def union_request(target: str, sources: Mapping[str, str] | Sequence[str], replace: bool) -> archives_pb2.UnionRequest:
+    """Sources as a mapping of prefix to archive name, or a list of archive names (no prefixes)."""
+    if isinstance(sources, str):
+        raise TypeError("Client.union: sources is a list of archive names or a mapping of prefix to name, not a str")
+    if isinstance(sources, Mapping):
+        pairs = [(archive, prefix) for prefix, archive in sources.items()]
+    else:
+        pairs = [(archive, "") for archive in sources]
+    if not pairs:
+        raise ValueError("Client.union: no sources")
+    return archives_pb2.UnionRequest(
+        target=target, replace=replace,
+        sources=[archives_pb2.UnionSource(archive=a, prefix=p) for a, p in pairs],
+    )
+
+
+def list_request(prefix: str, page_token: str) -> archives_pb2.ListRequest:
+    if not isinstance(prefix, str):
+        raise TypeError(f"Client.list: prefix is a str, not {type(prefix).__name__}")
+    return archives_pb2.ListRequest(prefix=prefix, page_token=page_token)
+
+
+__all__ = [
+    "Methods",
+    "Progress",
+    "archive_to_store",
+    "check_tensors",
+    "entry_ask",
+    "fetch_request",
+    "list_request",
+    "publish_messages",
+    "store_messages",
+    "union_request",
+]
