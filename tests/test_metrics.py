@@ -131,6 +131,9 @@ def test_refused_calls_are_counted(tmp_path):
             stub.List(pb.ListRequest())
         with pytest.raises(grpc.RpcError):
             stub.Delete(pb.DeleteRequest(archive="x"), metadata=(("authorization", "Bearer reader-token-0123"),))
+        # A call is counted once its handler is over, which may be just after its client heard.
+        assert wait_for(lambda: value(scrape(server.metrics_port), "tannery_calls_total", method="Delete",
+                                      code="PERMISSION_DENIED") == 1)
         samples = scrape(server.metrics_port)
         assert value(samples, "tannery_calls_total", method="List", code="UNAUTHENTICATED") == 1
         assert value(samples, "tannery_calls_total", method="Delete", code="PERMISSION_DENIED") == 1

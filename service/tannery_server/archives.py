@@ -81,7 +81,10 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
                 await asyncio.shield(pending)
                 pending = self._run_future(session.feed, message)
             await asyncio.shield(pending)
-            # grpc.aio ends the requests of a cancelled call as if the client were done.
+            # grpc.aio ends the requests of a cancelled call as if the client were done, and
+            # may say it was cancelled only a moment later.
+            if not session.committed:
+                await _cancellation_known(context)
             _check_alive(context)
             pending = self._run_future(session.finish)
             record = await asyncio.shield(pending)
@@ -209,6 +212,15 @@ async def _write(context: grpc.aio.ServicerContext, message: Any) -> None:
         await context.write(message)
     except grpc.aio.InternalError:
         raise asyncio.CancelledError() from None
+
+
+async def _cancellation_known(context: grpc.aio.ServicerContext, wait: float = 0.25) -> None:
+    """Give a call whose requests ended without ``commit`` a moment to show it was cancelled (no
+    client that completed ends so, so only a broken client waits): it is then answered and
+    logged CANCELLED, not INVALID_ARGUMENT."""
+    deadline = asyncio.get_running_loop().time() + wait
+    while not context.cancelled() and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.01)
 
 
 def _check_alive(context: grpc.aio.ServicerContext) -> None:

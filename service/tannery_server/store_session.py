@@ -146,6 +146,11 @@ class StoreSession:
             )
         self._commit = commit
 
+    @property
+    def committed(self) -> bool:
+        """Whether the client's ``commit`` arrived (and agreed with what arrived)."""
+        return self._commit is not None
+
     def finish(self) -> ArchiveRecord:
         """Commit the archive once the client said so (``commit``) and every payload is durable."""
         if self._commit is None:

@@ -4,9 +4,10 @@ the small :class:`Catalog` and :class:`BlobStore` protocols of :mod:`.base`."""
 from .base import (ArchiveRecord, BlobFile, BlobInfo, BlobStore, Catalog, CatalogTotals, EntryRecord, ArchiveLimits,
                    TempBlob)
 from .reserve import SpaceReserve
-from .catalog_and_blobs import (
-    Collected, DataDirectoryInUse, DataDirectoryLock, PayloadWriter, Storage, StorageFull, StorageUnavailable,
-)
+from .catalog_and_blobs import Collected, Storage
+from .errors import StorageFull, StorageUnavailable
+from .lock import DataDirectoryInUse, DataDirectoryLock
+from .payload_writer import PayloadWriter
 
 __all__ = [
     "ArchiveRecord",

@@ -11,22 +11,22 @@ refused (:class:`StorageFull`) while it cannot be held.
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
-import os
 import sqlite3
 import threading
 import time
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence, TypeVar
 
-from ..failures import LimitExceeded, Unavailable
-from .base import ArchiveLimits, ArchiveRecord, BlobFile, BlobInfo, BlobStore, Catalog, EntryRecord, TempBlob
+from ..failures import LimitExceeded
+from .base import ArchiveLimits, ArchiveRecord, BlobFile, BlobInfo, BlobStore, Catalog, EntryRecord
+from .errors import EXHAUSTED_ERRNOS, StorageFull, StorageUnavailable, is_disk_full
 from .file_blobs import FileBlobStore
-from .integrity import BLOCK_SIZE, PayloadDigest, verify_digest
+from .lock import DataDirectoryLock
+from .payload_writer import PayloadWriter
+from .integrity import BLOCK_SIZE, verify_digest
 from .reserve import DEFAULT_CAP, SpaceReserve, free_bytes
 from .sqlite_catalog import SqliteCatalog
 
@@ -34,131 +34,10 @@ log = logging.getLogger("tannery_server.storage")
 T = TypeVar("T")
 
 
-class DataDirectoryInUse(RuntimeError):
-    """Another server holds the data directory's lock."""
-
-
-class StorageFull(LimitExceeded):
-    """The disk of the data directory is full (RESOURCE_EXHAUSTED): the message names it and the remedy."""
-
-
-class StorageUnavailable(Unavailable):
-    """The storage failed to answer (an I/O or database error): UNAVAILABLE, worth a retry."""
-
-
-#: errnos of a machine out of descriptors or memory.
-_EXHAUSTED = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
-#: errnos of a write that found no room (EFBIG, a file size limit, is answered by the caller).
-_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
-#: SQLite's primary result codes for a full disk, an I/O error and a file it cannot open.
-_SQLITE_FULL, _SQLITE_IOERR, _SQLITE_CANTOPEN = 13, 10, 14
-#: Below this many free bytes, an SQLite I/O error is taken for a full disk (SQLite reports a
-#: WAL index it cannot grow, or a -shm file it cannot create, as "disk I/O error").
-_NEARLY_FULL = 1 << 20
-
-
-def is_disk_full(exc: BaseException, data_dir: Path) -> bool:
-    """Whether ``exc`` means the disk of ``data_dir`` has no room (ENOSPC, EDQUOT, SQLITE_FULL, or an
-    SQLite I/O error on a disk with less than a MiB free)."""
-    if isinstance(exc, OSError):
-        return exc.errno in _NO_SPACE
-    if not isinstance(exc, sqlite3.Error):
-        return False
-    code = getattr(exc, "sqlite_errorcode", None)
-    primary = code & 0xFF if isinstance(code, int) else None
-    if primary == _SQLITE_FULL or "database or disk is full" in str(exc):
-        return True
-    if primary in (_SQLITE_IOERR, _SQLITE_CANTOPEN) or "disk I/O error" in str(exc):
-        try:
-            return free_bytes(data_dir) < _NEARLY_FULL
-        except OSError:
-            return False
-    return False
-
-
-class DataDirectoryLock:
-    """An exclusive ``flock`` on ``<data_dir>/lock``, held while the server runs."""
-
-    def __init__(self, data_dir: Path) -> None:
-        self.path = Path(data_dir) / "lock"
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            holder = os.pread(self._fd, 64, 0).decode(errors="replace").strip() or "?"
-            os.close(self._fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise DataDirectoryInUse(
-                    f"data directory {data_dir} is in use by another tannery server (pid {holder})"
-                ) from None
-            raise
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
-
-    def release(self) -> None:
-        if self._fd >= 0:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = -1
-
-
 @dataclass(frozen=True)
 class Collected:
     blobs: int = 0
     bytes: int = 0
-
-
-#: Hashes pieces of payloads while their bytes are written (hashlib and zlib release the
-#: GIL, so hashing one piece overlaps writing it and receiving the next).
-_HASHING = ThreadPoolExecutor(max(2, os.cpu_count() or 2), thread_name_prefix="tannery-hash")
-#: Pieces smaller than this are hashed inline: a thread hand-off would cost more.
-HASH_INLINE_BELOW = 256 << 10
-
-
-class PayloadWriter:
-    """One payload going to a temporary blob, hashed as it is written.
-
-    A large piece is hashed by another thread while this one writes it; that hash is
-    awaited before the next piece is hashed (so pieces are hashed in order) and by
-    :meth:`finish`. At most one piece per payload is in flight.
-    """
-
-    def __init__(self, temp: TempBlob, block_size: int, storage: "Storage | None" = None) -> None:
-        self.temp = temp
-        self.digest = PayloadDigest(block_size)
-        #: Bytes written so far.
-        self.size = 0
-        self._hashing: Future | None = None
-        self._storage = storage
-
-    def write(self, data: memoryview | bytes) -> None:
-        """Write a piece; StorageFull when the disk is full or its space reserve is released (the
-        space a Delete needs is not written into)."""
-        view = memoryview(data)
-        if self._storage is not None:
-            self._storage.check_room()
-        self._wait()
-        if view.nbytes < HASH_INLINE_BELOW:
-            self.digest.update(view)
-        else:
-            self._hashing = _HASHING.submit(self.digest.update, view)
-        try:
-            self.temp.write(view)
-        except OSError as exc:
-            if self._storage is None:
-                raise
-            raise self._storage.full_error(exc) from exc
-        self.size += view.nbytes
-
-    def finish(self) -> BlobInfo:
-        """The payload's digest and block checksums, once every piece is hashed."""
-        self._wait()
-        return self.digest.finish()
-
-    def _wait(self) -> None:
-        if self._hashing is not None:
-            hashing, self._hashing = self._hashing, None
-            hashing.result()
 
 
 class Storage:
@@ -247,7 +126,7 @@ class Storage:
         if isinstance(exc, OSError) and exc.errno == errno.EFBIG:
             return StorageFull(f"storage is full: a file size limit stopped a write in {self.data_dir} "
                                f"({exc.strerror or exc}): raise the limit (ulimit -f) or store smaller entries")
-        if isinstance(exc, OSError) and exc.errno in _EXHAUSTED:
+        if isinstance(exc, OSError) and exc.errno in EXHAUSTED_ERRNOS:
             return LimitExceeded(f"the server is out of resources: {exc.strerror or exc}")
         if isinstance(exc, (OSError, sqlite3.Error)):
             log.warning("storage error", exc_info=exc)
