@@ -25,21 +25,28 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from .archive import Archive, MemoryArchive
-from .readers import EntryReader, PayloadReader, PieceReader, TensorPiece, check_fetched
+from ._lazy import lazy_module
 from .records import ArchiveDescription, ArchiveInfo, Deleted, Published
 from .requests import (
     Methods, Progress, archive_to_store, check_tensors, fetch_request, list_request, publish_messages, store_messages,
     union_request,
 )
-from .state_dict import plan_state_dict
 from .connection import Connection, TLSLike, rpc_error
-from .remote import RemoteArchive
 from .v1 import archives_pb2, channels_pb2
 from .wire import ABANDONED, encode_publish_request
 
 if TYPE_CHECKING:  # torch is imported where a tensor is made (tannery.readers, tannery.requests)
     import torch
+
+    from .archive import Archive
+    from .readers import EntryReader, PayloadReader, PieceReader, TensorPiece
+    from .remote import RemoteArchive
+
+# Imported on first use: catalog calls (tannery ls, show, rm) need none of these.
+_archive = lazy_module("tannery.archive")
+_readers = lazy_module("tannery.readers")
+_remote = lazy_module("tannery.remote")
+_state_dict = lazy_module("tannery.state_dict")
 
 
 class _Guarded:
@@ -136,12 +143,12 @@ class Client:
             call.cancel()  # a no-op once the call is over; ends it if reading stopped early or failed
 
     def _fetch(self, request: archives_pb2.FetchRequest, progress: Progress) -> list[tuple[str, torch.Tensor]]:
-        return list(self._entries(request, EntryReader(progress)))
+        return list(self._entries(request, _readers.EntryReader(progress)))
 
     def _transfer(self, archive: str, progress: Progress):
         def transfer(asks: Sequence[archives_pb2.EntryAsk]) -> list[torch.Tensor]:
             got = self._fetch(archives_pb2.FetchRequest(archive=archive, entries=asks), progress)
-            return check_fetched([ask.name for ask in asks], got)
+            return _readers.check_fetched([ask.name for ask in asks], got)
 
         return transfer
 
@@ -165,14 +172,14 @@ class Client:
     def archive(self, name: str, *, progress: Progress = None) -> RemoteArchive:
         """The archive ``name`` as a :class:`RemoteArchive` (one Describe; reads fetch only what
         they return). ``progress`` is called with the payload bytes of each message received."""
-        return RemoteArchive(self.describe(name), self._transfer(name, progress))
+        return _remote.RemoteArchive(self.describe(name), self._transfer(name, progress))
 
     def fetch(self, name: str, names: Iterable[str] | None = None, prefix: str | None = None, *,
               progress: Progress = None) -> Archive:
         """Entries of archive ``name`` in memory: those named (NotFound for one it lacks), or
         those ``prefix`` owns, or all of them; in one call."""
         got = self._fetch(fetch_request(name, names, prefix), progress)
-        return MemoryArchive(dict(got))
+        return _archive.MemoryArchive(dict(got))
 
     def fetch_iter(self, name: str, names: Iterable[str] | None = None, prefix: str | None = None, *,
                    progress: Progress = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -184,7 +191,7 @@ class Client:
         early. Stopping early (``break``, ``close()``) cancels the call; a failure midway
         raises where it happens, after the entries that came whole.
         """
-        return self._entries(fetch_request(name, names, prefix), EntryReader(progress))
+        return self._entries(fetch_request(name, names, prefix), _readers.EntryReader(progress))
 
     def fetch_pieces(self, name: str, names: Iterable[str] | None = None, prefix: str | None = None, *,
                      progress: Progress = None) -> Iterator[TensorPiece]:
@@ -193,7 +200,7 @@ class Client:
         offset, bytes), viewing the received messages: nothing is gathered or copied, so
         an entry of any size can be written to a file while only one message is held.
         """
-        return self._entries(fetch_request(name, names, prefix), PieceReader(progress))
+        return self._entries(fetch_request(name, names, prefix), _readers.PieceReader(progress))
 
     def union(self, target: str, sources: Mapping[str, str] | Sequence[str], *, replace: bool = False) -> ArchiveInfo:
         """A new archive ``target`` of the entries of ``sources``: a mapping of prefix to archive
@@ -225,7 +232,7 @@ class Client:
         ``load_state_dict`` does, fetching only the entries the module has keys for, in one
         call. Everything is checked first (ArchiveError naming the entries); returns torch's
         ``(missing_keys, unexpected_keys)``."""
-        plan = plan_state_dict(module, self.describe(name), prefix, strict)
+        plan = _state_dict.plan_state_dict(module, self.describe(name), prefix, strict)
         tensors = self._transfer(name, progress)(plan.asks) if plan.asks else []
         return plan.load(module, tensors, strict)
 
@@ -261,7 +268,7 @@ class Client:
             call.initial_metadata()  # sent by the server once the subscription is registered
             if call.done() and call.code() is not grpc.StatusCode.OK:
                 raise call  # the RpcError of a refused subscription
-        return Subscription(call, PayloadReader(progress), self._connection.target)
+        return Subscription(call, _readers.PayloadReader(progress), self._connection.target)
 
 
 def _join_new_grpc_threads(started: set[threading.Thread], timeout: float = 2.0) -> None:

@@ -10,10 +10,13 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .archive import TensorInfo
 from .codec import format_shape
 from .v1 import archives_pb2, channels_pb2
+
+if TYPE_CHECKING:
+    from .archive import TensorInfo
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,8 @@ class EntryDescription:
 
     @property
     def info(self) -> TensorInfo:
+        from .archive import TensorInfo  # not at import: catalog calls need no archive module
+
         return TensorInfo(self.dtype, self.shape, self.nbytes)
 
     def __str__(self) -> str:

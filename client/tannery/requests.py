@@ -10,15 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import ModuleType
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from . import errors, wire
 from ._lazy import lazy_module
-from .archive import Archive
 from .names import join
 from .records import EntryDescription
 from .v1 import archives_pb2, channels_pb2
-from .values import as_tensor
+
+if TYPE_CHECKING:
+    from .archive import Archive
 
 # Imported where a tensor is sent: List, Describe, Delete and Union never import torch.
 np = lazy_module("numpy")
@@ -89,6 +90,8 @@ def archive_to_store(name: str, value: Any, prefix: str = "") -> tuple[Archive, 
         raise errors.InvalidArgument(f"Client.store: the archive's name is a non-empty str, not {name!r}")
     if not isinstance(prefix, str):
         raise TypeError(f"Client.store: prefix is a str, not {type(prefix).__name__}")
+    from .archive import Archive  # not at import: catalog calls need no archive module
+
     if isinstance(value, Archive):
         return value, prefix
     if isinstance(value, torch.nn.Module):
@@ -135,6 +138,8 @@ def publish_messages(
 ) -> Iterator[bytes]:
     """The serialized ``PublishRequest``s of one tensor (a torch tensor or numpy array);
     ``channel`` names the channel in the first (for the call's first tensor)."""
+    from .values import as_tensor
+
     tensor = as_tensor(tensor, f"tensor {index}", "Client.publish")
     for chunk in wire.split_parts(torch_codec.serialize_parts(tensor), chunk_size):
         yield wire.encode_publish_request(channel, chunk)
