@@ -67,6 +67,9 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
     @answering_failures
     async def Store(self, request_iterator: AsyncIterator, context) -> archives_pb2.ArchiveInfo:
         first = await anext(aiter(request_iterator), None)
+        if first is None:  # a client cancelled before its first message, or one that sent none
+            await _cancellation_known(context)
+            _check_alive(context)
         if first is None or first.begin is None:
             raise Malformed("the first message of Store must carry begin (the archive name)")
         name = self._archive_name(first.begin.archive)
@@ -141,7 +144,7 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
 
     async def _close_opening(self, opening: asyncio.Future) -> None:
         """Close the stream a cancelled Fetch was opening, once the thread has opened it."""
-        await asyncio.wait([opening])
+        await _settle(opening)
         if not opening.cancelled() and opening.exception() is None:
             stream, _ = opening.result()
             if not stream.done:

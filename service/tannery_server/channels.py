@@ -43,7 +43,7 @@ from tannery.v1 import channels_pb2, channels_pb2_grpc
 
 from .calllog import current_call
 from .config import Config
-from .failures import BadPayload, Failure, Malformed, LimitExceeded, Unavailable
+from .failures import BadPayload, Failure, LimitExceeded, Malformed, Unavailable
 from .handling import Undecodable, add_service, answering_failures
 from .hub import Channel, FellBehind, Hub, HubClosed, Piece, Relay, SubscriptionEnded
 

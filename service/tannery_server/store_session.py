@@ -16,7 +16,7 @@ from tannery.codec import FormatError, Limits, OverLimit
 from tannery.framing import Deframer
 
 from .config import Config
-from .failures import NameTaken, BadPayload, Malformed, LimitExceeded
+from .failures import BadPayload, LimitExceeded, Malformed, NameTaken
 from .storage import ArchiveRecord, BlobInfo, EntryRecord, PayloadWriter, Storage
 from .validation import check_entry_name
 from tannery.v1.archives_pb2 import StoreCommit

@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from ..failures import NameTaken, Malformed, LimitExceeded, Missing
+from ..failures import LimitExceeded, Malformed, Missing, NameTaken
 from .base import ArchiveRecord, BlobInfo, CatalogTotals, EntryRecord, ArchiveLimits
 
 SCHEMA = """
