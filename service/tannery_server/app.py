@@ -26,6 +26,7 @@ from . import archives, tls
 from .auth import AuthInterceptor, Tokens, load_tokens
 from .calllog import CallLogInterceptor
 from .config import Config
+from .data_paths import DataPaths
 from .storage import Storage
 
 log = logging.getLogger("tannery_server")
@@ -194,7 +195,10 @@ async def start(config: Config) -> RunningServer:
         if tokens:
             interceptors.append(AuthInterceptor(tokens))  # inside the call log: refusals are logged and counted
         server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
-        archives_servicer = archives.ArchivesServicer(storage, config)
+        data_paths = DataPaths(config)
+        data_paths.start()
+        closers.append(data_paths.close)
+        archives_servicer = archives.ArchivesServicer(storage, config, data_paths)
         archives.add_to_server(archives_servicer, server)
         closers.append(archives_servicer.close)
         services = [ARCHIVES]
