@@ -166,7 +166,7 @@ class ServerProcess:
 
     def start(self, timeout: float = 60) -> "ServerProcess":
         # Metrics on a free port unless asked otherwise (the default port would be shared).
-        env = {"TANNERY_METRICS_PORT": "0", "TANNERY_DATA_PORT": str(free_port()), **os.environ, **(self.env or {})}
+        env = {"TANNERY_METRICS_PORT": "0", **os.environ, "TANNERY_DATA_PORT": str(free_port()), **(self.env or {})}
         self.log_lines = []
         ready = threading.Event()
         # A preexec_fn makes Popen fork (not vfork): gRPC's fork handlers then restart its poller

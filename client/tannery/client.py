@@ -32,9 +32,7 @@ from .requests import (
     Methods, Progress, archive_to_store, check_tensors, fetch_request, list_request, publish_messages, store_entries,
     store_messages, union_request,
 )
-from .connection import Connection, TLSLike, rpc_error
-from .datalink import TRANSPORT_KEY, LinkError, PeerFailed
-from .transports import STATUS_WAIT, Route, check_transport, choose, link_failure, receive_fetch, send_store, ticket_of
+from .connection import Connection, TLSLike, check_transport, rpc_error
 from .v1 import archives_pb2, channels_pb2
 from .wire import ABANDONED, encode_publish_request, encode_store_commit, encode_store_request
 
@@ -44,12 +42,14 @@ if TYPE_CHECKING:  # torch is imported where a tensor is made (tannery.readers, 
     from .archive import Archive
     from .readers import EntryReader, PayloadReader, PieceReader, TensorPiece
     from .remote import RemoteArchive
+    from .transports import Route
 
 # Imported on first use: catalog calls (tannery ls, show, rm) need none of these.
 _archive = lazy_module("tannery.archive")
 _readers = lazy_module("tannery.readers")
 _remote = lazy_module("tannery.remote")
 _state_dict = lazy_module("tannery.state_dict")
+_transports = lazy_module("tannery.transports")  # with tannery.datalink: sockets, ssl
 
 
 class _Guarded:
@@ -158,23 +158,23 @@ class Client:
                     if error.code() is not grpc.StatusCode.UNIMPLEMENTED:
                         raise rpc_error(error, self.target) from None
                     offered = None  # a server from before data paths
-                self._route = choose(self._transport, offered, self.target, self._connection.tls)
+                self._route = _transports.choose(self._transport, offered, self.target, self._connection.tls)
                 self._route_known = True
             return self._route
 
     def _over(self, route: Route) -> dict[str, Any]:
-        return {"metadata": (*self._connection.metadata, (TRANSPORT_KEY, route.kind)),
+        return {"metadata": (*self._connection.metadata, (_transports.TRANSPORT_KEY, route.kind)),
                 "timeout": self._connection.timeout}
 
     def _broken(self, call: Any, exc: BaseException, route: Route) -> Exception:
         """The error of a call whose data connection broke: the call's own failure when it has one."""
-        if not (isinstance(exc, PeerFailed) and exc.code == "PERMISSION_DENIED"):
-            deadline = time.monotonic() + STATUS_WAIT
+        if not (isinstance(exc, _transports.PeerFailed) and exc.code == "PERMISSION_DENIED"):
+            deadline = time.monotonic() + _transports.STATUS_WAIT
             while not call.done() and time.monotonic() < deadline:
                 time.sleep(0.01)
             if call.done() and call.code() is not grpc.StatusCode.OK:
                 return rpc_error(call, self.target)
-        return link_failure(exc, route)
+        return _transports.link_failure(exc, route)
 
     def _entries(self, request: archives_pb2.FetchRequest, reader: EntryReader | PieceReader) -> Iterator[Any]:
         """What ``reader`` makes of a Fetch call's messages, as they arrive; leaving early cancels the call."""
@@ -197,16 +197,16 @@ class Client:
         link = None
         try:
             with self._errors():
-                ticket = ticket_of(call.initial_metadata())
+                ticket = _transports.ticket_of(call.initial_metadata())
                 if ticket is None:  # the call failed before any byte: its status says why
                     for _ in call:
                         pass
                     raise errors.ServiceError("the server answered a data-path Fetch without a ticket")
             try:
                 link = route.connect(ticket)
-                for item in receive_fetch(link, pieces=reader.pieces):
+                for item in _transports.receive_fetch(link, pieces=reader.pieces):
                     yield from reader.arrived(item)
-            except (LinkError, OSError) as exc:
+            except (_transports.LinkError, OSError) as exc:
                 raise self._broken(call, exc, route) from None
             with self._errors():
                 for _ in call:  # the status: OK, or what stopped the transfer
@@ -263,12 +263,12 @@ class Client:
         future = self._methods.store.future(messages(), **self._over(route))
         broken: BaseException | None = None
         try:
-            ticket = ticket_of(future.initial_metadata())
+            ticket = _transports.ticket_of(future.initial_metadata())
             if ticket is not None:
                 try:
                     with route.connect(ticket) as link:
-                        sent.extend(send_store(link, store_entries(archive, prefix), progress))
-                except (LinkError, OSError) as exc:
+                        sent.extend(_transports.send_store(link, store_entries(archive, prefix), progress))
+                except (_transports.LinkError, OSError) as exc:
                     broken = exc
         except BaseException:
             future.cancel()

@@ -28,9 +28,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
 from . import checksums, errors
+from .connection import TRANSPORTS, check_transport
 from .codec import DIM, FIXED_PREFIX, HEADER, METADATA, FormatError, PayloadInfo, parse, read_info
 from .datalink import (
-    HANDSHAKE_SECONDS, Link, LinkError, PeerFailed, TICKET_KEY, connect_unix, expect, frame, tune_tcp,
+    HANDSHAKE_SECONDS, TICKET_KEY, TRANSPORT_KEY, Link, LinkError, PeerFailed, connect_unix, expect, frame, tune_tcp,
 )
 from .framing import aligned_buffer
 from .v1.data_pb2 import DataEnd, EntryBytes, Hello, SealedPiece
@@ -40,22 +41,12 @@ if TYPE_CHECKING:
     from .requests import Progress
     from .v1.archives_pb2 import DataPathsResponse
 
-#: What ``transport=`` takes.
-TRANSPORTS = ("auto", "local", "tcp", "grpc")
 #: Bytes of one sealed memory file of a local Store (the server hashes one while the next fills).
 STORE_PIECE = 32 << 20
 #: Bytes of one piece of a TCP Fetch read as pieces (``fetch_pieces``): only these are held.
 RECEIVE_PIECE = 4 << 20
 #: Seconds to wait for a call's status after its data connection broke.
 STATUS_WAIT = 10.0
-
-
-def check_transport(transport: str | None, where: str = "transport") -> str:
-    """The transport asked for (``TANNERY_TRANSPORT``, else auto); ValueError naming the choices."""
-    chosen = transport or os.environ.get("TANNERY_TRANSPORT") or "auto"
-    if chosen not in TRANSPORTS:
-        raise ValueError(f"{where} {chosen!r} is not one of {', '.join(TRANSPORTS)}")
-    return chosen
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,7 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
                 # The payloads come on the data connection; the call brings begin and commit.
                 await asyncio.shield(pending)
                 await self._over_data_path(transport, context, receive_store, session)
+                current_call().note("data_bytes", session.bytes_received)
             async for message in request_iterator:
                 await asyncio.shield(pending)
                 pending = self._run_future(session.feed, message)
@@ -169,7 +170,8 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
         if transport is not None:
             plans = await self._run(resolve, self.storage, request)
             try:
-                await self._over_data_path(transport, context, send_fetch, self.storage, plans)
+                sent = await self._over_data_path(transport, context, send_fetch, self.storage, plans)
+                current_call().note("data_bytes", sent)
             finally:
                 await asyncio.shield(self._run(self.storage.release, digests(plans)))
             return
