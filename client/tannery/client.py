@@ -356,6 +356,9 @@ class Client:
         """Publish ``tensors`` (torch tensors or numpy arrays, any iterable, read as sent) on
         ``channel``, in one stream; returns what was published."""
         check_tensors(tensors)
+        route = self._data_route()
+        if route is not None and route.kind == "local":
+            return self._publish_over(route, channel, tensors, progress)
         chunk_size = self._connection.chunk_size
 
         def messages() -> Iterator[bytes]:
@@ -370,12 +373,47 @@ class Client:
         with self._errors(sent):
             return Published.of(self._methods.publish(sent, **self._options()))
 
+    def _publish_over(self, route: Route, channel: str, tensors: Iterable[Any], progress: Progress) -> Published:
+        """A Publish whose call names the channel, its payloads passed as sealed memory files."""
+        finished = threading.Event()
+
+        def messages() -> Iterator[bytes]:
+            yield encode_publish_request(channel, [])
+            finished.wait()
+
+        started = set(threading.enumerate())
+        future = self._methods.publish.future(messages(), **self._over(route))
+        broken: BaseException | None = None
+        try:
+            ticket = _transports.ticket_of(future.initial_metadata())
+            if ticket is not None:
+                try:
+                    with route.connect(ticket) as link:
+                        _transports.publish_over(link, tensors, progress)
+                except (_transports.LinkError, OSError) as exc:
+                    broken = exc
+        except BaseException:
+            future.cancel()
+            raise
+        finally:
+            finished.set()
+        try:
+            with self._errors():
+                if broken is not None:
+                    raise self._broken(future, broken, route)
+                return Published.of(future.result())
+        finally:
+            _join_new_grpc_threads(started)
+
     def subscribe(self, channel: str, *, progress: Progress = None) -> "Subscription":
         """Subscribe to ``channel``: an iterator of the tensors published from now on.
 
         Returns once the server has registered the subscription, so everything published
         afterwards arrives. ``close()`` it (or leave its ``with`` block) to end it.
         """
+        route = self._data_route()
+        if route is not None and route.kind == "local":
+            return self._subscribe_over(route, channel, progress)
         call = self._methods.subscribe(channels_pb2.SubscribeRequest(channel=channel),
                                        **self._options(timeout=False))
         with self._errors():
@@ -383,6 +421,23 @@ class Client:
             if call.done() and call.code() is not grpc.StatusCode.OK:
                 raise call  # the RpcError of a refused subscription
         return Subscription(call, _readers.PayloadReader(progress), self._connection.target)
+
+    def _subscribe_over(self, route: Route, channel: str, progress: Progress) -> "LinkSubscription":
+        """A subscription registered over gRPC whose payloads come on the same-host connection."""
+        metadata = (*self._connection.metadata, (_transports.TRANSPORT_KEY, route.kind))
+        call = self._methods.subscribe(channels_pb2.SubscribeRequest(channel=channel), metadata=metadata)
+        try:
+            with self._errors():
+                ticket = _transports.ticket_of(call.initial_metadata())
+                if ticket is None:
+                    for _ in call:
+                        pass
+                    raise errors.ServiceError("the server answered a same-host Subscribe without a ticket")
+            link = route.connect(ticket)
+        except BaseException:
+            call.cancel()
+            raise
+        return LinkSubscription(self, call, link, route, _readers.PayloadReader(progress))
 
 
 def _join_new_grpc_threads(started: set[threading.Thread], timeout: float = 2.0) -> None:
@@ -441,4 +496,34 @@ class Subscription:
         self.close()
 
 
-__all__ = ["Client", "Subscription"]
+class LinkSubscription(Subscription):
+    """A subscription whose payloads come on the same-host data path: each one published there
+    is a memory file mapped here (the tensor shares it, nothing is copied between processes)."""
+
+    def __init__(self, client: Client, call: Any, link: Any, route: Route, reader: PayloadReader) -> None:
+        super().__init__(call, reader, client.target)
+        self._client = client
+        self._link = link
+        self._route = route
+
+    def __next__(self) -> torch.Tensor:
+        while not self._ready:
+            if self._closed.is_set():
+                raise StopIteration
+            try:
+                self._ready.extend(_transports.next_published(self._link, self._reader))
+            except (_transports.LinkError, OSError) as exc:
+                if self._closed.is_set():
+                    raise StopIteration from None
+                raise self._client._broken(self._call, exc, self._route) from None
+        return self._ready.popleft()
+
+    def close(self) -> None:
+        """End the subscription (the server forgets it); iterating stops."""
+        self._closed.set()
+        self._link.abort()
+        self._call.cancel()
+        self._link.close()
+
+
+__all__ = ["Client", "LinkSubscription", "Subscription"]

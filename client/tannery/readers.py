@@ -185,6 +185,12 @@ class PayloadReader:
             self._progress(chunk.nbytes)
         return [torch_codec.deserialize(payload) for payload in self._reframer.feed(chunk)]
 
+    def arrived(self, item: Arrived) -> torch.Tensor:
+        """The tensor of a payload passed whole on the same-host path, sharing its mapping."""
+        if self._progress is not None:
+            self._progress(item.info.size)
+        return torch_codec.from_buffer(item.data, item.info.dtype, item.info.shape)
+
     def discard(self) -> None:
         """Forget the payload in progress (its publisher abandoned it): the next chunk starts a payload."""
         self._reframer = Reframer()

@@ -34,7 +34,7 @@ from .datalink import (
     HANDSHAKE_SECONDS, TICKET_KEY, TRANSPORT_KEY, Link, LinkError, PeerFailed, connect_unix, expect, frame, tune_tcp,
 )
 from .framing import aligned_buffer
-from .v1.data_pb2 import DataEnd, EntryBytes, Hello, SealedPiece
+from .v1.data_pb2 import DataEnd, EntryBytes, Hello, SealedPiece, Taken
 
 if TYPE_CHECKING:
     from .connection import TLS
@@ -363,6 +363,51 @@ def _send_sealed(link: Link, views: list[memoryview], name: str) -> None:
         os.close(fd)
 
 
+# -- Channels ---------------------------------------------------------------------------------
+
+
+def publish_over(link: Link, tensors: Iterable[object], progress: "Progress" = None) -> tuple[int, int]:
+    """Pass each tensor as one sealed memory file (its payload), then ``end``; wait for the
+    server's ``end``. Returns the payloads and bytes published."""
+    from . import torch as torch_codec
+    from .values import as_tensor
+
+    count = total = 0
+    for index, tensor in enumerate(tensors):
+        tensor = as_tensor(tensor, f"tensor {index}", "Client.publish")
+        views = [memoryview(part).cast("B") for part in torch_codec.serialize_parts(tensor)]
+        _send_sealed(link, views, "publish")
+        size = sum(view.nbytes for view in views)
+        count, total = count + 1, total + size
+        if progress is not None:
+            progress(size)
+    link.send(frame(end=DataEnd(entries=count, payload_bytes=total)))
+    answer, _ = link.receive()
+    expect(answer, "end")
+    return count, total
+
+
+def next_published(link: Link, reader: object) -> list:
+    """The tensors the next frame of a same-host subscription completes (a mapped payload is
+    one, acknowledged at once; pieces of a payload published over gRPC are gathered by
+    ``reader``, a :class:`~tannery.readers.PayloadReader`)."""
+    received, fds = link.receive(expect_fds=1)
+    kind = expect(received, "mapped", "entry", "abandoned")
+    if kind == "mapped":
+        if len(fds) != 1:
+            raise LinkError("data connection: a published payload came without its memory file")
+        try:
+            arrived = _mapped(received.mapped, fds[0])
+        finally:
+            os.close(fds[0])
+        link.send(frame(taken=Taken(payloads=1)))
+        return [reader.arrived(arrived)]
+    if kind == "abandoned":
+        reader.discard()
+        return []
+    return reader.feed(memoryview(link.receive_exactly(received.entry.payload_bytes)))
+
+
 def link_failure(exc: BaseException, route: Route) -> errors.ServiceError:
     """The client's error for a data connection that broke (when the call's status says nothing more)."""
     if isinstance(exc, PeerFailed) and exc.code == "PERMISSION_DENIED":
@@ -370,5 +415,5 @@ def link_failure(exc: BaseException, route: Route) -> errors.ServiceError:
     return errors.Unavailable(f"the data connection ({route.describe()}) broke: {exc}")
 
 
-__all__ = ["Arrived", "Route", "TRANSPORTS", "check_transport", "choose", "receive_fetch", "send_store",
-           "ticket_of"]
+__all__ = ["Arrived", "Route", "TRANSPORTS", "check_transport", "choose", "next_published", "publish_over",
+           "receive_fetch", "send_store", "ticket_of"]

@@ -136,7 +136,7 @@ class RunningServer:
         log.info("stopped")
 
 
-def _register_channels(server: grpc.aio.Server, config: Config, enders: list):
+def _register_channels(server: grpc.aio.Server, config: Config, enders: list, data_paths: DataPaths | None = None):
     """The Channels servicer, registered (None when this build has no Channels service)."""
     try:
         from .channels import ChannelsServicer, add_to_server
@@ -145,7 +145,7 @@ def _register_channels(server: grpc.aio.Server, config: Config, enders: list):
             raise
         log.warning("the Channels service is not installed (no %s.channels); serving Archives only", __package__)
         return None
-    servicer = ChannelsServicer(config)
+    servicer = ChannelsServicer(config, data_paths)
     add_to_server(servicer, server)  # undecodable requests are INVALID_ARGUMENT, not UNKNOWN
     enders.append(servicer.close)
     return servicer
@@ -202,7 +202,7 @@ async def start(config: Config) -> RunningServer:
         archives.add_to_server(archives_servicer, server)
         closers.append(archives_servicer.close)
         services = [ARCHIVES]
-        channels_servicer = _register_channels(server, config, enders)
+        channels_servicer = _register_channels(server, config, enders, data_paths)
         if channels_servicer is not None:
             services.append(CHANNELS)
             if metrics is not None:

@@ -46,9 +46,11 @@ _SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 
 
 def fail(link: Link, failure: BaseException) -> None:
-    """Tell the peer why the transfer stops (best effort: the call's status says it too)."""
+    """Tell the peer why the transfer stops, then break the connection. Best effort and never
+    blocking (the call's status says it too): a peer whose buffer is full misses the frame."""
     if isinstance(failure, Failure):
         try:
+            link.sock.settimeout(0.0)
             link.send(frame(failure=DataFailure(code=failure.code.name, message=str(failure))))
         except OSError:
             pass

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tannery/v1/data.proto\x12\ntannery.v1\"\xad\x02\n\tDataFrame\x12&\n\x07welcome\x18\x01 \x01(\x0b\x32\x13.tannery.v1.WelcomeH\x00\x12\"\n\x05hello\x18\x02 \x01(\x0b\x32\x11.tannery.v1.HelloH\x00\x12\'\n\x05\x65ntry\x18\x03 \x01(\x0b\x32\x16.tannery.v1.EntryBytesH\x00\x12)\n\x06mapped\x18\x04 \x01(\x0b\x32\x17.tannery.v1.MappedEntryH\x00\x12(\n\x05piece\x18\x05 \x01(\x0b\x32\x17.tannery.v1.SealedPieceH\x00\x12\"\n\x03\x65nd\x18\x06 \x01(\x0b\x32\x13.tannery.v1.DataEndH\x00\x12*\n\x07\x66\x61ilure\x18\x07 \x01(\x0b\x32\x17.tannery.v1.DataFailureH\x00\x42\x06\n\x04kind\"\x1c\n\x07Welcome\x12\x11\n\tserver_id\x18\x01 \x01(\t\"\x17\n\x05Hello\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\"1\n\nEntryBytes\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rpayload_bytes\x18\x02 \x01(\x04\"\xbd\x01\n\x0bMappedEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06prefix\x18\x02 \x01(\x0c\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x05 \x01(\t\x12\x11\n\tfile_size\x18\x06 \x01(\x04\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x08 \x01(\x04\x12\x12\n\nblock_crcs\x18\t \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\n \x01(\t\"\x1b\n\x0bSealedPiece\x12\x0c\n\x04size\x18\x01 \x01(\x04\"1\n\x07\x44\x61taEnd\x12\x0f\n\x07\x65ntries\x18\x01 \x01(\x04\x12\x15\n\rpayload_bytes\x18\x02 \x01(\x04\",\n\x0b\x44\x61taFailure\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tannery/v1/data.proto\x12\ntannery.v1\"\xfd\x02\n\tDataFrame\x12&\n\x07welcome\x18\x01 \x01(\x0b\x32\x13.tannery.v1.WelcomeH\x00\x12\"\n\x05hello\x18\x02 \x01(\x0b\x32\x11.tannery.v1.HelloH\x00\x12\'\n\x05\x65ntry\x18\x03 \x01(\x0b\x32\x16.tannery.v1.EntryBytesH\x00\x12)\n\x06mapped\x18\x04 \x01(\x0b\x32\x17.tannery.v1.MappedEntryH\x00\x12(\n\x05piece\x18\x05 \x01(\x0b\x32\x17.tannery.v1.SealedPieceH\x00\x12\"\n\x03\x65nd\x18\x06 \x01(\x0b\x32\x13.tannery.v1.DataEndH\x00\x12*\n\x07\x66\x61ilure\x18\x07 \x01(\x0b\x32\x17.tannery.v1.DataFailureH\x00\x12*\n\tabandoned\x18\x08 \x01(\x0b\x32\x15.tannery.v1.AbandonedH\x00\x12\"\n\x05taken\x18\t \x01(\x0b\x32\x11.tannery.v1.TakenH\x00\x42\x06\n\x04kind\"\x19\n\x05Taken\x12\x10\n\x08payloads\x18\x01 \x01(\x04\"\x0b\n\tAbandoned\"\x1c\n\x07Welcome\x12\x11\n\tserver_id\x18\x01 \x01(\t\"\x17\n\x05Hello\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\"1\n\nEntryBytes\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rpayload_bytes\x18\x02 \x01(\x04\"\xbd\x01\n\x0bMappedEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06prefix\x18\x02 \x01(\x0c\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x05 \x01(\t\x12\x11\n\tfile_size\x18\x06 \x01(\x04\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x08 \x01(\x04\x12\x12\n\nblock_crcs\x18\t \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\n \x01(\t\"\x1b\n\x0bSealedPiece\x12\x0c\n\x04size\x18\x01 \x01(\x04\"1\n\x07\x44\x61taEnd\x12\x0f\n\x07\x65ntries\x18\x01 \x01(\x04\x12\x15\n\rpayload_bytes\x18\x02 \x01(\x04\",\n\x0b\x44\x61taFailure\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,19 +32,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tannery.v1.data_pb2', _glob
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DATAFRAME']._serialized_start=38
-  _globals['_DATAFRAME']._serialized_end=339
-  _globals['_WELCOME']._serialized_start=341
-  _globals['_WELCOME']._serialized_end=369
-  _globals['_HELLO']._serialized_start=371
-  _globals['_HELLO']._serialized_end=394
-  _globals['_ENTRYBYTES']._serialized_start=396
-  _globals['_ENTRYBYTES']._serialized_end=445
-  _globals['_MAPPEDENTRY']._serialized_start=448
-  _globals['_MAPPEDENTRY']._serialized_end=637
-  _globals['_SEALEDPIECE']._serialized_start=639
-  _globals['_SEALEDPIECE']._serialized_end=666
-  _globals['_DATAEND']._serialized_start=668
-  _globals['_DATAEND']._serialized_end=717
-  _globals['_DATAFAILURE']._serialized_start=719
-  _globals['_DATAFAILURE']._serialized_end=763
+  _globals['_DATAFRAME']._serialized_end=419
+  _globals['_TAKEN']._serialized_start=421
+  _globals['_TAKEN']._serialized_end=446
+  _globals['_ABANDONED']._serialized_start=448
+  _globals['_ABANDONED']._serialized_end=459
+  _globals['_WELCOME']._serialized_start=461
+  _globals['_WELCOME']._serialized_end=489
+  _globals['_HELLO']._serialized_start=491
+  _globals['_HELLO']._serialized_end=514
+  _globals['_ENTRYBYTES']._serialized_start=516
+  _globals['_ENTRYBYTES']._serialized_end=565
+  _globals['_MAPPEDENTRY']._serialized_start=568
+  _globals['_MAPPEDENTRY']._serialized_end=757
+  _globals['_SEALEDPIECE']._serialized_start=759
+  _globals['_SEALEDPIECE']._serialized_end=786
+  _globals['_DATAEND']._serialized_start=788
+  _globals['_DATAEND']._serialized_end=837
+  _globals['_DATAFAILURE']._serialized_start=839
+  _globals['_DATAFAILURE']._serialized_end=883
 # @@protoc_insertion_point(module_scope)

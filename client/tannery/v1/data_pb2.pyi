@@ -6,7 +6,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DataFrame(_message.Message):
-    __slots__ = ("welcome", "hello", "entry", "mapped", "piece", "end", "failure")
+    __slots__ = ("welcome", "hello", "entry", "mapped", "piece", "end", "failure", "abandoned", "taken")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     HELLO_FIELD_NUMBER: _ClassVar[int]
     ENTRY_FIELD_NUMBER: _ClassVar[int]
@@ -14,6 +14,8 @@ class DataFrame(_message.Message):
     PIECE_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
+    ABANDONED_FIELD_NUMBER: _ClassVar[int]
+    TAKEN_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     hello: Hello
     entry: EntryBytes
@@ -21,7 +23,19 @@ class DataFrame(_message.Message):
     piece: SealedPiece
     end: DataEnd
     failure: DataFailure
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., entry: _Optional[_Union[EntryBytes, _Mapping]] = ..., mapped: _Optional[_Union[MappedEntry, _Mapping]] = ..., piece: _Optional[_Union[SealedPiece, _Mapping]] = ..., end: _Optional[_Union[DataEnd, _Mapping]] = ..., failure: _Optional[_Union[DataFailure, _Mapping]] = ...) -> None: ...
+    abandoned: Abandoned
+    taken: Taken
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., entry: _Optional[_Union[EntryBytes, _Mapping]] = ..., mapped: _Optional[_Union[MappedEntry, _Mapping]] = ..., piece: _Optional[_Union[SealedPiece, _Mapping]] = ..., end: _Optional[_Union[DataEnd, _Mapping]] = ..., failure: _Optional[_Union[DataFailure, _Mapping]] = ..., abandoned: _Optional[_Union[Abandoned, _Mapping]] = ..., taken: _Optional[_Union[Taken, _Mapping]] = ...) -> None: ...
+
+class Taken(_message.Message):
+    __slots__ = ("payloads",)
+    PAYLOADS_FIELD_NUMBER: _ClassVar[int]
+    payloads: int
+    def __init__(self, payloads: _Optional[int] = ...) -> None: ...
+
+class Abandoned(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("server_id",)
