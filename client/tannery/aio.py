@@ -41,7 +41,10 @@ from . import errors
 from .connection import Connection, TLSLike, rpc_error, service_error
 from .datalink import TRANSPORT_KEY, LinkError, PeerFailed
 from .remote import AsyncRemoteArchive
-from .transports import STATUS_WAIT, Route, check_transport, choose, link_failure, receive_fetch, send_store, ticket_of
+from .transports import (
+    STATUS_WAIT, Route, check_transport, choose, link_failure, next_published, publish_over, receive_fetch, send_store,
+    ticket_of,
+)
 from .v1 import archives_pb2, channels_pb2
 from .wire import ABANDONED, encode_publish_request, encode_store_commit, encode_store_request
 
@@ -361,6 +364,9 @@ class Client:
                       progress: Progress = None) -> Published:
         """As :meth:`tannery.Client.publish`; ``tensors`` may also be an async iterable."""
         check_tensors(tensors)
+        route = await self._data_route()
+        if route is not None and route.kind == "local":
+            return await self._publish_over(route, channel, tensors, progress)
         chunk_size = self._connection.chunk_size
 
         async def messages():
@@ -373,6 +379,44 @@ class Client:
                 yield encode_publish_request(channel, [])
 
         return Published.of(await self._send(self._methods.publish, messages()))
+
+    async def _publish_over(self, route: Route, channel: str, tensors: Iterable[Any] | AsyncIterable[Any],
+                            progress: Progress) -> Published:
+        """A Publish whose call names the channel, its payloads passed as sealed memory files
+        (an async iterable of tensors is gathered first: the passing runs on a worker thread)."""
+        if isinstance(tensors, AsyncIterable):
+            tensors = [tensor async for tensor in tensors]
+        finished = asyncio.Event()
+
+        async def messages() -> AsyncIterator[bytes]:
+            yield encode_publish_request(channel, [])
+            await finished.wait()
+
+        def transfer(ticket: str) -> tuple[int, int]:
+            with route.connect(ticket) as link:
+                return publish_over(link, tensors, progress)
+
+        call = self._methods.publish(messages(), **self._over(route))
+        final = _FinalStatus(call)
+        broken: BaseException | None = None
+        try:
+            ticket = ticket_of(await call.initial_metadata())
+            if ticket is not None:
+                try:
+                    await asyncio.to_thread(transfer, ticket)
+                except (LinkError, OSError) as exc:
+                    broken = exc
+        except BaseException:
+            call.cancel()
+            raise
+        finally:
+            finished.set()
+        try:
+            if broken is not None:
+                raise await self._broken(call, broken, route)
+            return Published.of(await call)
+        except grpc.aio.AioRpcError as error:
+            raise final.error(error, self._connection.target) from None
 
     def subscribe(self, channel: str, *, progress: Progress = None) -> "AsyncSubscription":
         """Subscribe to ``channel``: ``await`` it (or ``async with`` it) to register the
@@ -410,16 +454,40 @@ class AsyncSubscription:
         self._call: Any = None
         self._ready: deque[torch.Tensor] = deque()
         self._closed = False
+        #: The same-host connection the payloads come on (None: they come in the call's messages).
+        self._link: Any = None
+        self._route: Route | None = None
 
     async def _start(self) -> "AsyncSubscription":
         if self._call is None:
             request = channels_pb2.SubscribeRequest(channel=self._channel)
-            self._call = self._client._methods.subscribe(request, **self._client._options(timeout=False))
-            await self._call.initial_metadata()  # sent once the subscription is registered
+            route = await self._client._data_route()
+            if route is not None and route.kind == "local":
+                self._route = route
+                metadata = (*self._client._connection.metadata, (TRANSPORT_KEY, route.kind))
+                self._call = self._client._methods.subscribe(request, metadata=metadata)
+            else:
+                self._call = self._client._methods.subscribe(request, **self._client._options(timeout=False))
+            metadata = await self._call.initial_metadata()  # sent once the subscription is registered
             if self._call.done() and await self._call.code() is not grpc.StatusCode.OK:
                 code, details = await self._call.code(), await self._call.details()
                 raise service_error(code, details, await self._call.trailing_metadata(), self._client.target)
+            if self._route is not None:
+                ticket = ticket_of(metadata)
+                if ticket is None:
+                    self._call.cancel()
+                    raise errors.ServiceError("the server answered a same-host Subscribe without a ticket")
+                self._link = await asyncio.to_thread(self._route.connect, ticket)
         return self
+
+    async def _next_over_link(self) -> list:
+        """The tensors the next frame of the same-host connection completes (read on a worker thread)."""
+        try:
+            return await asyncio.to_thread(next_published, self._link, self._reader)
+        except (LinkError, OSError) as exc:
+            if self._closed:
+                raise StopAsyncIteration from None
+            raise await self._client._broken(self._call, exc, self._route) from None
 
     def __await__(self):
         return self._start().__await__()
@@ -438,6 +506,9 @@ class AsyncSubscription:
         while not self._ready:
             if self._closed:
                 raise StopAsyncIteration
+            if self._link is not None:
+                self._ready.extend(await self._next_over_link())
+                continue
             try:
                 message = await self._call.read()
             except grpc.RpcError as error:
@@ -459,6 +530,8 @@ class AsyncSubscription:
     def close(self) -> None:
         """End the subscription (the server forgets it); iterating stops."""
         self._closed = True
+        if self._link is not None:
+            self._link.abort()  # a worker thread reading it returns
         if self._call is not None:
             self._call.cancel()
 
