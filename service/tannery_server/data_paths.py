@@ -249,7 +249,8 @@ def socket_path(config: Config) -> Path | None:
     """Where the same-host socket goes: ``config.socket`` ("off": none; empty: in the data directory)."""
     if config.socket.strip().lower() == "off":
         return None
-    return Path(config.socket) if config.socket else config.data_dir / "tannery.sock"
+    # Absolute: clients resolve it from their own working directory.
+    return (Path(config.socket) if config.socket else config.data_dir / "tannery.sock").absolute()
 
 
 def _answers(path: Path) -> bool:
