@@ -61,7 +61,7 @@ def test_first_bad_block_finds_the_first_mismatch(algorithm, function):
     crcs = crcs_of(bytes(data), block, function)
     assert len(crcs) == 6 * 4
     assert checksums.first_bad_block(data, block, crcs, algorithm) is None
-    assert checksums.first_bad_block(b"", block, crcs, algorithm) is None
+    assert checksums.first_bad_block(b"", block, b"", algorithm) is None
     data[5 * block + 16] ^= 0x40  # the short last block
     assert checksums.first_bad_block(data, block, crcs, algorithm) == 5
     data[2 * block] ^= 0x01
@@ -73,22 +73,24 @@ def test_first_bad_block_finds_the_first_mismatch(algorithm, function):
 
 def test_first_bad_block_of_a_range_of_blocks():
     block = 64
-    data = os.urandom(10 * block)
+    data = os.urandom(10 * block - 20)  # 10 blocks, the last of 44 bytes
     crcs = crcs_of(data, block, crc32c.crc32c)
-    # Blocks 3 to 6 of the blob, checked against their own checksums.
-    part = memoryview(data)[3 * block : 7 * block]
-    assert checksums.first_bad_block(part, block, crcs, "crc32c", first_index=3) is None
-    assert checksums.first_bad_block(part, block, crcs, "crc32c", first_index=2) == 2, "misaligned: block 2's crc"
+    # Blocks 3 to 6 of the blob, with their own checksums (as the data paths send them): indexes
+    # are the blob's.
+    part = bytearray(data[3 * block : 7 * block])
+    assert checksums.first_bad_block(part, block, crcs[4 * 3 : 4 * 7], "crc32c", first_index=3) is None
+    assert checksums.first_bad_block(part, block, crcs[4 * 2 : 4 * 6], "crc32c", first_index=2) == 2, "misaligned"
+    part[block + 1] ^= 0x10
+    assert checksums.first_bad_block(part, block, crcs[4 * 3 : 4 * 7], "crc32c", first_index=3) == 4
     # The end of the blob: blocks 8 and 9, the last one short.
-    tail = data[8 * block : 9 * block + 5]
-    tail_crcs = crcs_of(data[: 9 * block + 5], block, crc32c.crc32c)
-    assert checksums.first_bad_block(tail, block, tail_crcs, "crc32c", first_index=8) is None
-    # A block past the recorded checksums has nothing to match.
+    assert checksums.first_bad_block(data[8 * block :], block, crcs[4 * 8 :], "crc32c", first_index=8) is None
+    # A block with no checksum, or a checksum with no block (a file cut at a block boundary).
     assert checksums.first_bad_block(data, block, crcs[: 4 * 7], "crc32c") == 7
+    assert checksums.first_bad_block(data[: 6 * block], block, crcs, "crc32c") == 6
+    assert checksums.first_bad_block(data[3 * block : 6 * block], block, crcs[4 * 3 :], "crc32c", 3) == 6
+    assert checksums.first_bad_block(b"", block, b"", "crc32c") is None
     with pytest.raises(ValueError, match="block size"):
         checksums.first_bad_block(data, 0, crcs, "crc32c")
-    with pytest.raises(ValueError, match="first block index"):
-        checksums.first_bad_block(data, block, crcs, "crc32c", first_index=-1)
 
 
 def test_first_bad_block_over_a_memory_mapped_file(tmp_path):
@@ -101,8 +103,8 @@ def test_first_bad_block_over_a_memory_mapped_file(tmp_path):
         view = memoryview(mapped)
         try:
             assert checksums.first_bad_block(view, block, crcs, "crc32c") is None
-            assert checksums.first_bad_block(view[block:], block, crcs, "crc32c", first_index=1) is None
-            assert checksums.first_bad_block(view[block:], block, crcs, "crc32c") == 0
+            assert checksums.first_bad_block(view[block:], block, crcs[4:], "crc32c", first_index=1) is None
+            assert checksums.first_bad_block(view[block:], block, crcs[:-4], "crc32c", first_index=1) == 1
         finally:
             view.release()
 

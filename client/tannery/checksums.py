@@ -52,24 +52,23 @@ def checksum(algorithm: str, data, value: int = 0) -> int:
 def first_bad_block(view, block_size: int, crcs: bytes, algorithm: str, first_index: int = 0) -> int | None:
     """The index of the first block of ``view`` whose checksum is not the one recorded, or None.
 
-    ``view`` (any contiguous buffer) holds consecutive whole blocks of ``block_size`` bytes,
-    the last possibly shorter, the first being block ``first_index``; ``crcs`` are the
-    blob's checksums, little-endian uint32s indexed from block 0. A block past the end
-    of ``crcs`` has no checksum to match and counts as bad.
+    ``view`` (any contiguous buffer) holds consecutive whole blocks of ``block_size`` bytes
+    (the last possibly shorter), blocks ``first_index``, ``first_index + 1``, ... of a blob;
+    ``crcs`` holds their checksums, little-endian uint32s, the first for block
+    ``first_index``. The index returned is the blob's. A block of ``view`` without a
+    checksum, or a checksum whose block ``view`` lacks (a truncated file), counts as bad.
     """
     if block_size <= 0:
         raise ValueError(f"block size must be positive, not {block_size}")
-    if first_index < 0:
-        raise ValueError(f"first block index must not be negative, not {first_index}")
     function = _function(algorithm)
     data = memoryview(view).cast("B")
-    recorded = len(crcs) // 4
-    for number, start in enumerate(range(0, data.nbytes, block_size)):
-        index = first_index + number
-        if index >= recorded:
-            return index
-        if function(data[start : start + block_size]) != struct.unpack_from("<I", crcs, 4 * index)[0]:
-            return index
+    have, recorded = -(-data.nbytes // block_size), len(crcs) // 4
+    for number in range(max(have, recorded)):
+        if number >= have or number >= recorded:
+            return first_index + number
+        block = data[number * block_size : (number + 1) * block_size]
+        if function(block) != struct.unpack_from("<I", crcs, 4 * number)[0]:
+            return first_index + number
     return None
 
 
