@@ -15,6 +15,13 @@ collect_ignore = ["fuzz"]
 #: Read-only data from other programs, beside the project; tests that use it skip without it.
 SHARED = ROOT.parent / "shared"
 FIXTURES = SHARED / "fixtures" / "tannic-nn"
+#: The suite's clients take the gRPC streams unless a test asks for a data path: what those
+#: tests check (messages, chunk counts) is about gRPC. tests/test_data_paths.py runs the
+#: clients on every transport, "auto" included.
+os.environ.setdefault("TANNERY_TRANSPORT", "grpc")
+#: Servers a test starts with `tannery serve` open no data port unless it asks (the default
+#: port, 50052, would be shared by every test and by other runs on this machine).
+os.environ.setdefault("TANNERY_DATA_PORT", "0")
 
 
 def peer(module: str) -> ModuleType:

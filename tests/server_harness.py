@@ -110,12 +110,22 @@ class InProcessServer:
         self._loop.close()
 
 
+def free_port() -> int:
+    """A TCP port on HOST that nothing listens on now (for the data port, where 0 means none)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind((HOST, 0))
+        return probe.getsockname()[1]
+
+
 @contextmanager
 def running_server(tmp_path: Path, **config: Any) -> Iterator[InProcessServer]:
     """A server in this process with data in ``tmp_path / "data"`` (or ``data_dir=``), on a free port."""
     from tannery_server.config import Config
 
     config.setdefault("data_dir", Path(tmp_path) / "data")
+    config.setdefault("data_port", free_port())
     cfg = Config(host=HOST, port=0, **{"grace_seconds": 5.0, "metrics_port": 0, **config})
     server = InProcessServer(cfg)
     try:
@@ -156,7 +166,7 @@ class ServerProcess:
 
     def start(self, timeout: float = 60) -> "ServerProcess":
         # Metrics on a free port unless asked otherwise (the default port would be shared).
-        env = {"TANNERY_METRICS_PORT": "0", **os.environ, **(self.env or {})}
+        env = {"TANNERY_METRICS_PORT": "0", **os.environ, "TANNERY_DATA_PORT": str(free_port()), **(self.env or {})}
         self.log_lines = []
         ready = threading.Event()
         # A preexec_fn makes Popen fork (not vfork): gRPC's fork handlers then restart its poller

@@ -430,7 +430,8 @@ def test_the_call_table_has_every_rpc_of_both_services_and_the_hand_written_code
     expected = {}
     for module, service in ((archives_pb2, "Archives"), (channels_pb2, "Channels")):
         for method in module.DESCRIPTOR.services_by_name[service].methods:
-            expected[method.name.lower()] = f"/tannery.v1.{service}/{method.name}"
+            snake = "".join(f"_{c.lower()}" if c.isupper() and i else c.lower() for i, c in enumerate(method.name))
+            expected[snake] = f"/tannery.v1.{service}/{method.name}"
     assert {name: path for name, (_, path, _) in methods.items()} == expected
     assert methods["store"][0] == methods["publish"][0] == "stream_unary"
     assert methods["fetch"][0] == methods["subscribe"][0] == "unary_stream"

@@ -339,6 +339,11 @@ def _delete(channel, metadata):
     return _code(lambda: stub.Delete(pb.DeleteRequest(archive=name), timeout=10, metadata=metadata))
 
 
+def _data_paths(channel, metadata):
+    stub = archives_pb2_grpc.ArchivesStub(channel)
+    return _code(lambda: stub.DataPaths(pb.DataPathsRequest(), timeout=10, metadata=metadata))
+
+
 def _publish(channel, metadata):
     stub = channels_pb2_grpc.ChannelsStub(channel)
     messages = [channels_pb2.PublishRequest(channel="news", chunk=PAYLOAD)]
@@ -359,10 +364,11 @@ RPCS = [
     Rpc("Describe", _describe, Code.OK),
     Rpc("List", _list, Code.OK),
     Rpc("Delete", _delete, Code.OK),
+    Rpc("DataPaths", _data_paths, Code.OK),
     Rpc("Publish", _publish, Code.OK),
     Rpc("Subscribe", _subscribe, Code.DEADLINE_EXCEEDED),
 ]
-READERS = {"List", "Describe", "Fetch", "Subscribe"}
+READERS = {"List", "Describe", "Fetch", "Subscribe", "DataPaths"}
 
 #: (case, metadata, role the server should grant: None, "read" or "write")
 TOKEN_CASES = [

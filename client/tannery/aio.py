@@ -33,14 +33,20 @@ from .archive import Archive, MemoryArchive
 from .readers import EntryReader, PayloadReader, PieceReader, TensorPiece, check_fetched
 from .records import ArchiveDescription, ArchiveInfo, Deleted, Published
 from .requests import (
-    Methods, Progress, archive_to_store, check_tensors, fetch_request, list_request, publish_messages, store_messages,
-    union_request,
+    Methods, Progress, archive_to_store, check_tensors, fetch_request, list_request, publish_messages, store_entries,
+    store_messages, union_request,
 )
 from .state_dict import plan_state_dict
+from . import errors
 from .connection import Connection, TLSLike, rpc_error, service_error
+from .datalink import TRANSPORT_KEY, LinkError, PeerFailed
 from .remote import AsyncRemoteArchive
+from .transports import (
+    STATUS_WAIT, Route, check_transport, choose, link_failure, next_published, publish_over, receive_fetch, send_store,
+    ticket_of,
+)
 from .v1 import archives_pb2, channels_pb2
-from .wire import ABANDONED, encode_publish_request
+from .wire import ABANDONED, encode_publish_request, encode_store_commit, encode_store_request
 
 if TYPE_CHECKING:  # torch is imported where a tensor is made (tannery.readers, tannery.requests)
     import torch
@@ -82,14 +88,20 @@ class _FinalStatus:
 class Client:
     """An asyncio connection to a tannery server: ``tannery.Client``'s methods, awaitable.
 
-    Arguments as for :class:`tannery.Client`. Use ``async with`` or ``await close()``.
+    Arguments as for :class:`tannery.Client`. Use ``async with`` or ``await close()``. On a
+    data path (``transport``), the bytes move on worker threads (``asyncio.to_thread``), and
+    a Store's ``progress`` is called from them.
     """
 
     def __init__(self, target: str | None = None, *, token: str | None = None, tls: TLSLike = None,
-                 chunk_size: int | None = None, timeout: float | None = None) -> None:
+                 chunk_size: int | None = None, timeout: float | None = None, transport: str | None = None) -> None:
+        self._transport = check_transport(transport)
         self._connection = Connection(target, token=token, tls=tls, chunk_size=chunk_size, timeout=timeout)
         self._channel = self._connection.aio_channel()
         self._methods = Methods(self._channel)
+        self._route: Route | None = None
+        self._route_known = self._transport == "grpc"
+        self._route_lock: asyncio.Lock | None = None
 
     @property
     def target(self) -> str:
@@ -142,9 +154,53 @@ class Client:
             except grpc.aio.AioRpcError as error:
                 raise final.error(error, self._connection.target) from None
 
+    async def transport(self) -> str:
+        """The transport Store and Fetch take: "local", "tcp" or "grpc" (settled now if it was not)."""
+        route = await self._data_route()
+        return route.kind if route is not None else "grpc"
+
+    async def _data_route(self) -> Route | None:
+        """As :meth:`tannery.Client._data_route`: the data path, chosen once."""
+        if self._route_known:
+            return self._route
+        if self._route_lock is None:
+            self._route_lock = asyncio.Lock()
+        async with self._route_lock:
+            if not self._route_known:
+                try:
+                    offered = await self._methods.data_paths(archives_pb2.DataPathsRequest(), **self._options())
+                except grpc.RpcError as error:
+                    if error.code() is not grpc.StatusCode.UNIMPLEMENTED:
+                        raise self._error(error) from None
+                    offered = None
+                self._route = await asyncio.to_thread(choose, self._transport, offered, self.target,
+                                                      self._connection.tls)
+                self._route_known = True
+        return self._route
+
+    def _over(self, route: Route) -> dict[str, Any]:
+        return {"metadata": (*self._connection.metadata, (TRANSPORT_KEY, route.kind)),
+                "timeout": self._connection.timeout}
+
+    async def _broken(self, call: Any, exc: BaseException, route: Route) -> Exception:
+        """The error of a call whose data connection broke: the call's own failure when it has one."""
+        if not (isinstance(exc, PeerFailed) and exc.code == "PERMISSION_DENIED"):
+            try:
+                code = await asyncio.wait_for(call.code(), STATUS_WAIT)
+            except asyncio.TimeoutError:
+                code = None
+            if code is not None and code is not grpc.StatusCode.OK:
+                return service_error(code, await call.details(), await call.trailing_metadata(), self.target)
+        return link_failure(exc, route)
+
     async def _entries(self, request: archives_pb2.FetchRequest, reader: EntryReader | PieceReader
                        ) -> AsyncIterator[Any]:
         """What ``reader`` makes of a Fetch call's messages, as they arrive; leaving early cancels the call."""
+        route = await self._data_route()
+        if route is not None:
+            async for entry in self._entries_over(route, request, reader):
+                yield entry
+            return
         call = self._methods.fetch(request, **self._options())
         try:
             try:
@@ -155,6 +211,38 @@ class Client:
                 raise self._error(error) from None
             reader.close()
         finally:
+            call.cancel()
+
+    async def _entries_over(self, route: Route, request: archives_pb2.FetchRequest, reader: Any) -> AsyncIterator[Any]:
+        """A Fetch checked over gRPC, its entries received on the data path (on a worker thread)."""
+        call = self._methods.fetch(request, **self._over(route))
+        link = None
+        try:
+            try:
+                ticket = ticket_of(await call.initial_metadata())
+                if ticket is None:  # the call failed before any byte: its status says why
+                    async for _ in call:
+                        pass
+                    raise errors.ServiceError("the server answered a data-path Fetch without a ticket")
+            except grpc.RpcError as error:
+                raise self._error(error) from None
+            try:
+                link = await asyncio.to_thread(route.connect, ticket)
+                items = receive_fetch(link, pieces=reader.pieces)
+                while (item := await asyncio.to_thread(next, items, None)) is not None:
+                    for entry in reader.arrived(item):
+                        yield entry
+            except (LinkError, OSError) as exc:
+                raise await self._broken(call, exc, route) from None
+            try:
+                async for _ in call:  # the status: OK, or what stopped the transfer
+                    pass
+            except grpc.RpcError as error:
+                raise self._error(error) from None
+        finally:
+            if link is not None:
+                link.abort()  # a worker thread still reading returns at once
+                link.close()
             call.cancel()
 
     async def _fetch(self, request: archives_pb2.FetchRequest, progress: Progress) -> list[tuple[str, torch.Tensor]]:
@@ -173,8 +261,50 @@ class Client:
                     progress: Progress = None) -> ArchiveInfo:
         """As :meth:`tannery.Client.store`."""
         archive, rest = archive_to_store(name, value, prefix)
+        route = await self._data_route()
+        if route is not None:
+            return await self._store_over(route, name, archive, rest, replace, progress)
         messages = store_messages(name, archive, rest, replace, self._connection.chunk_size, progress)
         return ArchiveInfo.of(await self._send(self._methods.store, messages))
+
+    async def _store_over(self, route: Route, name: str, archive: Archive, prefix: str, replace: bool,
+                          progress: Progress) -> ArchiveInfo:
+        """A Store whose call carries begin and commit, its payloads sent on the data path."""
+        sent: list[int] = []
+        finished = asyncio.Event()
+
+        async def messages() -> AsyncIterator[bytes]:
+            begin = archives_pb2.StoreBegin(archive=name, replace=replace).SerializeToString()
+            yield encode_store_request(begin=begin)
+            await finished.wait()
+            if sent:  # no commit after a failed transfer: the server stores nothing
+                yield encode_store_commit(*sent)
+
+        def transfer(ticket: str) -> tuple[int, int]:
+            with route.connect(ticket) as link:
+                return send_store(link, store_entries(archive, prefix), progress)
+
+        call = self._methods.store(messages(), **self._over(route))
+        final = _FinalStatus(call)
+        broken: BaseException | None = None
+        try:
+            ticket = ticket_of(await call.initial_metadata())
+            if ticket is not None:
+                try:
+                    sent.extend(await asyncio.to_thread(transfer, ticket))
+                except (LinkError, OSError) as exc:
+                    broken = exc
+        except BaseException:
+            call.cancel()
+            raise
+        finally:
+            finished.set()
+        try:
+            if broken is not None:
+                raise await self._broken(call, broken, route)
+            return ArchiveInfo.of(await call)
+        except grpc.aio.AioRpcError as error:
+            raise final.error(error, self._connection.target) from None
 
     async def archive(self, name: str, *, progress: Progress = None) -> AsyncRemoteArchive:
         """As :meth:`tannery.Client.archive`; the reads of the archive are coroutines."""
@@ -234,6 +364,9 @@ class Client:
                       progress: Progress = None) -> Published:
         """As :meth:`tannery.Client.publish`; ``tensors`` may also be an async iterable."""
         check_tensors(tensors)
+        route = await self._data_route()
+        if route is not None and route.kind == "local":
+            return await self._publish_over(route, channel, tensors, progress)
         chunk_size = self._connection.chunk_size
 
         async def messages():
@@ -246,6 +379,44 @@ class Client:
                 yield encode_publish_request(channel, [])
 
         return Published.of(await self._send(self._methods.publish, messages()))
+
+    async def _publish_over(self, route: Route, channel: str, tensors: Iterable[Any] | AsyncIterable[Any],
+                            progress: Progress) -> Published:
+        """A Publish whose call names the channel, its payloads passed as sealed memory files
+        (an async iterable of tensors is gathered first: the passing runs on a worker thread)."""
+        if isinstance(tensors, AsyncIterable):
+            tensors = [tensor async for tensor in tensors]
+        finished = asyncio.Event()
+
+        async def messages() -> AsyncIterator[bytes]:
+            yield encode_publish_request(channel, [])
+            await finished.wait()
+
+        def transfer(ticket: str) -> tuple[int, int]:
+            with route.connect(ticket) as link:
+                return publish_over(link, tensors, progress)
+
+        call = self._methods.publish(messages(), **self._over(route))
+        final = _FinalStatus(call)
+        broken: BaseException | None = None
+        try:
+            ticket = ticket_of(await call.initial_metadata())
+            if ticket is not None:
+                try:
+                    await asyncio.to_thread(transfer, ticket)
+                except (LinkError, OSError) as exc:
+                    broken = exc
+        except BaseException:
+            call.cancel()
+            raise
+        finally:
+            finished.set()
+        try:
+            if broken is not None:
+                raise await self._broken(call, broken, route)
+            return Published.of(await call)
+        except grpc.aio.AioRpcError as error:
+            raise final.error(error, self._connection.target) from None
 
     def subscribe(self, channel: str, *, progress: Progress = None) -> "AsyncSubscription":
         """Subscribe to ``channel``: ``await`` it (or ``async with`` it) to register the
@@ -283,16 +454,40 @@ class AsyncSubscription:
         self._call: Any = None
         self._ready: deque[torch.Tensor] = deque()
         self._closed = False
+        #: The same-host connection the payloads come on (None: they come in the call's messages).
+        self._link: Any = None
+        self._route: Route | None = None
 
     async def _start(self) -> "AsyncSubscription":
         if self._call is None:
             request = channels_pb2.SubscribeRequest(channel=self._channel)
-            self._call = self._client._methods.subscribe(request, **self._client._options(timeout=False))
-            await self._call.initial_metadata()  # sent once the subscription is registered
+            route = await self._client._data_route()
+            if route is not None and route.kind == "local":
+                self._route = route
+                metadata = (*self._client._connection.metadata, (TRANSPORT_KEY, route.kind))
+                self._call = self._client._methods.subscribe(request, metadata=metadata)
+            else:
+                self._call = self._client._methods.subscribe(request, **self._client._options(timeout=False))
+            metadata = await self._call.initial_metadata()  # sent once the subscription is registered
             if self._call.done() and await self._call.code() is not grpc.StatusCode.OK:
                 code, details = await self._call.code(), await self._call.details()
                 raise service_error(code, details, await self._call.trailing_metadata(), self._client.target)
+            if self._route is not None:
+                ticket = ticket_of(metadata)
+                if ticket is None:
+                    self._call.cancel()
+                    raise errors.ServiceError("the server answered a same-host Subscribe without a ticket")
+                self._link = await asyncio.to_thread(self._route.connect, ticket)
         return self
+
+    async def _next_over_link(self) -> list:
+        """The tensors the next frame of the same-host connection completes (read on a worker thread)."""
+        try:
+            return await asyncio.to_thread(next_published, self._link, self._reader)
+        except (LinkError, OSError) as exc:
+            if self._closed:
+                raise StopAsyncIteration from None
+            raise await self._client._broken(self._call, exc, self._route) from None
 
     def __await__(self):
         return self._start().__await__()
@@ -311,6 +506,9 @@ class AsyncSubscription:
         while not self._ready:
             if self._closed:
                 raise StopAsyncIteration
+            if self._link is not None:
+                self._ready.extend(await self._next_over_link())
+                continue
             try:
                 message = await self._call.read()
             except grpc.RpcError as error:
@@ -332,6 +530,8 @@ class AsyncSubscription:
     def close(self) -> None:
         """End the subscription (the server forgets it); iterating stops."""
         self._closed = True
+        if self._link is not None:
+            self._link.abort()  # a worker thread reading it returns
         if self._call is not None:
             self._call.cancel()
 

@@ -25,15 +25,16 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from . import errors
 from ._lazy import lazy_module
 from .records import ArchiveDescription, ArchiveInfo, Deleted, Published
 from .requests import (
-    Methods, Progress, archive_to_store, check_tensors, fetch_request, list_request, publish_messages, store_messages,
-    union_request,
+    Methods, Progress, archive_to_store, check_tensors, fetch_request, list_request, publish_messages, store_entries,
+    store_messages, union_request,
 )
-from .connection import Connection, TLSLike, rpc_error
+from .connection import Connection, TLSLike, check_transport, rpc_error
 from .v1 import archives_pb2, channels_pb2
-from .wire import ABANDONED, encode_publish_request
+from .wire import ABANDONED, encode_publish_request, encode_store_commit, encode_store_request
 
 if TYPE_CHECKING:  # torch is imported where a tensor is made (tannery.readers, tannery.requests)
     import torch
@@ -41,12 +42,14 @@ if TYPE_CHECKING:  # torch is imported where a tensor is made (tannery.readers, 
     from .archive import Archive
     from .readers import EntryReader, PayloadReader, PieceReader, TensorPiece
     from .remote import RemoteArchive
+    from .transports import Route
 
 # Imported on first use: catalog calls (tannery ls, show, rm) need none of these.
 _archive = lazy_module("tannery.archive")
 _readers = lazy_module("tannery.readers")
 _remote = lazy_module("tannery.remote")
 _state_dict = lazy_module("tannery.state_dict")
+_transports = lazy_module("tannery.transports")  # with tannery.datalink: sockets, ssl
 
 
 class _Guarded:
@@ -78,14 +81,22 @@ class Client:
     is None (insecure unless ``TANNERY_TLS_*`` say otherwise), False (insecure), True
     (the system's roots) or a :class:`tannery.TLS`. ``chunk_size`` is the bytes of tensor
     data per message sent (1 MiB); ``timeout`` the seconds any one call may take (no limit
-    by default; subscriptions are never limited).
+    by default; subscriptions are never limited). ``transport`` is how Store and Fetch move
+    their bytes (``TANNERY_TRANSPORT``, else ``"auto"``): ``"local"`` (the server's Unix
+    socket: stored files mapped, no copy through a socket), ``"tcp"`` (its data port),
+    ``"grpc"`` (the gRPC streams), or ``"auto"``, the first of these that reaches the server
+    (see :mod:`tannery.transports`); it is settled at the first Store or Fetch.
     """
 
     def __init__(self, target: str | None = None, *, token: str | None = None, tls: TLSLike = None,
-                 chunk_size: int | None = None, timeout: float | None = None) -> None:
+                 chunk_size: int | None = None, timeout: float | None = None, transport: str | None = None) -> None:
+        self._transport = check_transport(transport)
         self._connection = Connection(target, token=token, tls=tls, chunk_size=chunk_size, timeout=timeout)
         self._channel = self._connection.channel()
         self._methods = Methods(self._channel)
+        self._route: Route | None = None
+        self._route_known = self._transport == "grpc"
+        self._route_lock = threading.Lock()
 
     @property
     def target(self) -> str:
@@ -131,8 +142,46 @@ class Client:
         with self._errors():
             return method(request, **self._options())
 
+    @property
+    def transport(self) -> str:
+        """The transport Store and Fetch take: "local", "tcp" or "grpc" (settled now if it was not)."""
+        route = self._data_route()
+        return route.kind if route is not None else "grpc"
+
+    def _data_route(self) -> Route | None:
+        """The data path of this client's Store and Fetch calls (None: the gRPC streams), chosen once."""
+        with self._route_lock:
+            if not self._route_known:
+                try:
+                    offered = self._methods.data_paths(archives_pb2.DataPathsRequest(), **self._options())
+                except grpc.RpcError as error:
+                    if error.code() is not grpc.StatusCode.UNIMPLEMENTED:
+                        raise rpc_error(error, self.target) from None
+                    offered = None  # a server from before data paths
+                self._route = _transports.choose(self._transport, offered, self.target, self._connection.tls)
+                self._route_known = True
+            return self._route
+
+    def _over(self, route: Route) -> dict[str, Any]:
+        return {"metadata": (*self._connection.metadata, (_transports.TRANSPORT_KEY, route.kind)),
+                "timeout": self._connection.timeout}
+
+    def _broken(self, call: Any, exc: BaseException, route: Route) -> Exception:
+        """The error of a call whose data connection broke: the call's own failure when it has one."""
+        if not (isinstance(exc, _transports.PeerFailed) and exc.code == "PERMISSION_DENIED"):
+            deadline = time.monotonic() + _transports.STATUS_WAIT
+            while not call.done() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if call.done() and call.code() is not grpc.StatusCode.OK:
+                return rpc_error(call, self.target)
+        return _transports.link_failure(exc, route)
+
     def _entries(self, request: archives_pb2.FetchRequest, reader: EntryReader | PieceReader) -> Iterator[Any]:
         """What ``reader`` makes of a Fetch call's messages, as they arrive; leaving early cancels the call."""
+        route = self._data_route()
+        if route is not None:
+            yield from self._entries_over(route, request, reader)
+            return
         call = self._methods.fetch(request, **self._options())
         try:
             with self._errors():
@@ -141,6 +190,31 @@ class Client:
             reader.close()
         finally:
             call.cancel()  # a no-op once the call is over; ends it if reading stopped early or failed
+
+    def _entries_over(self, route: Route, request: archives_pb2.FetchRequest, reader: Any) -> Iterator[Any]:
+        """A Fetch checked over gRPC, its entries received on the data path."""
+        call = self._methods.fetch(request, **self._over(route))
+        link = None
+        try:
+            with self._errors():
+                ticket = _transports.ticket_of(call.initial_metadata())
+                if ticket is None:  # the call failed before any byte: its status says why
+                    for _ in call:
+                        pass
+                    raise errors.ServiceError("the server answered a data-path Fetch without a ticket")
+            try:
+                link = route.connect(ticket)
+                for item in _transports.receive_fetch(link, pieces=reader.pieces):
+                    yield from reader.arrived(item)
+            except (_transports.LinkError, OSError) as exc:
+                raise self._broken(call, exc, route) from None
+            with self._errors():
+                for _ in call:  # the status: OK, or what stopped the transfer
+                    pass
+        finally:
+            if link is not None:
+                link.close()
+            call.cancel()
 
     def _fetch(self, request: archives_pb2.FetchRequest, progress: Progress) -> list[tuple[str, torch.Tensor]]:
         return list(self._entries(request, _readers.EntryReader(progress)))
@@ -165,9 +239,49 @@ class Client:
         ``progress`` is called with the tensor bytes (payload bytes) of each message sent.
         """
         archive, rest = archive_to_store(name, value, prefix)
+        route = self._data_route()
+        if route is not None:
+            return self._store_over(route, name, archive, rest, replace, progress)
         messages = _Guarded(store_messages(name, archive, rest, replace, self._connection.chunk_size, progress))
         with self._errors(messages):
             return ArchiveInfo.of(self._methods.store(messages, **self._options()))
+
+    def _store_over(self, route: Route, name: str, archive: Archive, prefix: str, replace: bool,
+                    progress: Progress) -> ArchiveInfo:
+        """A Store whose call carries begin and commit, its payloads sent on the data path."""
+        sent: list[int] = []
+        finished = threading.Event()
+
+        def messages() -> Iterator[bytes]:
+            begin = archives_pb2.StoreBegin(archive=name, replace=replace).SerializeToString()
+            yield encode_store_request(begin=begin)
+            finished.wait()
+            if sent:  # no commit after a failed transfer: the server stores nothing
+                yield encode_store_commit(*sent)
+
+        started = set(threading.enumerate())
+        future = self._methods.store.future(messages(), **self._over(route))
+        broken: BaseException | None = None
+        try:
+            ticket = _transports.ticket_of(future.initial_metadata())
+            if ticket is not None:
+                try:
+                    with route.connect(ticket) as link:
+                        sent.extend(_transports.send_store(link, store_entries(archive, prefix), progress))
+                except (_transports.LinkError, OSError) as exc:
+                    broken = exc
+        except BaseException:
+            future.cancel()
+            raise
+        finally:
+            finished.set()
+        try:
+            with self._errors():
+                if broken is not None:
+                    raise self._broken(future, broken, route)
+                return ArchiveInfo.of(future.result())
+        finally:
+            _join_new_grpc_threads(started)
 
     def archive(self, name: str, *, progress: Progress = None) -> RemoteArchive:
         """The archive ``name`` as a :class:`RemoteArchive` (one Describe; reads fetch only what
@@ -242,6 +356,9 @@ class Client:
         """Publish ``tensors`` (torch tensors or numpy arrays, any iterable, read as sent) on
         ``channel``, in one stream; returns what was published."""
         check_tensors(tensors)
+        route = self._data_route()
+        if route is not None and route.kind == "local":
+            return self._publish_over(route, channel, tensors, progress)
         chunk_size = self._connection.chunk_size
 
         def messages() -> Iterator[bytes]:
@@ -256,12 +373,47 @@ class Client:
         with self._errors(sent):
             return Published.of(self._methods.publish(sent, **self._options()))
 
+    def _publish_over(self, route: Route, channel: str, tensors: Iterable[Any], progress: Progress) -> Published:
+        """A Publish whose call names the channel, its payloads passed as sealed memory files."""
+        finished = threading.Event()
+
+        def messages() -> Iterator[bytes]:
+            yield encode_publish_request(channel, [])
+            finished.wait()
+
+        started = set(threading.enumerate())
+        future = self._methods.publish.future(messages(), **self._over(route))
+        broken: BaseException | None = None
+        try:
+            ticket = _transports.ticket_of(future.initial_metadata())
+            if ticket is not None:
+                try:
+                    with route.connect(ticket) as link:
+                        _transports.publish_over(link, tensors, progress)
+                except (_transports.LinkError, OSError) as exc:
+                    broken = exc
+        except BaseException:
+            future.cancel()
+            raise
+        finally:
+            finished.set()
+        try:
+            with self._errors():
+                if broken is not None:
+                    raise self._broken(future, broken, route)
+                return Published.of(future.result())
+        finally:
+            _join_new_grpc_threads(started)
+
     def subscribe(self, channel: str, *, progress: Progress = None) -> "Subscription":
         """Subscribe to ``channel``: an iterator of the tensors published from now on.
 
         Returns once the server has registered the subscription, so everything published
         afterwards arrives. ``close()`` it (or leave its ``with`` block) to end it.
         """
+        route = self._data_route()
+        if route is not None and route.kind == "local":
+            return self._subscribe_over(route, channel, progress)
         call = self._methods.subscribe(channels_pb2.SubscribeRequest(channel=channel),
                                        **self._options(timeout=False))
         with self._errors():
@@ -269,6 +421,23 @@ class Client:
             if call.done() and call.code() is not grpc.StatusCode.OK:
                 raise call  # the RpcError of a refused subscription
         return Subscription(call, _readers.PayloadReader(progress), self._connection.target)
+
+    def _subscribe_over(self, route: Route, channel: str, progress: Progress) -> "LinkSubscription":
+        """A subscription registered over gRPC whose payloads come on the same-host connection."""
+        metadata = (*self._connection.metadata, (_transports.TRANSPORT_KEY, route.kind))
+        call = self._methods.subscribe(channels_pb2.SubscribeRequest(channel=channel), metadata=metadata)
+        try:
+            with self._errors():
+                ticket = _transports.ticket_of(call.initial_metadata())
+                if ticket is None:
+                    for _ in call:
+                        pass
+                    raise errors.ServiceError("the server answered a same-host Subscribe without a ticket")
+            link = route.connect(ticket)
+        except BaseException:
+            call.cancel()
+            raise
+        return LinkSubscription(self, call, link, route, _readers.PayloadReader(progress))
 
 
 def _join_new_grpc_threads(started: set[threading.Thread], timeout: float = 2.0) -> None:
@@ -327,4 +496,34 @@ class Subscription:
         self.close()
 
 
-__all__ = ["Client", "Subscription"]
+class LinkSubscription(Subscription):
+    """A subscription whose payloads come on the same-host data path: each one published there
+    is a memory file mapped here (the tensor shares it, nothing is copied between processes)."""
+
+    def __init__(self, client: Client, call: Any, link: Any, route: Route, reader: PayloadReader) -> None:
+        super().__init__(call, reader, client.target)
+        self._client = client
+        self._link = link
+        self._route = route
+
+    def __next__(self) -> torch.Tensor:
+        while not self._ready:
+            if self._closed.is_set():
+                raise StopIteration
+            try:
+                self._ready.extend(_transports.next_published(self._link, self._reader))
+            except (_transports.LinkError, OSError) as exc:
+                if self._closed.is_set():
+                    raise StopIteration from None
+                raise self._client._broken(self._call, exc, self._route) from None
+        return self._ready.popleft()
+
+    def close(self) -> None:
+        """End the subscription (the server forgets it); iterating stops."""
+        self._closed.set()
+        self._link.abort()
+        self._call.cancel()
+        self._link.close()
+
+
+__all__ = ["Client", "LinkSubscription", "Subscription"]

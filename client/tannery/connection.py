@@ -29,6 +29,17 @@ DEFAULT_CHUNK_SIZE = 1 << 20
 MAX_CHUNK_SIZE = 3 << 20
 #: Trailing metadata the server adds to say which kind of refusal a status is.
 ERROR_KIND = "tannery-error"
+#: How Store and Fetch may move their bytes (``transport=``; :mod:`tannery.transports`).
+TRANSPORTS = ("auto", "local", "tcp", "grpc")
+
+
+def check_transport(transport: str | None, where: str = "transport") -> str:
+    """The transport asked for (``TANNERY_TRANSPORT``, else auto); ValueError naming the choices."""
+    chosen = transport or os.environ.get("TANNERY_TRANSPORT") or "auto"
+    if chosen not in TRANSPORTS:
+        raise ValueError(f"{where} {chosen!r} is not one of {', '.join(TRANSPORTS)} (TANNERY_TRANSPORT, "
+                         "--transport or transport=)")
+    return chosen
 
 
 @dataclass(frozen=True)

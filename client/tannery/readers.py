@@ -21,6 +21,8 @@ from .requests import Progress
 if TYPE_CHECKING:
     import torch
 
+    from .transports import Arrived
+
 # Imported where a tensor is made: PieceReader never imports torch.
 torch_codec = lazy_module("tannery.torch")
 
@@ -83,6 +85,15 @@ class _EntryStream:
 class EntryReader(_EntryStream):
     """Turns a Fetch stream into ``(name, tensor)`` pairs, each payload gathered once."""
 
+    #: A data path sends it whole entries (the tensor shares the mapped or received memory).
+    pieces = False
+
+    def arrived(self, item: Arrived) -> list[tuple[str, torch.Tensor]]:
+        """The tensor of an entry that came on a data path, sharing its memory."""
+        if self._progress is not None:
+            self._progress(item.info.size)
+        return [(item.name, torch_codec.from_buffer(item.data, item.info.dtype, item.info.shape))]
+
     def _start_entry(self) -> None:
         self._reframer = Reframer()
 
@@ -118,6 +129,19 @@ class TensorPiece:
 
 class PieceReader(_EntryStream):
     """Turns a Fetch stream into tensor pieces (:class:`TensorPiece`), views of the received messages."""
+
+    #: A TCP data path sends it pieces, so that only one is held.
+    pieces = True
+
+    def arrived(self, item: Arrived | TensorPiece) -> list[TensorPiece]:
+        """An entry (a mapped one is one piece) or a piece that came on a data path."""
+        if isinstance(item, TensorPiece):
+            if self._progress is not None:
+                self._progress(item.data.nbytes)
+            return [item]
+        if self._progress is not None:
+            self._progress(item.info.size)
+        return [TensorPiece(item.name, item.info, 0, item.data, True, True)]
 
     def _start_entry(self) -> None:
         self._deframer = Deframer()
@@ -160,6 +184,12 @@ class PayloadReader:
         if self._progress is not None and chunk.nbytes:
             self._progress(chunk.nbytes)
         return [torch_codec.deserialize(payload) for payload in self._reframer.feed(chunk)]
+
+    def arrived(self, item: Arrived) -> torch.Tensor:
+        """The tensor of a payload passed whole on the same-host path, sharing its mapping."""
+        if self._progress is not None:
+            self._progress(item.info.size)
+        return torch_codec.from_buffer(item.data, item.info.dtype, item.info.shape)
 
     def discard(self) -> None:
         """Forget the payload in progress (its publisher abandoned it): the next chunk starts a payload."""

@@ -127,6 +127,13 @@ def store_messages(
     yield wire.encode_store_commit(entries, sent)
 
 
+def store_entries(archive: Archive, prefix: str) -> Iterator[tuple[str, list]]:
+    """Each entry of an archive as its name under ``prefix`` and its payload's parts (a header,
+    and a view of the tensor's memory), in name order: what a data path sends."""
+    for entry in archive.names():
+        yield join(prefix, entry), torch_codec.serialize_parts(archive.find(entry))
+
+
 def check_tensors(tensors: Any) -> None:
     """A publish takes an iterable of tensors: one tensor (iterable over its rows) is refused."""
     if isinstance(tensors, (torch.Tensor, np.ndarray)):
@@ -207,6 +214,7 @@ __all__ = [
     "fetch_request",
     "list_request",
     "publish_messages",
+    "store_entries",
     "store_messages",
     "union_request",
 ]

@@ -26,6 +26,7 @@ from . import archives, tls
 from .auth import AuthInterceptor, Tokens, load_tokens
 from .calllog import CallLogInterceptor
 from .config import Config
+from .data_paths import DataPaths
 from .storage import Storage
 
 log = logging.getLogger("tannery_server")
@@ -135,7 +136,7 @@ class RunningServer:
         log.info("stopped")
 
 
-def _register_channels(server: grpc.aio.Server, config: Config, enders: list):
+def _register_channels(server: grpc.aio.Server, config: Config, enders: list, data_paths: DataPaths | None = None):
     """The Channels servicer, registered (None when this build has no Channels service)."""
     try:
         from .channels import ChannelsServicer, add_to_server
@@ -144,7 +145,7 @@ def _register_channels(server: grpc.aio.Server, config: Config, enders: list):
             raise
         log.warning("the Channels service is not installed (no %s.channels); serving Archives only", __package__)
         return None
-    servicer = ChannelsServicer(config)
+    servicer = ChannelsServicer(config, data_paths)
     add_to_server(servicer, server)  # undecodable requests are INVALID_ARGUMENT, not UNKNOWN
     enders.append(servicer.close)
     return servicer
@@ -194,11 +195,14 @@ async def start(config: Config) -> RunningServer:
         if tokens:
             interceptors.append(AuthInterceptor(tokens))  # inside the call log: refusals are logged and counted
         server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
-        archives_servicer = archives.ArchivesServicer(storage, config)
+        data_paths = DataPaths(config)
+        data_paths.start()
+        closers.append(data_paths.close)
+        archives_servicer = archives.ArchivesServicer(storage, config, data_paths)
         archives.add_to_server(archives_servicer, server)
         closers.append(archives_servicer.close)
         services = [ARCHIVES]
-        channels_servicer = _register_channels(server, config, enders)
+        channels_servicer = _register_channels(server, config, enders, data_paths)
         if channels_servicer is not None:
             services.append(CHANNELS)
             if metrics is not None:

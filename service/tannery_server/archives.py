@@ -15,12 +15,15 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from tannery.datalink import TICKET_KEY
 from tannery.v1 import archives_pb2, archives_pb2_grpc
 
 from .calllog import current_call
 from .config import Config
 from .failures import Cancelled, DeadlineExceeded, Malformed, Missing
-from .fetching import FetchStream, check_request
+from .data_paths import DataPathOff, DataPaths, requested_transport
+from .data_transfer import fail, receive_store, send_fetch
+from .fetching import FetchStream, check_request, digests, resolve
 from .handling import add_service, answering_failures
 from .storage import ArchiveLimits, ArchiveRecord, Storage
 from .store_session import StoreSession
@@ -44,9 +47,10 @@ def archive_info(record: ArchiveRecord) -> archives_pb2.ArchiveInfo:
 
 
 class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
-    def __init__(self, storage: Storage, config: Config) -> None:
+    def __init__(self, storage: Storage, config: Config, data_paths: DataPaths | None = None) -> None:
         self.storage = storage
         self.config = config
+        self.data_paths = data_paths
         self._executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="tannery-io")
         self._limits = ArchiveLimits(config.max_entries, config.max_name_bytes)
 
@@ -75,11 +79,17 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
         name = self._archive_name(first.begin.archive)
         session = StoreSession(self.storage, self.config, name, first.begin.replace)
         pending: asyncio.Future | None = None
+        transport = self._transport(context)
         try:
             await self._run(session.check_name_free)
             # Each message is written by a worker thread while the next one is received.
             # Shielded: a cancelled call must not abandon a thread still writing the session.
             pending = self._run_future(session.feed, first, True)
+            if transport is not None:
+                # The payloads come on the data connection; the call brings begin and commit.
+                await asyncio.shield(pending)
+                await self._over_data_path(transport, context, receive_store, session)
+                current_call().note("data_bytes", session.bytes_received)
             async for message in request_iterator:
                 await asyncio.shield(pending)
                 pending = self._run_future(session.feed, message)
@@ -114,10 +124,57 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
         record = await self._run(self.storage.union, target, sources, request.replace, self._limits)
         return archive_info(record)
 
+    def _transport(self, context) -> str | None:
+        """The data path a Store or Fetch asks for (None: the gRPC stream); DataPathOff when it is off."""
+        transport = requested_transport(context)
+        if transport is not None:
+            current_call().note("transport", transport)
+            if self.data_paths is None:
+                raise DataPathOff(f"this server offers no {transport} data path: ask for transport 'grpc'")
+            self.data_paths.require(transport)
+        return transport
+
+    async def _over_data_path(self, transport: str, context, move: Callable[..., Any], *args: Any) -> Any:
+        """Give the call a ticket, wait for its data connection, run ``move(link, *args)`` on a
+        worker thread. A cancelled call breaks the connection and waits for the thread."""
+        assert self.data_paths is not None
+        ticket = self.data_paths.ticket(transport)
+        try:
+            await context.send_initial_metadata(((TICKET_KEY, ticket.hex),))
+            link = await ticket.connection()
+        finally:
+            ticket.withdraw()
+        job = self._run_future(move, link, *args)
+        try:
+            return await asyncio.shield(job)
+        except BaseException as exc:
+            fail(link, exc if not isinstance(exc, asyncio.CancelledError) else Cancelled("the call was cancelled"))
+            await _settle(job)
+            raise
+        finally:
+            link.close()
+
+    @answering_failures
+    async def DataPaths(self, request: archives_pb2.DataPathsRequest, context) -> archives_pb2.DataPathsResponse:
+        paths = self.data_paths
+        if paths is None:
+            return archives_pb2.DataPathsResponse()
+        return archives_pb2.DataPathsResponse(socket_path=str(paths.socket_path or ""), data_port=paths.data_port,
+                                              data_tls=paths.tls, server_id=paths.server_id)
+
     @answering_failures
     async def Fetch(self, request: archives_pb2.FetchRequest, context) -> None:
         current_call().note("archive", request.archive)
         check_request(request)
+        transport = self._transport(context)
+        if transport is not None:
+            plans = await self._run(resolve, self.storage, request)
+            try:
+                sent = await self._over_data_path(transport, context, send_fetch, self.storage, plans)
+                current_call().note("data_bytes", sent)
+            finally:
+                await asyncio.shield(self._run(self.storage.release, digests(plans)))
+            return
         # One trip resolves the request and reads the first batch; a fetch that fits in it
         # is over (blobs closed, pins released) when the trip returns.
         opening = self._run_future(FetchStream.open, self.storage, request, self.config.chunk_size,

@@ -34,17 +34,22 @@ from __future__ import annotations
 
 import asyncio
 import unicodedata
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Iterator
 
 import grpc
 from tannery.codec import Buffer, FormatError, Limits
 from tannery.framing import Deframer, Fragment
+from tannery.datalink import TICKET_KEY, Link
 from tannery.v1 import channels_pb2, channels_pb2_grpc
 
 from .calllog import current_call
 from .config import Config
 from .failures import BadPayload, Failure, LimitExceeded, Malformed, Unavailable
 from .handling import Undecodable, add_service, answering_failures
+from .channel_links import SharedPayload, publish_over, serve_subscriber
+from .data_paths import DataPathOff, DataPaths, requested_transport
+from .data_transfer import fail
 from .hub import Channel, FellBehind, Hub, HubClosed, Piece, Relay, SubscriptionEnded
 
 #: Longest channel name, in bytes of UTF-8.
@@ -93,7 +98,10 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
     while it holds its channel, its wait for its next message.
     """
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, data_paths: DataPaths | None = None) -> None:
+        #: The same-host socket's tickets (None: channels over gRPC only).
+        self.data_paths = data_paths
+        self._links = ThreadPoolExecutor(8, thread_name_prefix="tannery-channel-link")
         self.chunk_size = config.chunk_size
         self.limits = Limits(max_payload=config.max_payload_bytes, max_rank=config.max_rank)
         self.timeout = config.channel_timeout_seconds
@@ -108,6 +116,7 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
     async def close(self) -> None:
         """End every subscription (UNAVAILABLE: shutting down) and refuse new calls."""
         await self.hub.close(timeout=max(self.timeout, 1.0))
+        self._links.shutdown(wait=False)
 
     @staticmethod
     def failure_of(exc: BaseException) -> BaseException:
@@ -126,6 +135,8 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
         context: grpc.aio.ServicerContext,
     ) -> channels_pb2.PublishResponse:
         """Relay the payloads of the stream as they arrive; whatever ends the call frees what it held."""
+        if self._transport(context) is not None:
+            return await self._publish_local(aiter(request_iterator), context)
         publication = _Publication(self, aiter(request_iterator))
         try:
             await publication.run()
@@ -144,18 +155,85 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
         except HubClosed as closed:
             raise Unavailable(str(closed)) from None
         try:
+            if self._transport(context) is not None:
+                await self._subscribe_local(subscription, context)
+                return
             # Registered: from here on every payload begun is queued for this subscriber.
             await context.send_initial_metadata(())
             while True:
                 message = await subscription.next_piece()
-                try:
-                    await context.write(message)
-                except grpc.aio.InternalError:
-                    # The subscriber left (cancelled or disconnected) before grpc told this
-                    # handler; end as cancelled, like grpc does once it knows.
-                    raise asyncio.CancelledError() from None
+                messages = message.messages(self.chunk_size) if isinstance(message, SharedPayload) else (message,)
+                for each in messages:
+                    try:
+                        await context.write(each)
+                    except grpc.aio.InternalError:
+                        # The subscriber left (cancelled or disconnected) before grpc told this
+                        # handler; end as cancelled, like grpc does once it knows.
+                        raise asyncio.CancelledError() from None
         finally:
             self.hub.unsubscribe(subscription)
+
+    # -- the same-host data path ----------------------------------------------------------
+
+    def _transport(self, context: grpc.aio.ServicerContext) -> str | None:
+        """"local" when the call asks for the same-host path (channels have no TCP one)."""
+        transport = requested_transport(context)
+        if transport is None:
+            return None
+        current_call().note("transport", transport)
+        if transport != "local":
+            raise DataPathOff(f"channels take the local data path or gRPC, not {transport!r}")
+        if self.data_paths is None:
+            raise DataPathOff("this server offers no local data path for channels")
+        self.data_paths.require(transport)
+        return transport
+
+    async def _link(self, context: grpc.aio.ServicerContext) -> Link:
+        """The call's ticket sent, its same-host connection once the client opens it."""
+        assert self.data_paths is not None
+        ticket = self.data_paths.ticket("local")
+        try:
+            await context.send_initial_metadata(((TICKET_KEY, ticket.hex),))
+            return await ticket.connection()
+        finally:
+            ticket.withdraw()
+
+    async def _publish_local(self, requests: AsyncIterator[Any], context) -> channels_pb2.PublishResponse:
+        """A Publish whose call names the channel and whose payloads come as sealed memory files."""
+        first = await anext(requests, None)
+        if first is None or isinstance(first, Undecodable):
+            raise Malformed("a same-host Publish names its channel in its first message")
+        channel = self.attach(first.channel)
+        try:
+            link = await self._link(context)
+            try:
+                payloads, nbytes, dropped = await publish_over(link, channel, self.limits, self.timeout,
+                                                               self._links, _relay_last)
+            except BaseException as exc:
+                fail(link, exc)
+                raise
+            finally:
+                link.close()
+            async for _ in requests:
+                raise Malformed("a same-host Publish sends its payloads on its data connection, not in messages")
+        finally:
+            self.hub.detach_publisher(channel)
+        current_call().note("data_bytes", nbytes)
+        return channels_pb2.PublishResponse(payloads=payloads, bytes=nbytes, dropped_subscribers=dropped)
+
+    async def _subscribe_local(self, subscription, context) -> None:
+        """Pass the subscription's payloads on the same-host connection until it ends."""
+        link = await self._link(context)
+        try:
+            await serve_subscriber(link, subscription, self._links, self.hub.buffer_bytes, self.timeout)
+        except OSError:  # the subscriber closed its connection: as a cancelled gRPC subscriber
+            link.abort()
+            raise asyncio.CancelledError() from None
+        except BaseException as exc:
+            fail(link, self.failure_of(exc))  # a subscriber dropped or the server closing says why
+            raise
+        finally:
+            link.close()
 
     def _check_name(self, name: str) -> None:
         """Note the channel in the call log; Malformed unless it is a valid name."""

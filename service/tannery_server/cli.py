@@ -17,6 +17,11 @@ _FLAGS = [
              "in use by another process stops the start"),
     ("data_dir", "directory of the catalog (catalog.sqlite3), blobs and the space reserve (reserve, see "
                  "--reserve-bytes); one server per directory"),
+    ("socket", "Unix socket of the same-host data path: clients on this host get Fetch as the stored files "
+               "themselves (mapped, no byte copied through a socket) and Store through sealed memory files; "
+               "empty for DATA_DIR/tannery.sock, 'off' for none"),
+    ("data_port", "TCP port of the direct data connection beside gRPC (on --host; TLS when gRPC is): a Store or "
+                  "Fetch checked over gRPC moves its bytes there (sendfile); 0 for none"),
     ("chunk_size", "bytes of tensor data per gRPC message, both ways (4096..3MiB)"),
     ("max_payload_bytes", "largest payload one entry may have, header included; larger ones are refused "
                           "(RESOURCE_EXHAUSTED) before any byte is stored"),

@@ -23,6 +23,10 @@ class Config:
     host: str = "127.0.0.1"
     port: int = 50051
     data_dir: Path = Path("./tannery-data")
+    #: Unix socket of the same-host data path: empty for ``data_dir/tannery.sock``, "off" for none.
+    socket: str = ""
+    #: TCP port of the direct data connection (on ``host``); 0 for none.
+    data_port: int = 50052
     #: Bytes of tensor data per gRPC message, both ways; messages stay under gRPC's 4 MiB default.
     chunk_size: int = MiB
     #: Largest payload (header included) an archive entry may have.
@@ -82,6 +86,10 @@ class Config:
             problems.append(f"reserve_bytes {self.reserve_bytes} is negative")
         if not 0 <= self.port <= 65535:
             problems.append(f"port {self.port} is not in 0..65535")
+        if not 0 <= self.data_port <= 65535:
+            problems.append(f"data_port {self.data_port} is not in 0..65535")
+        if self.data_port and self.data_port == self.port:
+            problems.append(f"data_port {self.data_port} is the gRPC port too: choose another, or 0 for none")
         if not 4096 <= self.chunk_size <= 3 * MiB:
             problems.append(f"chunk_size {self.chunk_size} is not in 4096..{3 * MiB} (gRPC messages stay under 4 MiB)")
         for name in ("max_payload_bytes", "max_rank", "max_name_bytes", "max_entries", "channel_buffer_bytes",

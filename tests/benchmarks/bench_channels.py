@@ -243,17 +243,77 @@ def measure(options: Options, servers: dict[type, tuple[str, int]], mib: int, ro
     return result
 
 
+SAME_HOST_PAYLOAD = 64 * MiB
+
+
+def same_host(options: Options, target: str, pid: int) -> Table:
+    """64 MiB payloads from a publisher (``tannery.Client``, this process) to a subscriber in a
+    process of its own, over the gRPC streams and over the same-host data path."""
+    import subprocess
+    import sys
+
+    import torch
+
+    count = 4 if options.quick else 8
+    tensor = torch.from_numpy(np.random.default_rng(1).standard_normal(SAME_HOST_PAYLOAD // 4, dtype=np.float32))
+    tensors = [tensor] * count
+    table = Table(f"Same host: {count} payloads of {fmt_size(SAME_HOST_PAYLOAD)}, tannery.Client publisher to a "
+                  "subscriber process", ["transport", "median MiB/s", "spread", "vs grpc", "server CPU s/GiB"],
+                  note="From the publish call to the subscriber's last tensor (it reads one element of each).")
+    subscribers = {}
+    try:
+        for transport in ("grpc", "local"):
+            subscribers[transport] = subprocess.Popen(
+                [sys.executable, "-m", "tests.benchmarks.channel_subscriber", target, transport, str(count)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            assert subscribers[transport].stdout.readline().strip() == "ready"
+        clients = {t: __import__("tannery").Client(target, transport=t) for t in subscribers}
+        cpu: dict[str, list[float]] = {t: [] for t in subscribers}
+
+        def round_of(transport: str):
+            def one() -> float:
+                process = subscribers[transport]
+                used = cpu_seconds(pid)
+                process.stdin.write("go\n")
+                process.stdin.flush()
+                started = time.monotonic()
+                clients[transport].publish(f"same-host-{transport}", tensors)
+                ended = float(process.stdout.readline().split()[1])
+                cpu[transport].append((cpu_seconds(pid) - used) / (count * SAME_HOST_PAYLOAD / GiB))
+                return ended - started
+            return one
+
+        timings = alternate({t: round_of(t) for t in subscribers}, options.repetitions())
+        total = count * SAME_HOST_PAYLOAD
+        base = timings["grpc"]["time"].median
+        for transport in subscribers:
+            samples = timings[transport]["time"]
+            table.add(transport, f"{total / samples.median / MiB:.0f}",
+                      f"{total / samples.high / MiB:.0f} – {total / samples.low / MiB:.0f}",
+                      fmt_ratio(base / samples.median), f"{statistics.median(cpu[transport]):.2f}")
+        for client in clients.values():
+            client.close()
+    finally:
+        for process in subscribers.values():
+            process.kill()
+            process.wait()
+    return table
+
+
 def run(options: Options) -> CaseResult:
     mib = 64 if options.quick else 256
     rounds = 500 if options.quick else 2000
     queue = str(64 * MiB // CHUNK)  # the relay buffers as much as a subscriber's default bound
     with (
         tempfile.TemporaryDirectory(dir=options.tmp) as tmp,
-        tannery_server(Path(tmp) / "data") as app,
+        tannery_server(Path(tmp) / "data", data_port=0) as app,
         Subprocess("-m", "tests.benchmarks.bench_channels", "--serve-relay", "--queue", queue) as relay,
     ):
         servers = {Relay: (relay.target, relay.pid), Tannery: (app.target, app.pid)}
-        return measure(options, servers, mib, rounds)
+        result = measure(options, servers, mib, rounds)
+        table = same_host(options, app.target, app.pid)
+        result.tables.append(table)
+        return result
 
 
 def main() -> None:

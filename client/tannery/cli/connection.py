@@ -32,6 +32,11 @@ def add_global_options(parser: argparse.ArgumentParser, *, on_subcommand: bool) 
                        help="client certificate for mutual TLS, a PEM file; implies --tls [env TANNERY_CLIENT_CERT]")
     group.add_argument("--tls-key", metavar="PEM", default=default,
                        help="the client certificate's private key, a PEM file [env TANNERY_CLIENT_KEY]")
+    group.add_argument("--transport", choices=("auto", "local", "tcp", "grpc"), default=default,
+                       help="how push, pull and get move tensor bytes: 'local' through the server's Unix socket "
+                            "(same host: stored files mapped, no copy through a socket), 'tcp' through its data "
+                            "port, 'grpc' the gRPC streams; 'auto' takes the first that reaches the server "
+                            "[env TANNERY_TRANSPORT; default auto]")
     parser.add_argument("-q", "--quiet", action="store_true", default=default,
                         help="no progress bars or progress notes on stderr (results and errors still print)")
 
@@ -82,4 +87,8 @@ def connect(args: argparse.Namespace) -> Any:
 
     tls = tls_options(args)
     token = getattr(args, "token", None) or os.environ.get("TANNERY_TOKEN") or None
-    return Client(target_of(args), token=token, tls=TLS(**tls) if tls is not None else None)
+    transport = getattr(args, "transport", None) or os.environ.get("TANNERY_TRANSPORT") or None
+    if transport is not None and transport not in ("auto", "local", "tcp", "grpc"):
+        raise CommandError(f"TANNERY_TRANSPORT={transport!r}: not a transport",
+                           hint="set it to auto, local, tcp or grpc (or unset it)")
+    return Client(target_of(args), token=token, tls=TLS(**tls) if tls is not None else None, transport=transport)

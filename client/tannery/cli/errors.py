@@ -129,6 +129,10 @@ def remedy(exc: BaseException, where: Where) -> str | None:
 def _unreachable_remedy(text: str, where: Where) -> str | None:
     """The remedy for a server that cannot be reached: TLS flags when the handshake says so,
     otherwise where the address came from and how to start or name a server."""
+    if text.startswith("transport '") and "is not available" in text:
+        return "give --transport auto (or unset TANNERY_TRANSPORT) to take the path that reaches the server"
+    if text.startswith("the data connection"):
+        return "try again, or give --transport grpc to move the bytes over gRPC"
     if connection_failure(text) is None:
         return "try again in a moment; the server's log says why it is unavailable"
     if not where.using_tls and "Socket closed" in text:

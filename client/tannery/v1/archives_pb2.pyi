@@ -9,6 +9,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class DataPathsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DataPathsResponse(_message.Message):
+    __slots__ = ("socket_path", "data_port", "data_tls", "server_id")
+    SOCKET_PATH_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    DATA_TLS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    socket_path: str
+    data_port: int
+    data_tls: bool
+    server_id: str
+    def __init__(self, socket_path: _Optional[str] = ..., data_port: _Optional[int] = ..., data_tls: _Optional[bool] = ..., server_id: _Optional[str] = ...) -> None: ...
+
 class StoreBegin(_message.Message):
     __slots__ = ("archive", "replace")
     ARCHIVE_FIELD_NUMBER: _ClassVar[int]

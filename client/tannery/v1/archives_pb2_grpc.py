@@ -64,6 +64,11 @@ class ArchivesStub:
                 request_serializer=tannery_dot_v1_dot_archives__pb2.DeleteRequest.SerializeToString,
                 response_deserializer=tannery_dot_v1_dot_archives__pb2.DeleteResponse.FromString,
                 _registered_method=True)
+        self.DataPaths = channel.unary_unary(
+                '/tannery.v1.Archives/DataPaths',
+                request_serializer=tannery_dot_v1_dot_archives__pb2.DataPathsRequest.SerializeToString,
+                response_deserializer=tannery_dot_v1_dot_archives__pb2.DataPathsResponse.FromString,
+                _registered_method=True)
 
 
 class ArchivesServicer:
@@ -120,6 +125,19 @@ class ArchivesServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DataPaths(self, request, context):
+        """The data paths this server offers beside gRPC (docs/data-paths.md): a Unix socket for
+        clients on its host (file descriptors passed, no byte copied through a socket) and a
+        TCP data port. A Store or Fetch call asks for one with the request metadata
+        "tannery-transport" ("local" or "tcp"); the server checks the call as usual, then
+        answers with the initial metadata "tannery-ticket", a one-time ticket the client
+        presents on the data connection. The bytes move there; the call's status is the
+        transfer's outcome.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ArchivesServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -152,6 +170,11 @@ def add_ArchivesServicer_to_server(servicer, server):
                     servicer.Delete,
                     request_deserializer=tannery_dot_v1_dot_archives__pb2.DeleteRequest.FromString,
                     response_serializer=tannery_dot_v1_dot_archives__pb2.DeleteResponse.SerializeToString,
+            ),
+            'DataPaths': grpc.unary_unary_rpc_method_handler(
+                    servicer.DataPaths,
+                    request_deserializer=tannery_dot_v1_dot_archives__pb2.DataPathsRequest.FromString,
+                    response_serializer=tannery_dot_v1_dot_archives__pb2.DataPathsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -316,6 +339,33 @@ class Archives:
             '/tannery.v1.Archives/Delete',
             tannery_dot_v1_dot_archives__pb2.DeleteRequest.SerializeToString,
             tannery_dot_v1_dot_archives__pb2.DeleteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DataPaths(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tannery.v1.Archives/DataPaths',
+            tannery_dot_v1_dot_archives__pb2.DataPathsRequest.SerializeToString,
+            tannery_dot_v1_dot_archives__pb2.DataPathsResponse.FromString,
             options,
             channel_credentials,
             insecure,

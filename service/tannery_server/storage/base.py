@@ -164,6 +164,10 @@ class BlobFile(Protocol):
         """Fill ``buffer`` with the bytes from ``offset``; returns how many were read."""
         ...
 
+    def fileno(self) -> int:
+        """An open descriptor of the blob's bytes (the data paths send or pass it)."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -46,6 +46,10 @@ class FileBlob:
             filled += got
         return filled
 
+    def fileno(self) -> int:
+        """The open file (the same-host data path passes it to the client; sendfile reads it)."""
+        return self._fd
+
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)

@@ -1,0 +1,419 @@
+"""The client's side of the data paths: which one a call takes, and the bytes moved on it.
+
+A ``tannery.Client`` moves the bytes of Store and Fetch one of four ways (``transport=``):
+
+- ``"local"``: the server's Unix socket, on its host. A Fetch receives the stored blob files
+  themselves (descriptors passed with SCM_RIGHTS) and maps them: the tensors are views of
+  the page cache, each block checked against its checksum first. A Store writes each
+  payload into sealed memory files the server reads, hashes and stores.
+- ``"tcp"``: a direct TCP connection to the server's data port (TLS when gRPC is), the
+  server sending from its files with ``sendfile``, the client receiving straight into the
+  tensors' memory.
+- ``"grpc"``: the gRPC streams (every server offers them).
+- ``"auto"`` (the default): local when the server's socket is reachable from here and
+  leads to the same server, else tcp when the server offers a data port that answers,
+  else grpc.
+
+Every call is checked over gRPC first (token, names, every ask), then moves its bytes on
+the data connection with the call's one-time ticket; the call's status is the outcome.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import ssl
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
+
+from . import checksums, errors
+from .connection import TRANSPORTS, check_transport
+from .codec import DIM, FIXED_PREFIX, HEADER, METADATA, FormatError, PayloadInfo, parse, read_info
+from .datalink import (
+    HANDSHAKE_SECONDS, TICKET_KEY, TRANSPORT_KEY, Link, LinkError, PeerFailed, connect_unix, expect, frame, tune_tcp,
+)
+from .framing import aligned_buffer
+from .v1.data_pb2 import DataEnd, EntryBytes, Hello, SealedPiece, Taken
+
+if TYPE_CHECKING:
+    from .connection import TLS
+    from .requests import Progress
+    from .v1.archives_pb2 import DataPathsResponse
+
+#: Bytes of one sealed memory file of a local Store (the server hashes one while the next fills).
+STORE_PIECE = 32 << 20
+#: Bytes of one piece of a TCP Fetch read as pieces (``fetch_pieces``): only these are held.
+RECEIVE_PIECE = 4 << 20
+#: Seconds to wait for a call's status after its data connection broke.
+STATUS_WAIT = 10.0
+
+
+@dataclass(frozen=True)
+class Route:
+    """How to reach the server's data path: its kind ("local" or "tcp") and address."""
+
+    kind: str
+    server_id: str
+    socket_path: str = ""
+    host: str = ""
+    port: int = 0
+    tls: "TLS | None" = None
+
+    def describe(self) -> str:
+        return f"socket {self.socket_path}" if self.kind == "local" else f"data port {self.host}:{self.port}"
+
+    def open(self, timeout: float | None = HANDSHAKE_SECONDS) -> Link:
+        """A connection that the server has welcomed as itself (LinkError or OSError otherwise)."""
+        link = connect_unix(self.socket_path, timeout) if self.kind == "local" else self._connect_tcp(timeout)
+        try:
+            welcome, _ = link.receive()
+            expect(welcome, "welcome")
+            if welcome.welcome.server_id != self.server_id:
+                raise LinkError(f"another server answers on the {self.describe()} (its id differs from the one "
+                                "the gRPC port gave)")
+            link.sock.settimeout(None)
+        except BaseException:
+            link.close()
+            raise
+        return link
+
+    def connect(self, ticket: str) -> Link:
+        """A connection for one call: welcomed, and the call's ticket presented."""
+        link = self.open()
+        try:
+            link.send(frame(hello=Hello(ticket=bytes.fromhex(ticket))))
+        except BaseException:
+            link.close()
+            raise
+        return link
+
+    def _connect_tcp(self, timeout: float | None) -> Link:
+        sock = socket.create_connection((self.host, self.port), timeout=timeout)
+        try:
+            tune_tcp(sock)
+            if self.tls is not None:
+                sock = _client_context(self.tls).wrap_socket(sock, server_hostname=self.tls.server_name or self.host)
+        except BaseException:
+            sock.close()
+            raise
+        return Link(sock, local=False)
+
+
+def _client_context(tls: "TLS") -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=os.fspath(tls.ca) if tls.ca is not None else None)
+    if tls.cert is not None and tls.key is not None:
+        context.load_cert_chain(os.fspath(tls.cert), os.fspath(tls.key))
+    return context
+
+
+def choose(transport: str, offered: "DataPathsResponse | None", target: str, tls: "TLS | None") -> Route | None:
+    """The route of ``transport`` given what the server offers (None: the gRPC streams).
+
+    ``"auto"`` tries each data path (a connection and the server's welcome) and takes the
+    first that answers as this server; ``"local"`` and ``"tcp"`` raise Unavailable, saying
+    why, when theirs does not.
+    """
+    if transport == "grpc":
+        return None
+    offered_id = offered.server_id if offered is not None else ""
+    candidates: list[tuple[str, Route | str]] = []
+    if transport in ("auto", "local"):
+        if offered is None or not offered.socket_path:
+            candidates.append(("local", "the server offers no same-host socket (its --socket is off, or it predates "
+                                        "data paths)"))
+        else:
+            candidates.append(("local", Route("local", offered_id, socket_path=offered.socket_path)))
+    if transport in ("auto", "tcp"):
+        host = _host_of(target)
+        if offered is None or not offered.data_port:
+            candidates.append(("tcp", "the server offers no data port (its --data-port is 0, or it predates data "
+                                      "paths)"))
+        elif host is None:
+            candidates.append(("tcp", f"the target {target!r} is not host:port"))
+        elif offered.data_tls != (tls is not None):
+            candidates.append(("tcp", "the data port's TLS does not match this client's"))
+        else:
+            candidates.append(("tcp", Route("tcp", offered_id, host=host, port=offered.data_port, tls=tls)))
+    reasons = []
+    for kind, route in candidates:
+        if isinstance(route, str):
+            reasons.append(route)
+            continue
+        try:
+            route.open(timeout=2.0).close()
+            return route
+        except (OSError, LinkError, ssl.SSLError) as exc:
+            where = ("another host or mount namespace, or a socket this user may not open?" if kind == "local"
+                     else "a firewall?")
+            reasons.append(f"the {route.describe()} does not answer as this server ({exc}; {where})")
+    if transport == "auto":
+        return None
+    raise errors.Unavailable(f"transport {transport!r} is not available: {'; '.join(reasons)}; use transport='auto' "
+                             "(or --transport auto) to fall back to what is")
+
+
+def _host_of(target: str) -> str | None:
+    """The host of a ``host:port`` target (``[::1]:50051`` too), None for other forms (``dns:///...``)."""
+    if "://" in target or target.startswith(("unix:", "dns:", "ipv4:", "ipv6:")):
+        return None
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        return None
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def ticket_of(metadata: Sequence[tuple[str, object]] | None) -> str | None:
+    """The ticket in a call's initial metadata (None: the call ended before it gave one)."""
+    for key, value in metadata or ():
+        if key == TICKET_KEY:
+            return str(value)
+    return None
+
+
+# -- Fetch ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Arrived:
+    """One fetched entry: its name, what its payload header says, and its tensor bytes (a view
+    of the mapped file or of the buffer received into; writable, so a tensor shares it)."""
+
+    name: str
+    info: PayloadInfo
+    data: memoryview
+
+
+def receive_fetch(link: Link, pieces: bool = False) -> Iterator[object]:
+    """The entries a Fetch sends on ``link``, as :class:`Arrived` (or, with ``pieces`` on a TCP
+    link, as :class:`~tannery.readers.TensorPiece`\\ s, so that only one piece is held)."""
+    entries = total = 0
+    while True:
+        received, fds = link.receive(expect_fds=1 if link.local else 0)
+        kind = expect(received, "end", "mapped" if link.local else "entry")
+        if kind == "end":
+            end: DataEnd = received.end
+            if end.entries != entries or end.payload_bytes != total:
+                raise LinkError(f"data connection: the server says it sent {end.entries} entries of "
+                                f"{end.payload_bytes} bytes, {entries} of {total} arrived")
+            return
+        entries += 1
+        if link.local:
+            if len(fds) != 1:
+                for fd in fds:
+                    os.close(fd)
+                raise LinkError(f"data connection: entry {received.mapped.name!r} came without its file")
+            try:
+                arrived = _mapped(received.mapped, fds[0])
+            finally:
+                os.close(fds[0])
+            total += len(received.mapped.prefix) + received.mapped.length
+            yield arrived
+        elif pieces:
+            total += received.entry.payload_bytes
+            yield from _received_pieces(link, received.entry)
+        else:
+            total += received.entry.payload_bytes
+            yield _received(link, received.entry)
+
+
+def _mapped(entry, fd: int) -> Arrived:
+    """An entry from the region of a file: mapped privately (the tensor may be written; the file
+    never is), its covering blocks checked first."""
+    what = f"entry {entry.name!r}"
+    start, stop = entry.offset, entry.offset + entry.length
+    if entry.block_crcs:
+        map_start = entry.first_block * entry.block_size
+        map_stop = min(entry.file_size, map_start + len(entry.block_crcs) // 4 * entry.block_size)
+    else:
+        map_start, map_stop = 0, stop
+    map_start -= map_start % mmap.ALLOCATIONGRANULARITY
+    if not map_start <= start <= stop <= map_stop:
+        raise LinkError(f"data connection: {what}: region [{start}, {stop}) outside the checked blocks")
+    if map_stop == map_start:
+        region = memoryview(bytearray(0))
+    else:
+        flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
+        mapped = mmap.mmap(fd, map_stop - map_start, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                           offset=map_start)
+        region = memoryview(mapped)
+        if entry.block_crcs:
+            first = entry.first_block * entry.block_size - map_start
+            bad = checksums.first_bad_block(region[first:], entry.block_size, entry.block_crcs, entry.checksum,
+                                            entry.first_block)
+            if bad is not None:
+                raise errors.DataLoss(checksums.corrupted_message(what, entry.digest, bad))
+        region = region[start - map_start : stop - map_start]
+    try:
+        if entry.prefix:
+            info = read_info(entry.prefix)
+            if info is None or info.nbytes != entry.length:
+                raise FormatError(f"a prefix for {info.nbytes if info else '?'} bytes before {entry.length}")
+            return Arrived(entry.name, info, region)
+        info = parse(region)
+    except FormatError as exc:
+        raise FormatError(f"Fetch: {what}: {exc}") from None
+    return Arrived(entry.name, info, region[info.data_offset :])
+
+
+def _receive_prefix(link: Link, size: int, name: str) -> bytearray:
+    """A payload's header, metadata and shape, read off the connection."""
+    prefix = link.receive_exactly(min(size, FIXED_PREFIX))
+    try:
+        if len(prefix) == FIXED_PREFIX and read_info(prefix) is None:
+            rank = METADATA.unpack_from(prefix, HEADER.size)[3]
+            prefix += link.receive_exactly(min(size - FIXED_PREFIX, DIM.size * rank))
+        info = read_info(prefix)
+        if info is None or info.size != size:
+            raise FormatError(f"a payload of {size} bytes whose header says "
+                              f"{info.size if info else 'too little'}")
+    except FormatError as exc:
+        raise FormatError(f"Fetch: entry {name!r}: {exc}") from None
+    return prefix
+
+
+def _received(link: Link, entry: EntryBytes) -> Arrived:
+    """A payload received in one aligned buffer, which the tensor then shares."""
+    prefix = _receive_prefix(link, entry.payload_bytes, entry.name)
+    info = read_info(prefix)
+    buffer = aligned_buffer(entry.payload_bytes, info.data_offset)
+    buffer[: len(prefix)] = prefix
+    link.receive_into(buffer[len(prefix) :])
+    return Arrived(entry.name, info, buffer[info.data_offset :])
+
+
+def _received_pieces(link: Link, entry: EntryBytes) -> Iterator[object]:
+    from .readers import TensorPiece
+
+    prefix = _receive_prefix(link, entry.payload_bytes, entry.name)
+    info = read_info(prefix)
+    offset = 0
+    if info.nbytes == 0:
+        yield TensorPiece(entry.name, info, 0, memoryview(b""), True, True)
+        return
+    while offset < info.nbytes:
+        piece = memoryview(bytearray(min(RECEIVE_PIECE, info.nbytes - offset)))
+        link.receive_into(piece)
+        yield TensorPiece(entry.name, info, offset, piece, offset == 0, offset + piece.nbytes == info.nbytes)
+        offset += piece.nbytes
+
+
+# -- Store ------------------------------------------------------------------------------------
+
+
+def send_store(link: Link, entries: Iterable[tuple[str, list]], progress: "Progress" = None) -> tuple[int, int]:
+    """Send each ``(name, payload parts)`` on ``link``, then ``end``, and wait for the server's
+    ``end``; returns the entries and payload bytes sent."""
+    count = total = 0
+    for name, parts in entries:
+        views = [memoryview(part).cast("B") for part in parts]
+        size = sum(view.nbytes for view in views)
+        link.send(frame(entry=EntryBytes(name=name, payload_bytes=size)))
+        if link.local:
+            for piece in _pieces(views, STORE_PIECE):
+                _send_sealed(link, piece, name)
+                if progress is not None:
+                    progress(sum(view.nbytes for view in piece))
+        else:
+            for view in views:
+                link.send_bytes(view)
+            if progress is not None:
+                progress(size)
+        count += 1
+        total += size
+    link.send(frame(end=DataEnd(entries=count, payload_bytes=total)))
+    answer, _ = link.receive()
+    expect(answer, "end")
+    return count, total
+
+
+def _pieces(views: list[memoryview], size: int) -> Iterator[list[memoryview]]:
+    """The views cut into consecutive lists of at most ``size`` bytes."""
+    batch: list[memoryview] = []
+    room = size
+    for view in views:
+        while view.nbytes:
+            take = view[:room]
+            batch.append(take)
+            view, room = view[take.nbytes :], room - take.nbytes
+            if not room:
+                yield batch
+                batch, room = [], size
+    if batch:
+        yield batch
+
+
+def _send_sealed(link: Link, views: list[memoryview], name: str) -> None:
+    """Write ``views`` into a new memory file, seal it against any change, and pass it on."""
+    import fcntl
+
+    size = sum(view.nbytes for view in views)
+    fd = os.memfd_create(f"tannery-store-{name[:40]}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        offset = 0
+        for view in views:
+            while view.nbytes:
+                written = os.pwrite(fd, view, offset)
+                view, offset = view[written:], offset + written
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                    fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        link.send(frame(piece=SealedPiece(size=size)), [fd])
+    finally:
+        os.close(fd)
+
+
+# -- Channels ---------------------------------------------------------------------------------
+
+
+def publish_over(link: Link, tensors: Iterable[object], progress: "Progress" = None) -> tuple[int, int]:
+    """Pass each tensor as one sealed memory file (its payload), then ``end``; wait for the
+    server's ``end``. Returns the payloads and bytes published."""
+    from . import torch as torch_codec
+    from .values import as_tensor
+
+    count = total = 0
+    for index, tensor in enumerate(tensors):
+        tensor = as_tensor(tensor, f"tensor {index}", "Client.publish")
+        views = [memoryview(part).cast("B") for part in torch_codec.serialize_parts(tensor)]
+        _send_sealed(link, views, "publish")
+        size = sum(view.nbytes for view in views)
+        count, total = count + 1, total + size
+        if progress is not None:
+            progress(size)
+    link.send(frame(end=DataEnd(entries=count, payload_bytes=total)))
+    answer, _ = link.receive()
+    expect(answer, "end")
+    return count, total
+
+
+def next_published(link: Link, reader: object) -> list:
+    """The tensors the next frame of a same-host subscription completes (a mapped payload is
+    one, acknowledged at once; pieces of a payload published over gRPC are gathered by
+    ``reader``, a :class:`~tannery.readers.PayloadReader`)."""
+    received, fds = link.receive(expect_fds=1)
+    kind = expect(received, "mapped", "entry", "abandoned")
+    if kind == "mapped":
+        if len(fds) != 1:
+            raise LinkError("data connection: a published payload came without its memory file")
+        try:
+            arrived = _mapped(received.mapped, fds[0])
+        finally:
+            os.close(fds[0])
+        link.send(frame(taken=Taken(payloads=1)))
+        return [reader.arrived(arrived)]
+    if kind == "abandoned":
+        reader.discard()
+        return []
+    return reader.feed(memoryview(link.receive_exactly(received.entry.payload_bytes)))
+
+
+def link_failure(exc: BaseException, route: Route) -> errors.ServiceError:
+    """The client's error for a data connection that broke (when the call's status says nothing more)."""
+    if isinstance(exc, PeerFailed) and exc.code == "PERMISSION_DENIED":
+        return errors.PermissionDenied(f"the server refused the data connection: {exc.message}")
+    return errors.Unavailable(f"the data connection ({route.describe()}) broke: {exc}")
+
+
+__all__ = ["Arrived", "Route", "TRANSPORTS", "check_transport", "choose", "next_published", "publish_over",
+           "receive_fetch", "send_store", "ticket_of"]

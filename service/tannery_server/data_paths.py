@@ -1,0 +1,283 @@
+"""The data paths beside gRPC: a Unix socket for clients on this host and a TCP data port.
+
+A Store or Fetch call that asks for a data path (request metadata ``tannery-transport``)
+is checked as every call is (token, names, every ask), then gets a :class:`Ticket`: one
+use, for that call only, valid for :data:`CONNECT_SECONDS`. The client presents it on a
+new data connection; the listener's handshake thread hands the connection to the call,
+which moves the bytes (:mod:`.data_transfer`) and answers with its status as usual.
+
+Listeners and handshakes run on threads of their own (blocking sockets); the transfer runs
+on the storage's worker threads. Nothing here reads a byte of a payload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import secrets
+import socket
+import ssl
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tannery.datalink import DATA_TRANSPORTS, TRANSPORT_KEY, HANDSHAKE_SECONDS, Link, LinkError, connect_unix, expect, frame, tune_tcp, unix_address
+from tannery.v1.data_pb2 import DataFailure, Welcome
+
+from .config import Config
+from .failures import Failure, Malformed, Mismatch, Unavailable
+
+log = logging.getLogger("tannery_server.data_paths")
+
+#: Seconds a call waits for its client's data connection (and its ticket stays valid).
+CONNECT_SECONDS = 30.0
+#: Handshakes in progress at once; more connections wait to be accepted.
+MAX_HANDSHAKES = 64
+
+
+class DataPathOff(Failure):
+    """A call asked for a data path this server does not offer."""
+
+    code = Mismatch.code  # FAILED_PRECONDITION: the server's settings, not the request, say no
+
+
+@dataclass
+class Ticket:
+    """What a call waiting for its data connection holds."""
+
+    secret: bytes
+    transport: str
+    expires: float
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    paths: "DataPaths" = field(repr=False)
+
+    @property
+    def hex(self) -> str:
+        return self.secret.hex()
+
+    async def connection(self, timeout: float = CONNECT_SECONDS) -> Link:
+        """The client's data connection; Unavailable when it does not come in time."""
+        try:
+            return await asyncio.wait_for(asyncio.shield(self.future), timeout)
+        except asyncio.TimeoutError:
+            raise Unavailable(f"the client did not open its {self.transport} data connection within {timeout:g} s "
+                              "(a firewall between it and the data port?); nothing was moved") from None
+        except asyncio.CancelledError:
+            if self.future.done() and not self.future.cancelled():
+                self.future.result().close()  # it came as the call was cancelled
+            raise
+        finally:
+            self.withdraw()
+
+    def withdraw(self) -> None:
+        """Forget the ticket; a connection that arrived for it meanwhile is closed."""
+        self.paths._tickets.pop(self.secret, None)
+        if not self.future.done():
+            self.future.cancel()
+
+
+class DataPaths:
+    """The Unix socket and the TCP data port of one server, and the tickets waiting on them."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.server_id = secrets.token_hex(16)
+        self.socket_path: Path | None = None
+        self.data_port = 0
+        self.tls = config.tls_cert is not None
+        self._tickets: dict[bytes, Ticket] = {}
+        self._listeners: list[socket.socket] = []
+        self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        self._ssl: ssl.SSLContext | None = _server_context(config) if self.tls else None
+        self._closed = False
+
+    # -- listening ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Bind and listen (the socket, the port), each served by an accepting thread."""
+        path = socket_path(self.config)
+        if path is not None:
+            self._listen(self._bind_unix(path), local=True)
+            self.socket_path = path
+            log.info("same-host data path on %s", path)
+        if self.config.data_port:
+            listener = _bind_tcp(self.config.host, self.config.data_port)
+            self.data_port = listener.getsockname()[1]
+            self._listen(listener, local=False)
+            log.info("data connections on %s:%d (%s)", self.config.host, self.data_port,
+                     "TLS" if self.tls else "plaintext")
+
+    def _bind_unix(self, path: Path) -> socket.socket:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists() or path.is_symlink():
+            if _answers(path):
+                raise OSError(errno.EADDRINUSE, f"cannot listen on the socket {path}: another server answers there; "
+                              "choose another with --socket or TANNERY_SOCKET (or 'off')")
+            path.unlink()  # left by a server that was killed
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            with unix_address(path) as address:
+                listener.bind(address)
+            # Any local user may connect: only the ticket of an authorized call moves data.
+            os.chmod(path, 0o666)
+        except BaseException:
+            listener.close()
+            raise
+        return listener
+
+    def _listen(self, listener: socket.socket, local: bool) -> None:
+        listener.listen(128)
+        self._listeners.append(listener)
+        kind = "unix" if local else "tcp"
+        threading.Thread(target=self._accept, args=(listener, local), name=f"tannery-data-{kind}",
+                         daemon=True).start()
+
+    def _accept(self, listener: socket.socket, local: bool) -> None:
+        while not self._closed:
+            try:
+                sock, _ = listener.accept()
+            except OSError:
+                if self._closed:
+                    return
+                time.sleep(0.05)  # EMFILE and the like: let descriptors come back
+                continue
+            self._handshakes.acquire()
+            threading.Thread(target=self._handshake, args=(sock, local), name="tannery-data-handshake",
+                             daemon=True).start()
+
+    def _handshake(self, sock: socket.socket, local: bool) -> None:
+        """Welcome, hello, ticket: hand the connection to its call, or close it."""
+        handed = False
+        try:
+            sock.settimeout(HANDSHAKE_SECONDS)
+            if not local:
+                tune_tcp(sock)
+                if self._ssl is not None:
+                    sock = self._ssl.wrap_socket(sock, server_side=True)
+            link = Link(sock, local)
+            link.send(frame(welcome=Welcome(server_id=self.server_id)))
+            hello, _ = link.receive()
+            expect(hello, "hello")
+            problem = self._take(hello.hello.ticket, "local" if local else "tcp")
+            if isinstance(problem, str):
+                link.send(frame(failure=DataFailure(code="PERMISSION_DENIED", message=problem)))
+                return
+            sock.settimeout(None)
+            problem.loop.call_soon_threadsafe(_deliver, problem.future, link)
+            handed = True
+        except (OSError, LinkError, ssl.SSLError) as exc:
+            log.debug("data connection refused at its handshake: %s", exc)
+        finally:
+            if not handed:
+                sock.close()
+            self._handshakes.release()
+
+    def _take(self, secret: bytes, transport: str) -> "Ticket | str":
+        """The ticket presented (now used up), or why it is refused."""
+        ticket = self._tickets.pop(secret, None)
+        if ticket is None:
+            return "unknown ticket: it was used already, has expired, or its call has ended"
+        if ticket.transport != transport:
+            return f"a ticket for the {ticket.transport} data path, presented on the {transport} one"
+        if time.monotonic() > ticket.expires:
+            return "the ticket has expired"
+        return ticket
+
+    # -- tickets --------------------------------------------------------------------------
+
+    def offers(self, transport: str) -> bool:
+        return self.socket_path is not None if transport == "local" else self.data_port != 0
+
+    def require(self, transport: str) -> None:
+        """DataPathOff unless this server offers ``transport``."""
+        if not self.offers(transport):
+            setting = "--socket / TANNERY_SOCKET is off" if transport == "local" else "--data-port / TANNERY_DATA_PORT is 0"
+            raise DataPathOff(f"this server offers no {transport} data path ({setting}): ask for transport 'auto' "
+                              "or 'grpc'")
+
+    def ticket(self, transport: str) -> Ticket:
+        """A new ticket for a call that asked for ``transport``; DataPathOff when it is off."""
+        self.require(transport)
+        loop = asyncio.get_running_loop()
+        secret = secrets.token_bytes(16)
+        ticket = Ticket(secret, transport, time.monotonic() + CONNECT_SECONDS, loop.create_future(), loop, self)
+        self._tickets[secret] = ticket
+        return ticket
+
+    def close(self) -> None:
+        """Stop listening; remove the socket file."""
+        self._closed = True
+        for listener in self._listeners:
+            try:
+                listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            listener.close()
+        self._listeners = []
+        for ticket in list(self._tickets.values()):
+            ticket.loop.call_soon_threadsafe(ticket.withdraw)
+        if self.socket_path is not None:
+            try:
+                self.socket_path.unlink()
+            except FileNotFoundError:
+                pass
+
+
+def requested_transport(context) -> str | None:
+    """The data path a call's metadata asks for, None for the gRPC stream; Malformed for an unknown one."""
+    for key, value in context.invocation_metadata() or ():
+        if key == TRANSPORT_KEY:
+            if value not in DATA_TRANSPORTS:
+                raise Malformed(f"{TRANSPORT_KEY} {value!r} is not one of {', '.join(DATA_TRANSPORTS)} (leave it out "
+                                "for the gRPC stream)")
+            return value
+    return None
+
+
+def _deliver(future: asyncio.Future, link: Link) -> None:
+    if future.done():  # the call gave up meanwhile
+        link.close()
+    else:
+        future.set_result(link)
+
+
+def socket_path(config: Config) -> Path | None:
+    """Where the same-host socket goes: ``config.socket`` ("off": none; empty: in the data directory)."""
+    if config.socket.strip().lower() == "off":
+        return None
+    return Path(config.socket) if config.socket else config.data_dir / "tannery.sock"
+
+
+def _answers(path: Path) -> bool:
+    try:
+        connect_unix(path, timeout=1.0).close()
+    except OSError:
+        return False
+    return True
+
+
+def _bind_tcp(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+    except OSError as exc:
+        listener.close()
+        raise OSError(exc.errno, f"cannot listen for data connections on {host}:{port}: {exc.strerror or exc} "
+                      "(choose another port with --data-port or TANNERY_DATA_PORT, or 0 for none)") from None
+    return listener
+
+
+def _server_context(config: Config) -> ssl.SSLContext:
+    """The TLS of the data port: the gRPC port's certificate, key and client CA."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(config.tls_cert, config.tls_key)
+    if config.tls_client_ca is not None:
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(cafile=config.tls_client_ca)
+    return context

@@ -1,0 +1,267 @@
+"""The bytes of a Store or Fetch on a data connection (worker threads; blocking sockets).
+
+Fetch, same host (``local``): each entry is a file descriptor and a region of it. A stored
+payload, whole or a row range, is its blob file itself: the client maps it and checks
+the blocks that cover the region against the checksums sent with it before it hands out
+a tensor. What the server computes (a cast, bool rows) goes into a memory file, filled
+from blocks checked here.
+
+Fetch over TCP: each entry is an ``entry`` frame and its payload's raw bytes, sent from
+the blob file with ``sendfile`` after each batch of blocks is checked; a block that fails
+its check breaks the connection (the call ends DATA_LOSS naming it), so no client ever
+holds a corrupted tensor.
+
+Store: the payloads' bytes come as raw bytes after ``entry`` frames (TCP) or as sealed
+memory files (``piece`` frames, same host), and go through the same
+:class:`~.store_session.StoreSession` as gRPC messages do: checked header, limits, hashes,
+temporary blob, commit only on the gRPC call's ``commit``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+from collections import deque
+from typing import Iterator, Sequence
+
+from tannery.codec import read_info
+from tannery.datalink import Link, LinkError, expect, frame
+from tannery.v1.data_pb2 import DataEnd, DataFailure, EntryBytes, MappedEntry
+from tannery.wire import StoreMessage
+
+from .failures import DataLoss, Failure, Malformed
+from .fetching import Plan, _cast, _read_blocks, _shift_bits
+from .storage import BlobInfo, Storage
+from .storage.integrity import check_block
+from .store_session import StoreSession
+
+#: Blocks checked before each ``sendfile`` of a TCP Fetch.
+SEND_BATCH_BLOCKS = 8
+#: Bytes a TCP Store receives at a time (two such buffers alternate: one is hashed while
+#: the other fills).
+RECEIVE_WINDOW = 4 << 20
+#: A sealed memory file of a local Store must not change, shrink or grow under the server.
+_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+
+
+def fail(link: Link, failure: BaseException) -> None:
+    """Tell the peer why the transfer stops, then break the connection. Best effort and never
+    blocking (the call's status says it too): a peer whose buffer is full misses the frame."""
+    if isinstance(failure, Failure):
+        try:
+            link.sock.settimeout(0.0)
+            link.send(frame(failure=DataFailure(code=failure.code.name, message=str(failure))))
+        except OSError:
+            pass
+    link.abort()
+
+
+# -- Fetch ------------------------------------------------------------------------------------
+
+
+def send_fetch(link: Link, storage: Storage, plans: Sequence[Plan]) -> int:
+    """Send every planned entry, then ``end``; the payload bytes sent."""
+    total = 0
+    for plan in plans:
+        what = f"entry {plan.entry.name!r}"
+        try:
+            blob = storage.open_blob(plan.entry.digest)
+        except FileNotFoundError:
+            raise DataLoss(f"{what}: stored blob {plan.entry.digest} is missing") from None
+        try:
+            if blob.size != plan.entry.payload_bytes:
+                raise DataLoss(f"{what}: stored blob {plan.entry.digest} has {blob.size} bytes, "
+                               f"{plan.entry.payload_bytes} were stored")
+            info = plan.blob or storage.catalog.blob(plan.entry.digest)
+            if info is None:
+                raise DataLoss(f"{what}: stored blob {plan.entry.digest} has no checksums in the catalog")
+            send = _send_mapped if link.local else _send_bytes
+            total += send(link, blob, info, plan, what)
+        finally:
+            blob.close()
+    link.send(frame(end=DataEnd(entries=len(plans), payload_bytes=total)))
+    return total
+
+
+def _as_stored(plan: Plan) -> bool:
+    """Whether the entry's bytes are a region of its blob as stored (no cast, no bit shifting)."""
+    return plan.target is None and (plan.prefix is None or not plan.source.is_bool)
+
+
+def _send_mapped(link: Link, blob, info: BlobInfo, plan: Plan, what: str) -> int:
+    """One entry as a descriptor: its blob file (a region of it), or a memory file the server filled."""
+    if _as_stored(plan):
+        first = plan.start // info.block_size
+        last = max(first, -(-plan.stop // info.block_size))
+        entry = MappedEntry(
+            name=plan.entry.name, prefix=plan.prefix or b"", offset=plan.start, length=plan.stop - plan.start,
+            digest=info.digest, file_size=info.size, block_size=info.block_size, first_block=first,
+            block_crcs=info.block_crcs[4 * first : 4 * last], checksum=getattr(info, "checksum", "crc32"),
+        )
+        link.send(frame(mapped=entry), [blob.fileno()])
+        return len(entry.prefix) + entry.length
+    memory = os.memfd_create(f"tannery-{plan.entry.digest[:12]}", os.MFD_CLOEXEC)
+    try:
+        size = 0
+        for piece in _computed(blob, info, plan, what):
+            size += piece.nbytes
+            while piece.nbytes:
+                piece = piece[os.write(memory, piece):]
+        link.send(frame(mapped=MappedEntry(name=plan.entry.name, offset=0, length=size, digest=info.digest,
+                                           file_size=size)), [memory])
+        return size
+    finally:
+        os.close(memory)
+
+
+def _computed(blob, info: BlobInfo, plan: Plan, what: str) -> Iterator[memoryview]:
+    """The payload of a cast or of bool rows: its prefix, then bytes made from checked blocks."""
+    yield memoryview(plan.prefix)
+    pieces = _read_blocks(blob, info, plan.start, plan.stop, what)
+    if plan.source.is_bool and plan.blob is not None:
+        pieces = _shift_bits(pieces, plan.skip_bits, plan.send_bits)
+    elif plan.target is not None:
+        pieces = _cast(pieces, plan.source, plan.target, 4 << 20)
+    yield from pieces
+
+
+def _send_bytes(link: Link, blob, info: BlobInfo, plan: Plan, what: str) -> int:
+    """One entry as an ``entry`` frame and its payload's bytes."""
+    if plan.prefix is None:  # the whole payload as stored: from the file, each batch checked first
+        link.send(frame(entry=EntryBytes(name=plan.entry.name, payload_bytes=info.size)))
+        _send_checked(link, blob, info, 0, info.size, what)
+        return info.size
+    size = read_info(plan.prefix).size
+    link.send(frame(entry=EntryBytes(name=plan.entry.name, payload_bytes=size)))
+    if _as_stored(plan):  # rows: a new prefix, then a region of the file
+        link.send_bytes(plan.prefix)
+        _send_checked(link, blob, info, plan.start, plan.stop, what)
+        return size
+    sent = 0
+    for piece in _computed(blob, info, plan, what):
+        link.send_bytes(piece)
+        sent += piece.nbytes
+    if sent != size:
+        raise AssertionError(f"{what}: {sent} bytes made for a payload of {size}")
+    return size
+
+
+def _send_checked(link: Link, blob, info: BlobInfo, start: int, stop: int, what: str) -> None:
+    """Bytes [start, stop) of the blob, each batch of covering blocks checked before it is sent."""
+    if start == stop:
+        return
+    block = info.block_size
+    with mmap.mmap(blob.fileno(), info.size, prot=mmap.PROT_READ) as mapped:
+        view = memoryview(mapped)
+        try:
+            first, end = start // block, -(-stop // block)
+            for batch in range(first, end, SEND_BATCH_BLOCKS):
+                last = min(end, batch + SEND_BATCH_BLOCKS)
+                for index in range(batch, last):
+                    check_block(what, info, index, view[index * block : min((index + 1) * block, info.size)])
+                lo, hi = max(start, batch * block), min(stop, last * block)
+                link.send_file(blob.fileno(), lo, hi - lo)
+        finally:
+            view.release()
+
+
+# -- Store ------------------------------------------------------------------------------------
+
+
+def receive_store(link: Link, session: StoreSession) -> None:
+    """Feed the session every entry the client sends, until its ``end`` (answered by ours)."""
+    entries = 0
+    window = _Window(link.local)
+    while True:
+        received, fds = link.receive(expect_fds=1 if link.local else 0)
+        kind = expect(received, "entry", "end", "piece")
+        if kind == "end":
+            _close_all(fds)
+            end = received.end
+            if end.entries != entries or end.payload_bytes != session.bytes_received:
+                raise Malformed(f"the data connection's end says {end.entries} entries of {end.payload_bytes} "
+                                f"payload bytes were sent, but {entries} entries of {session.bytes_received} "
+                                "bytes arrived: nothing was stored")
+            link.send(frame(end=DataEnd(entries=entries, payload_bytes=session.bytes_received)))
+            return
+        if kind == "piece":
+            _close_all(fds)
+            raise Malformed("a piece before any entry on the data connection")
+        entries += 1
+        entry = received.entry
+        session.feed(StoreMessage(None, entry.name, memoryview(b""), 0))
+        if link.local:
+            _receive_pieces(link, session, entry, window)
+        else:
+            _receive_bytes(link, session, entry, window)
+
+
+class _Window:
+    """The last two pieces fed to a session, kept alive while their hashing may run."""
+
+    def __init__(self, local: bool) -> None:
+        self.buffers = deque(maxlen=2)
+        if not local:
+            self.buffers.extend(memoryview(bytearray(RECEIVE_WINDOW)) for _ in range(2))
+
+    def next_buffer(self) -> memoryview:
+        buffer = self.buffers.popleft()
+        self.buffers.append(buffer)
+        return buffer
+
+    def keep(self, piece) -> None:
+        self.buffers.append(piece)
+
+
+def _receive_bytes(link: Link, session: StoreSession, entry: EntryBytes, window: _Window) -> None:
+    left = entry.payload_bytes
+    while left:
+        buffer = window.next_buffer()[: min(RECEIVE_WINDOW, left)]
+        link.receive_into(buffer)
+        session.feed(StoreMessage(None, "", buffer, buffer.nbytes))
+        left -= buffer.nbytes
+
+
+def _receive_pieces(link: Link, session: StoreSession, entry: EntryBytes, window: _Window) -> None:
+    left = entry.payload_bytes
+    while left:
+        received, fds = link.receive(expect_fds=1)
+        expect(received, "piece")
+        if len(fds) != 1:
+            _close_all(fds)
+            raise Malformed(f"entry {entry.name!r}: a piece came without its memory file")
+        size = received.piece.size
+        try:
+            mapped = _sealed_map(fds[0], size, entry.name)
+        finally:
+            os.close(fds[0])
+        if size > left:
+            raise Malformed(f"entry {entry.name!r}: pieces of more than the {entry.payload_bytes} bytes announced")
+        view = memoryview(mapped)
+        window.keep(view)
+        session.feed(StoreMessage(None, "", view, size))
+        left -= size
+
+
+def _sealed_map(fd: int, size: int, name: str) -> mmap.mmap:
+    """A read-only map of a memory file the client can no longer change; Malformed otherwise."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = 0
+    if seals & _SEALS != _SEALS:
+        raise Malformed(f"entry {name!r}: a piece's memory file is not sealed against writes and resizing "
+                        "(F_SEAL_WRITE, F_SEAL_SHRINK, F_SEAL_GROW)")
+    actual = os.fstat(fd).st_size
+    if actual != size or size == 0:
+        raise Malformed(f"entry {name!r}: a piece of {size} bytes in a memory file of {actual}")
+    return mmap.mmap(fd, size, prot=mmap.PROT_READ)
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+__all__ = ["LinkError", "fail", "receive_store", "send_fetch"]
