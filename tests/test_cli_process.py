@@ -11,6 +11,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -38,15 +39,22 @@ def spawn(*argv: str) -> subprocess.Popen:
 
 
 def _read_line(stream, timeout: float = 60) -> str:
-    ready, _, _ = select.select([stream], [], [], timeout)
-    assert ready, "no line in time"
-    return stream.readline()
+    """The next line of ``stream`` within ``timeout`` seconds. A thread reads it: ``select`` on
+    the pipe misses a line the text wrapper already holds (two lines written together are read
+    in one go), and waited for the next write, or 60 s."""
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(stream.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    assert got, "no line in time"
+    return got[0]
 
 
 # Blocks the client extra (torch, safetensors, rich: what the server image lacks) from being
 # imported, then runs the command.
 _WITHOUT_TORCH = """
 import sys
+import threading
 for name in ("torch", "safetensors", "rich"):
     sys.modules[name] = None  # any import of it now raises ImportError
 from tannery.cli import main

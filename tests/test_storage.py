@@ -8,6 +8,7 @@ import struct
 import zlib
 from pathlib import Path
 
+import crc32c
 import pytest
 
 from tannery_server.failures import LimitExceeded, Malformed, Missing, NameTaken
@@ -18,17 +19,19 @@ from tannery_server.storage.sqlite_catalog import SqliteCatalog
 LIMITS = ArchiveLimits(max_entries=1000, max_name_bytes=64)
 
 
-def test_payload_digest_matches_sha256_and_block_crcs_for_any_piece_sizes():
+@pytest.mark.parametrize("algorithm, reference", [("crc32c", crc32c.crc32c), ("crc32", zlib.crc32)])
+def test_payload_digest_matches_sha256_and_block_crcs_for_any_piece_sizes(algorithm, reference):
     data = os.urandom(3 * 1000 + 17)
-    digest = PayloadDigest(block_size=1000)
+    digest = PayloadDigest(block_size=1000, **({} if algorithm == "crc32c" else {"algorithm": algorithm}))
     for start, stop in ((0, 1), (1, 999), (999, 2500), (2500, 2500), (2500, len(data))):
         digest.update(memoryview(data)[start:stop])
     blob = digest.finish()
     assert blob.digest == hashlib.sha256(data).hexdigest()
     assert blob.size == len(data)
     assert blob.blocks == 4
+    assert blob.checksum == algorithm
     for index in range(4):
-        assert blob.crc(index) == zlib.crc32(data[index * 1000 : (index + 1) * 1000])
+        assert blob.crc(index) == reference(data[index * 1000 : (index + 1) * 1000])
 
 
 def _store(storage: Storage, name: str, payloads: dict[str, bytes], replace: bool = False):

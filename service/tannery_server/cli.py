@@ -77,7 +77,7 @@ def build_parser(prog: str = "tannery") -> argparse.ArgumentParser:
         "scrub",
         help="check every stored blob against its SHA-256 (server stopped)",
         description="Re-read every blob an archive references and compare its SHA-256 with its name. Fetch "
-        "checks the cheaper per-block CRC-32s as it serves; this is the full check, for after a disk "
+        "checks the cheaper per-block CRC-32Cs as it serves; this is the full check, for after a disk "
         "incident or on a schedule. It takes the data directory's lock, so run it while the server is "
         "stopped. Exit status 0 when every blob matches, 1 otherwise (each bad blob is listed with the "
         "archive entries that use it).",
@@ -108,13 +108,13 @@ def main(argv: Sequence[str] | None = None, prog: str = "tannery") -> int:
         from . import app
         from .auth import TokenError
         from .calllog import configure_logging
-        from .storage import DataDirectoryInUse
+        from .storage import CatalogTooNew, DataDirectoryInUse
         from .tls import TLSError
 
         configure_logging(config.log_format)
         try:
             app.run(config)
-        except (DataDirectoryInUse, TokenError, TLSError) as exc:
+        except (CatalogTooNew, DataDirectoryInUse, TokenError, TLSError) as exc:
             print(f"tannery serve: {exc}", file=sys.stderr)
             return 1
         except OSError as exc:  # an address in use, for the gRPC or the metrics port
@@ -127,7 +127,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "tannery") -> int:
 
 def scrub(data_dir: Path) -> int:
     """``tannery scrub``: every referenced blob re-hashed; 0 when all match, 1 otherwise."""
-    from .storage import DataDirectoryInUse, Storage
+    from .storage import CatalogTooNew, DataDirectoryInUse, Storage
 
     if not (data_dir / "catalog.sqlite3").is_file():
         print(f"tannery scrub: {data_dir}: no tannery data directory (no catalog.sqlite3)", file=sys.stderr)
@@ -136,6 +136,9 @@ def scrub(data_dir: Path) -> int:
         storage = Storage.open_local(data_dir)
     except DataDirectoryInUse as exc:
         print(f"tannery scrub: {exc}; stop the server first", file=sys.stderr)
+        return 1
+    except CatalogTooNew as exc:
+        print(f"tannery scrub: {exc}", file=sys.stderr)
         return 1
     try:
         checked = len(storage.catalog.referenced_digests())

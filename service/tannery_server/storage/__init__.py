@@ -8,6 +8,7 @@ from .catalog_and_blobs import Collected, Storage
 from .errors import StorageFull, StorageUnavailable
 from .lock import DataDirectoryInUse, DataDirectoryLock
 from .payload_writer import PayloadWriter
+from .sqlite_catalog import CatalogTooNew
 
 __all__ = [
     "ArchiveRecord",
@@ -15,6 +16,7 @@ __all__ = [
     "BlobInfo",
     "BlobStore",
     "Catalog",
+    "CatalogTooNew",
     "CatalogTotals",
     "Collected",
     "DataDirectoryInUse",

@@ -17,16 +17,19 @@ from tannery.names import join
 
 @dataclass(frozen=True)
 class BlobInfo:
-    """One stored payload: its SHA-256, its size, and a CRC-32 for each block of it.
+    """One stored payload: its SHA-256, its size, and a 32-bit checksum for each block of it.
 
     The block checksums let a row range be verified by reading only the blocks that
-    cover it, instead of hashing the whole blob.
+    cover it, instead of hashing the whole blob. ``checksum`` names their algorithm
+    (:mod:`tannery.checksums`): CRC-32C for new blobs, zlib's CRC-32 for those stored
+    before it.
     """
 
     digest: str
     size: int
     block_size: int
     block_crcs: bytes  # little-endian uint32, one per block
+    checksum: str = "crc32c"
 
     def crc(self, block: int) -> int:
         return struct.unpack_from("<I", self.block_crcs, 4 * block)[0]

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from .catalog_and_blobs import Storage
 
 
-#: Hashes pieces of payloads while their bytes are written (hashlib and zlib release the
+#: Hashes pieces of payloads while their bytes are written (hashlib and the CRCs release the
 #: GIL, so hashing one piece overlaps writing it and receiving the next).
 _HASHING = ThreadPoolExecutor(max(2, os.cpu_count() or 2), thread_name_prefix="tannery-hash")
 #: Pieces smaller than this are hashed inline: a thread hand-off would cost more.

@@ -2,7 +2,9 @@
 
 WAL lets readers go on while a writer commits; every write is one ``BEGIN IMMEDIATE``
 transaction on a single writer connection, and each reading thread has its own
-connection. ``synchronous=FULL`` makes a commit durable when it returns.
+connection. ``synchronous=FULL`` makes a commit durable when it returns. The schema is
+versioned (``PRAGMA user_version``, :data:`SCHEMA_VERSION`): a catalog of an older version
+is migrated (:data:`MIGRATIONS`) when it is opened, in one transaction.
 """
 
 from __future__ import annotations
@@ -16,22 +18,24 @@ from typing import Iterable, Sequence
 from ..failures import LimitExceeded, Malformed, Missing, NameTaken
 from .base import ArchiveRecord, BlobInfo, CatalogTotals, EntryRecord, ArchiveLimits
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS archives (
+#: The first schema (version 0, before versions were kept): its block checksums are all
+#: zlib CRC-32s.
+SCHEMA_V0 = (
+    """CREATE TABLE IF NOT EXISTS archives (
     id INTEGER PRIMARY KEY,
     name TEXT NOT NULL UNIQUE,
     created_ns INTEGER NOT NULL,
     entries INTEGER NOT NULL,
     nbytes INTEGER NOT NULL,
     payload_bytes INTEGER NOT NULL
-);
-CREATE TABLE IF NOT EXISTS blobs (
+)""",
+    """CREATE TABLE IF NOT EXISTS blobs (
     digest TEXT PRIMARY KEY,
     size INTEGER NOT NULL,
     block_size INTEGER NOT NULL,
     block_crcs BLOB NOT NULL
-) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS entries (
+) WITHOUT ROWID""",
+    """CREATE TABLE IF NOT EXISTS entries (
     archive_id INTEGER NOT NULL REFERENCES archives(id) ON DELETE CASCADE,
     name TEXT NOT NULL,
     dtype TEXT NOT NULL,
@@ -41,12 +45,67 @@ CREATE TABLE IF NOT EXISTS entries (
     data_offset INTEGER NOT NULL,
     digest TEXT NOT NULL REFERENCES blobs(digest),
     PRIMARY KEY (archive_id, name)
-) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS entries_by_digest ON entries(digest);
-"""
+) WITHOUT ROWID""",
+    "CREATE INDEX IF NOT EXISTS entries_by_digest ON entries(digest)",
+)
+
+
+def _to_version_1(conn: sqlite3.Connection) -> None:
+    """``blobs.checksum``: the algorithm of a blob's block checksums (:mod:`tannery.checksums`).
+    The rows already there get ``'crc32'``, what they were computed with. (A new file gets the
+    first schema here first.)"""
+    for statement in SCHEMA_V0:
+        conn.execute(statement)
+    columns = {row[1] for row in conn.execute("PRAGMA table_info(blobs)")}
+    if "checksum" not in columns:
+        conn.execute("ALTER TABLE blobs ADD COLUMN checksum TEXT NOT NULL DEFAULT 'crc32'")
+
+
+#: The steps of the schema, in order: ``MIGRATIONS[n]`` brings version ``n`` to ``n + 1``. Each
+#: may be run again on a catalog it has already changed.
+MIGRATIONS = (_to_version_1,)
+#: The schema's version (``PRAGMA user_version``) this code reads and writes.
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+class CatalogTooNew(RuntimeError):
+    """The catalog was written by a newer tannery (its schema version is above :data:`SCHEMA_VERSION`)."""
+
+
+def _schema_version(conn: sqlite3.Connection) -> int:
+    return conn.execute("PRAGMA user_version").fetchone()[0]
+
+
+def _migrate(conn: sqlite3.Connection, path: Path) -> None:
+    """Bring the catalog to :data:`SCHEMA_VERSION`, every step and the new version in one
+    transaction: a failure (a full disk) leaves it as it was, to migrate at the next open."""
+    version = _schema_version(conn)
+    if version == len(MIGRATIONS):
+        return  # the common case writes nothing (a full disk still opens its catalog)
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        version = _schema_version(conn)  # as of this transaction
+        if version > len(MIGRATIONS):
+            raise CatalogTooNew(
+                f"{path}: catalog schema version {version} is newer than this tannery's ({len(MIGRATIONS)}): "
+                "run a newer tannery"
+            )
+        for step in MIGRATIONS[version:]:
+            step(conn)
+        conn.execute(f"PRAGMA user_version = {len(MIGRATIONS)}")
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            try:
+                conn.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+        raise
+
 
 _ENTRY_COLUMNS = "e.name, e.dtype, e.shape, e.nbytes, e.payload_bytes, e.data_offset, e.digest"
 _ARCHIVE_COLUMNS = "name, entries, nbytes, payload_bytes, created_ns"
+_BLOB_COLUMNS = "digest, size, block_size, block_crcs, checksum"
 #: Archives being built carry this prefix until their transaction renames them (a user's
 #: name never starts with a control character).
 _BUILDING = "\x00building:"
@@ -70,7 +129,7 @@ class SqliteCatalog:
             # Statement journals (a Delete's cascade keeps one) in memory, not in a temporary
             # file that a full disk (or a full /tmp) would refuse.
             self._writer.execute("PRAGMA temp_store=MEMORY")
-            self._writer.executescript(SCHEMA)
+            _migrate(self._writer, self.path)
         except BaseException:
             self._writer.close()  # a catalog that does not open (a full disk) leaves no connection
             raise
@@ -153,7 +212,7 @@ class SqliteCatalog:
 
     def blob(self, digest: str) -> BlobInfo | None:
         row = self._reader().execute(
-            "SELECT digest, size, block_size, block_crcs FROM blobs WHERE digest = ?", (digest,)
+            f"SELECT {_BLOB_COLUMNS} FROM blobs WHERE digest = ?", (digest,)
         ).fetchone()
         return BlobInfo(*row) if row else None
 
@@ -182,7 +241,7 @@ class SqliteCatalog:
         out = []
         for digest in dict.fromkeys(digests):
             row = conn.execute(
-                "SELECT digest, size, block_size, block_crcs FROM blobs b WHERE digest = ? "
+                f"SELECT {_BLOB_COLUMNS} FROM blobs b WHERE digest = ? "
                 "AND NOT EXISTS (SELECT 1 FROM entries e WHERE e.digest = b.digest)",
                 (digest,),
             ).fetchone()
@@ -236,8 +295,8 @@ class SqliteCatalog:
         with self._transaction() as conn:
             archive_id = self._begin_archive(conn, name, replace, created_ns)
             conn.executemany(
-                "INSERT OR IGNORE INTO blobs (digest, size, block_size, block_crcs) VALUES (?, ?, ?, ?)",
-                ((b.digest, b.size, b.block_size, b.block_crcs) for b in blobs),
+                f"INSERT OR IGNORE INTO blobs ({_BLOB_COLUMNS}) VALUES (?, ?, ?, ?, ?)",
+                ((b.digest, b.size, b.block_size, b.block_crcs, b.checksum) for b in blobs),
             )
             conn.executemany(
                 "INSERT INTO entries (archive_id, name, dtype, shape, nbytes, payload_bytes, data_offset, digest) "
