@@ -110,8 +110,9 @@ def test_the_metrics_port_is_not_prometheus_nor_an_exporter_default():
 
 def test_the_docker_files_use_the_default_metrics_port():
     dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
-    assert re.search(r"^EXPOSE 50051 20051$", dockerfile, re.M)
+    assert re.search(r"^EXPOSE 50051 50052 20051$", dockerfile, re.M)  # gRPC, the data port, metrics
     assert "TANNERY_METRICS_PORT=20051" in dockerfile
+    assert f"TANNERY_DATA_PORT={Config().data_port}" in dockerfile
     assert '"20051:20051"' in (ROOT / "docker" / "compose.yaml").read_text()
     for name in ("Dockerfile", "compose.yaml", "smoke-test.sh"):
         assert "9090" not in (ROOT / "docker" / name).read_text().replace("not 9090", ""), name

@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 
 #: Bytes of one sealed memory file of a local Store (the server hashes one while the next fills).
 STORE_PIECE = 32 << 20
+#: Bytes sent between two reports to a Store's ``progress`` (a bar moves, and shows a rate).
+PROGRESS_STEP = 1 << 20
 #: Bytes of one piece of a TCP Fetch read as pieces (``fetch_pieces``): only these are held.
 RECEIVE_PIECE = 4 << 20
 #: Seconds to wait for a call's status after its data connection broke.
@@ -311,14 +313,13 @@ def send_store(link: Link, entries: Iterable[tuple[str, list]], progress: "Progr
         link.send(frame(entry=EntryBytes(name=name, payload_bytes=size)))
         if link.local:
             for piece in _pieces(views, STORE_PIECE):
-                _send_sealed(link, piece, name)
-                if progress is not None:
-                    progress(sum(view.nbytes for view in piece))
+                _send_sealed(link, piece, name, progress)
         else:
-            for view in views:
-                link.send_bytes(view)
-            if progress is not None:
-                progress(size)
+            for step in _pieces(views, PROGRESS_STEP):
+                for view in step:
+                    link.send_bytes(view)
+                if progress is not None:
+                    progress(sum(view.nbytes for view in step))
         count += 1
         total += size
     link.send(frame(end=DataEnd(entries=count, payload_bytes=total)))
@@ -343,8 +344,9 @@ def _pieces(views: list[memoryview], size: int) -> Iterator[list[memoryview]]:
         yield batch
 
 
-def _send_sealed(link: Link, views: list[memoryview], name: str) -> None:
-    """Write ``views`` into a new memory file, seal it against any change, and pass it on."""
+def _send_sealed(link: Link, views: list[memoryview], name: str, progress: "Progress" = None) -> None:
+    """Write ``views`` into a new memory file, seal it against any change, and pass it on
+    (``progress`` hears of every :data:`PROGRESS_STEP` written)."""
     import fcntl
 
     size = sum(view.nbytes for view in views)
@@ -354,8 +356,10 @@ def _send_sealed(link: Link, views: list[memoryview], name: str) -> None:
         offset = 0
         for view in views:
             while view.nbytes:
-                written = os.pwrite(fd, view, offset)
+                written = os.pwrite(fd, view[:PROGRESS_STEP], offset)
                 view, offset = view[written:], offset + written
+                if progress is not None:
+                    progress(written)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
                     fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
         link.send(frame(piece=SealedPiece(size=size)), [fd])
