@@ -77,7 +77,7 @@ class Client:
     is sent as ``authorization: Bearer <token>`` on every call (``TANNERY_TOKEN``); ``tls``
     is None (insecure unless ``TANNERY_TLS_*`` say otherwise), False (insecure), True
     (the system's roots) or a :class:`tannery.TLS`. ``chunk_size`` is the bytes of tensor
-    data per message sent (3 MiB); ``timeout`` the seconds any one call may take (no limit
+    data per message sent (1 MiB); ``timeout`` the seconds any one call may take (no limit
     by default; subscriptions are never limited).
     """
 

@@ -24,11 +24,11 @@ import grpc
 from . import errors
 
 DEFAULT_TARGET = "localhost:50051"
-#: Bytes of payload per message, the most a message may carry and stay under gRPC's default
-#: 4 MiB limit: gRPC's and tannery's costs per message are paid a third as often as with 1 MiB
-#: chunks (docs/benchmarks.md).
+#: Bytes of payload per message sent (Store, Publish). 1 MiB, not the 3 MiB the server sends:
+#: grpcio's cost per byte received grows with the message, and here the server receives.
+DEFAULT_CHUNK_SIZE = 1 << 20
+#: The most a message may carry and stay under gRPC's default 4 MiB limit.
 MAX_CHUNK_SIZE = 3 << 20
-DEFAULT_CHUNK_SIZE = MAX_CHUNK_SIZE
 #: Trailing metadata the server adds to say which kind of refusal a status is.
 ERROR_KIND = "tannery-error"
 

@@ -17,7 +17,7 @@ _FLAGS = [
              "in use by another process stops the start"),
     ("data_dir", "directory of the catalog (catalog.sqlite3), blobs and the space reserve (reserve, see "
                  "--reserve-bytes); one server per directory"),
-    ("chunk_size", "bytes of tensor data per gRPC message, both ways (4096..3MiB)"),
+    ("chunk_size", "bytes of tensor data per gRPC message the server sends (4096..3MiB)"),
     ("max_payload_bytes", "largest payload one entry may have, header included; larger ones are refused "
                           "(RESOURCE_EXHAUSTED) before any byte is stored"),
     ("max_rank", "largest rank of a stored tensor"),

@@ -23,8 +23,8 @@ class Config:
     host: str = "127.0.0.1"
     port: int = 50051
     data_dir: Path = Path("./tannery-data")
-    #: Bytes of tensor data per gRPC message, both ways: the most that keeps a message under
-    #: gRPC's 4 MiB default (fewer messages, less work per byte; docs/benchmarks.md).
+    #: Bytes of tensor data per message the server sends (Fetch, Subscribe): the most that keeps
+    #: a message under gRPC's 4 MiB default, for the least work per byte sent (docs/benchmarks.md).
     chunk_size: int = 3 * MiB
     #: Largest payload (header included) an archive entry may have.
     max_payload_bytes: int = 256 * GiB

@@ -1,11 +1,11 @@
 """Transport: one float32 tensor uploaded to a server on loopback and downloaded back.
 
-Competitors (every server a subprocess, every client in this process; 1 MiB messages but
-for tannery, which sends its default chunk size, 3 MiB, both ways):
+Competitors (every server a subprocess, every client in this process, 1 MiB messages but
+tannery's Fetch, which the server sends in chunks of its default size, 3 MiB):
 
 - the raw grpcio ceiling: bytes messages through a bare generic handler, no work on
-  either side (the baseline of every ratio), and the same with tannery's 3 MiB messages
-  (what grpcio gains from larger messages alone);
+  either side (the baseline of every ratio), and the same with 3 MiB messages (what
+  tannery's Fetch compares with message for message);
 - the ceiling plus what a store must do with the bytes: written to a file and fsynced
   (upload), read from a file in the page cache with ``pread`` (download);
 - tannery Store/Fetch with pre-built request bytes and raw response bytes: the server's
@@ -33,7 +33,7 @@ from .harness import (GiB, MiB, CaseResult, Options, Subprocess, Table, alternat
                       free_memory, scratch, tannery_server)
 
 CEILING = "raw grpcio ceiling"
-CEILING_LARGE = f"raw grpcio ceiling, {clients.TANNERY_CHUNK >> 20} MiB messages"
+CEILING_LARGE = f"raw grpcio ceiling, {clients.TANNERY_SERVER_CHUNK >> 20} MiB messages"
 CEILING_DISK = "ceiling + durable write / file read"
 TANNERY_RAW = "tannery Store/Fetch (pre-built messages)"
 TANNERY = "tannery.Client"
@@ -67,7 +67,7 @@ def run(options: Options) -> CaseResult:
             payload = clients.tannic_payload(tensor)
             competitors = {
                 CEILING: clients.RawCeiling(raw_channel, payload),
-                CEILING_LARGE: clients.RawCeiling(raw_channel, payload, chunk=clients.TANNERY_CHUNK),
+                CEILING_LARGE: clients.RawCeiling(raw_channel, payload, chunk=clients.TANNERY_SERVER_CHUNK),
                 CEILING_DISK: clients.RawCeiling(raw_channel, payload, durable_dir=tmp),
                 TANNERY_RAW: clients.TanneryMessages(tannery_channel, payload),
                 TANNERY: clients.TanneryClient(server.target),

@@ -22,15 +22,16 @@ import numpy as np
 import torch
 
 from tannery import codec
-from tannery.connection import DEFAULT_CHUNK_SIZE
+from tannery_server.config import Config
 from tannery.v1 import archives_pb2
 
 from . import peers
 from .harness import MiB
 
-CHUNK = MiB  # bytes of tensor data per gRPC message, for every gRPC competitor but tannery
-#: What tannery's client sends per message (its server sends the same): its default chunk size.
-TANNERY_CHUNK = DEFAULT_CHUNK_SIZE
+CHUNK = MiB  # bytes of tensor data per gRPC message, for every gRPC competitor
+#: What tannery's server sends per message (Fetch): its default chunk size. (Its client sends
+#: 1 MiB chunks, as everyone here.)
+TANNERY_SERVER_CHUNK = Config().chunk_size
 
 
 def _identity(data: bytes) -> bytes:
@@ -107,13 +108,10 @@ class RawCeiling:
 
 
 class TanneryMessages:
-    """Store with pre-built request bytes, Fetch read as raw bytes: the server's work alone.
-
-    The messages are those tannery's client sends: chunks of its default size (the server
-    answers in chunks of its own default, the same)."""
+    """Store with pre-built request bytes, Fetch read as raw bytes: the server's work alone."""
 
     def __init__(self, channel: grpc.Channel, payload: bytes, archive: str = "bench-raw",
-                 chunk: int = TANNERY_CHUNK) -> None:
+                 chunk: int = CHUNK) -> None:
         self.archive = archive
         self.messages = store_messages(archive, {"t": payload}, chunk)
         self.size = len(payload)
