@@ -40,3 +40,14 @@ def test_a_map_is_never_larger_than_its_payload_needs():
     (gathered,) = [p for start in range(0, len(data), MiB) for p in reframer.feed(memoryview(data)[start : start + MiB])]
     assert len(gathered.obj) < len(data) + codec.ALIGNMENT
     assert parse(gathered).size == len(data)
+
+
+@pytest.mark.parametrize("advice", [None, 0x7FFF])  # no such advice (not Linux), one the kernel refuses
+def test_gathering_without_populating_the_map_ahead(advice, monkeypatch):
+    monkeypatch.setattr(framing, "_MADV_POPULATE_WRITE", advice)
+    size = framing.EAGER_GATHER + 3 * MiB + 1
+    data = bytearray(encode_prefix(DTYPES["uint8"], (size,)))
+    data += np.random.default_rng(size).integers(0, 256, size, np.uint8).tobytes()
+    reframer = Reframer()
+    (gathered,) = [p for start in range(0, len(data), MiB) for p in reframer.feed(memoryview(data)[start : start + MiB])]
+    assert gathered == memoryview(data) and isinstance(gathered.obj, mmap.mmap)

@@ -24,8 +24,10 @@ import grpc
 from . import errors
 
 DEFAULT_TARGET = "localhost:50051"
-#: Bytes of payload per message: messages stay well under gRPC's default 4 MiB limit.
+#: Bytes of payload per message sent (Store, Publish). 1 MiB, not the 3 MiB the server sends:
+#: grpcio's cost per byte received grows with the message, and here the server receives.
 DEFAULT_CHUNK_SIZE = 1 << 20
+#: The most a message may carry and stay under gRPC's default 4 MiB limit.
 MAX_CHUNK_SIZE = 3 << 20
 #: Trailing metadata the server adds to say which kind of refusal a status is.
 ERROR_KIND = "tannery-error"

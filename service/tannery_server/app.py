@@ -244,7 +244,7 @@ async def start(config: Config) -> RunningServer:
 def tune_malloc() -> bool:
     """Keep chunk-sized buffers in glibc's heap instead of fresh mmaps.
 
-    Every message is a new buffer of about a chunk (1 MiB). By default glibc maps such a
+    Every message is a new buffer of about a chunk (1 to 3 MiB). By default glibc maps such a
     buffer and unmaps it when freed (or trims the heap), so the next one page-faults
     again (what that cost: docs/benchmarks.md, "Measurements behind the code"). With these
     two settings freed chunks are reused. Returns False where glibc is not the allocator.

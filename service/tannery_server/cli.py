@@ -22,7 +22,7 @@ _FLAGS = [
                "empty for DATA_DIR/tannery.sock, 'off' for none"),
     ("data_port", "TCP port of the direct data connection beside gRPC (on --host; TLS when gRPC is): a Store or "
                   "Fetch checked over gRPC moves its bytes there (sendfile); 0 for none"),
-    ("chunk_size", "bytes of tensor data per gRPC message, both ways (4096..3MiB)"),
+    ("chunk_size", "bytes of tensor data per gRPC message the server sends (4096..3MiB)"),
     ("max_payload_bytes", "largest payload one entry may have, header included; larger ones are refused "
                           "(RESOURCE_EXHAUSTED) before any byte is stored"),
     ("max_rank", "largest rank of a stored tensor"),

@@ -27,8 +27,9 @@ class Config:
     socket: str = ""
     #: TCP port of the direct data connection (on ``host``); 0 for none.
     data_port: int = 50052
-    #: Bytes of tensor data per gRPC message, both ways; messages stay under gRPC's 4 MiB default.
-    chunk_size: int = MiB
+    #: Bytes of tensor data per message the server sends (Fetch, Subscribe): the most that keeps
+    #: a message under gRPC's 4 MiB default, for the least work per byte sent (docs/benchmarks.md).
+    chunk_size: int = 3 * MiB
     #: Largest payload (header included) an archive entry may have.
     max_payload_bytes: int = 256 * GiB
     #: Largest rank of a stored tensor.

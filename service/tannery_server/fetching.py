@@ -16,6 +16,7 @@ Memory stays bounded: a float cast converts one window of elements at a time.
 
 from __future__ import annotations
 
+import io
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -270,31 +271,45 @@ def _messages(name: str, pieces: Iterable[memoryview], chunk_size: int) -> Itera
 
 
 def _whole_payload(blob: BlobFile, entry: EntryRecord, info: BlobInfo, chunk_size: int, what: str) -> Iterator[bytes]:
-    """An entry's payload as stored, the fast path: each chunk is read from the file into a
-    reused buffer behind its message's framing, checked there, then copied once into the
-    ``bytes`` gRPC sends (two copies in all: gRPC takes only ``bytes`` from a serializer).
-    A message is sent only once every block it holds has matched its CRC-32 (with chunks
-    of the block size, at once; smaller chunks wait for the end of their block)."""
+    """An entry's payload as stored, the fast path: each chunk is read from the file straight
+    into the ``bytes`` gRPC sends, behind its message's framing (:func:`_new_message`: one
+    copy), and checked there. A message is sent only once every block it holds has matched
+    its CRC-32 (with chunks of whole blocks, at once; smaller chunks wait for the end of
+    their block)."""
     check = BlockCheck(what, info)
     held: deque[tuple[int, bytes]] = deque()  # messages and where their bytes end
-    buffer = bytearray(chunk_size + 64 + 4 * len(entry.name))
-    view = memoryview(buffer)
     for offset in range(0, max(entry.payload_bytes, 1), chunk_size):
         size = min(chunk_size, entry.payload_bytes - offset)
         framing = encode_fetch_response(entry.name if offset == 0 else None, []) + b"\x12" + encode_varint(size)
-        start = len(framing)
-        view[:start] = framing
-        got = blob.read_into(view[start : start + size], offset)
+        message, got = _new_message(framing, blob, offset, size)
         if got != size:
             raise DataLoss(f"{what}: stored blob {entry.digest} is truncated at byte {offset + got}")
-        check.update(view[start : start + size])
-        held.append((offset + size, bytes(view[: start + size])))
+        check.update(memoryview(message)[len(framing):])
+        held.append((offset + size, message))
         while held and held[0][0] <= check.verified:
             yield held.popleft()[1]
     if check.verified != info.size or info.size != entry.payload_bytes:
         raise DataLoss(f"{what}: stored blob {entry.digest}: {check.verified} of {info.size} bytes checked")
     while held:
         yield held.popleft()[1]
+
+
+def _new_message(framing: bytes, blob: BlobFile, offset: int, size: int) -> tuple[bytes, int]:
+    """A new ``bytes``: ``framing``, then ``size`` bytes of ``blob`` from ``offset``; and how many
+    of them were read (fewer: the blob is short).
+
+    grpcio sends only ``bytes``, and filling a ``bytearray`` first would cost a second copy of
+    each chunk. A ``BytesIO`` made from a new ``bytes`` owns it alone, writes through
+    ``getbuffer()`` land in it, and ``getvalue()`` hands that very object over once no view
+    of it is left (CPython; elsewhere it copies). No ``bytes`` anyone can see ever changes:
+    copy-on-write is ``BytesIO``'s own.
+    """
+    buffer = io.BytesIO(bytes(len(framing) + size))
+    view = buffer.getbuffer()
+    view[: len(framing)] = framing
+    got = blob.read_into(view[len(framing) :], offset)
+    view.release()
+    return buffer.getvalue(), got
 
 
 def _read_blocks(blob: BlobFile, info: BlobInfo, start: int, stop: int, what: str) -> Iterator[memoryview]:

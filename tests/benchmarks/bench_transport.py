@@ -1,9 +1,11 @@
 """Transport: one float32 tensor uploaded to a server on loopback and downloaded back.
 
-Competitors (every server a subprocess, every client in this process, 1 MiB messages):
+Competitors (every server a subprocess, every client in this process, 1 MiB messages but
+tannery's Fetch, which the server sends in chunks of its default size, 3 MiB):
 
 - the raw grpcio ceiling: bytes messages through a bare generic handler, no work on
-  either side (the baseline of every ratio);
+  either side (the baseline of every ratio), and the same with 3 MiB messages (what
+  tannery's Fetch compares with message for message);
 - the ceiling plus what a store must do with the bytes: written to a file and fsynced
   (upload), read from a file in the page cache with ``pread`` (download);
 - tannery Store/Fetch with pre-built request bytes and raw response bytes: the server's
@@ -31,6 +33,7 @@ from .harness import (GiB, MiB, CaseResult, Options, Subprocess, Table, alternat
                       free_memory, scratch, tannery_server)
 
 CEILING = "raw grpcio ceiling"
+CEILING_LARGE = f"raw grpcio ceiling, {clients.TANNERY_SERVER_CHUNK >> 20} MiB messages"
 CEILING_DISK = "ceiling + durable write / file read"
 TANNERY_RAW = "tannery Store/Fetch (pre-built messages)"
 TANNERY = "tannery.Client"
@@ -64,6 +67,7 @@ def run(options: Options) -> CaseResult:
             payload = clients.tannic_payload(tensor)
             competitors = {
                 CEILING: clients.RawCeiling(raw_channel, payload),
+                CEILING_LARGE: clients.RawCeiling(raw_channel, payload, chunk=clients.TANNERY_SERVER_CHUNK),
                 CEILING_DISK: clients.RawCeiling(raw_channel, payload, durable_dir=tmp),
                 TANNERY_RAW: clients.TanneryMessages(tannery_channel, payload),
                 TANNERY: clients.TanneryClient(server.target),
@@ -101,7 +105,7 @@ def run(options: Options) -> CaseResult:
 
                 return measure
 
-            pids = {CEILING: raw.pid, CEILING_DISK: raw.pid, TORCH: raw.pid, TANNERY_RAW: server.pid,
+            pids = {CEILING: raw.pid, CEILING_LARGE: raw.pid, CEILING_DISK: raw.pid, TORCH: raw.pid, TANNERY_RAW: server.pid,
                     TANNERY: server.pid, PYTANNIC: tcp.pid, PYTANNIC_SHIPPED: tcp.pid, FLIGHT: flight.pid}
             timings = alternate({name: round_of(c, pids[name]) for name, c in competitors.items()},
                                 options.repetitions(size))
@@ -132,7 +136,8 @@ def run(options: Options) -> CaseResult:
             continue
         result.target(f"tannery {rpc} at {fmt_size(largest)} (pre-built messages) vs the raw grpcio ceiling",
                       ratios[largest, TANNERY_RAW, direction], 0.8)
-        others = {name: ratios.get((largest, name, direction)) for name in (TANNERY, CEILING_DISK, PYTANNIC, TORCH, FLIGHT)}
+        others = {name: ratios.get((largest, name, direction))
+                  for name in (TANNERY, CEILING_LARGE, CEILING_DISK, PYTANNIC, TORCH, FLIGHT)}
         result.notes.append(f"{rpc} at {fmt_size(largest)}, against the ceiling: " + "; ".join(
             f"{name} {fmt_ratio(r)}" for name, r in others.items() if r is not None) + ".")
     result.data = {"series": series, "sizes": sizes}

@@ -57,6 +57,7 @@ def measure(variant: str, target: str, server_pid: int, archive: str) -> dict:
 
     import tannery
     import tannery.aio
+    import tannery.torch  # torch, imported by tannery on first use: not part of the fetch timed
     from tannery import framing
     from tannery.v1 import archives_pb2
 

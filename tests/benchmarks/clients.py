@@ -22,12 +22,16 @@ import numpy as np
 import torch
 
 from tannery import codec
+from tannery_server.config import Config
 from tannery.v1 import archives_pb2
 
 from . import peers
 from .harness import MiB
 
 CHUNK = MiB  # bytes of tensor data per gRPC message, for every gRPC competitor
+#: What tannery's server sends per message (Fetch): its default chunk size. (Its client sends
+#: 1 MiB chunks, as everyone here.)
+TANNERY_SERVER_CHUNK = Config().chunk_size
 
 
 def _identity(data: bytes) -> bytes:
@@ -65,8 +69,10 @@ def commit_message(entries: int, payload_bytes: int) -> bytes:
 class RawCeiling:
     """Bytes messages through bare handlers: no serialization on either side, nothing kept."""
 
-    def __init__(self, channel: grpc.Channel, payload: bytes, durable_dir: Path | None = None) -> None:
-        self.chunks = payload_chunks(payload)
+    def __init__(self, channel: grpc.Channel, payload: bytes, durable_dir: Path | None = None,
+                 chunk: int = CHUNK) -> None:
+        self.chunk = chunk
+        self.chunks = payload_chunks(payload, chunk)
         self.size = len(payload)
         self.durable_dir = durable_dir
         method = "SinkDurable" if durable_dir else "Sink"
@@ -85,9 +91,9 @@ class RawCeiling:
 
     def download(self) -> int:
         if self.file is not None:
-            request = struct.pack("<Q", CHUNK) + str(self.file).encode()
+            request = struct.pack("<Q", self.chunk) + str(self.file).encode()
         else:
-            request = struct.pack("<QQ", len(self.chunks), CHUNK)
+            request = struct.pack("<QQ", len(self.chunks), self.chunk)
         return sum(len(m) for m in self._source(request))
 
     def clear(self) -> None:
@@ -104,9 +110,10 @@ class RawCeiling:
 class TanneryMessages:
     """Store with pre-built request bytes, Fetch read as raw bytes: the server's work alone."""
 
-    def __init__(self, channel: grpc.Channel, payload: bytes, archive: str = "bench-raw") -> None:
+    def __init__(self, channel: grpc.Channel, payload: bytes, archive: str = "bench-raw",
+                 chunk: int = CHUNK) -> None:
         self.archive = archive
-        self.messages = store_messages(archive, {"t": payload})
+        self.messages = store_messages(archive, {"t": payload}, chunk)
         self.size = len(payload)
         self._store = channel.stream_unary("/tannery.v1.Archives/Store", _identity,
                                            archives_pb2.ArchiveInfo.FromString)

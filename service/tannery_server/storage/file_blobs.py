@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import re
 import uuid
@@ -9,6 +11,27 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 _DIGEST = re.compile(r"[0-9a-f]{64}")
+#: Bytes of a temporary blob written between two requests to the kernel to start writing them
+#: to disk: by the fsync that makes the blob durable most of it is there already, instead of
+#: all of it waiting in the page cache for that fsync (about 0.45 s per GiB here).
+WRITEBACK_BYTES = 8 << 20
+
+
+def _writeback_starter():
+    """Linux's ``sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)``, which starts
+    writing a file's dirty pages back and returns (no durability: ``fsync`` still gives
+    that); None where libc has none (then the fsync does all the writing)."""
+    try:
+        function = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").sync_file_range
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    function.restype = ctypes.c_int
+    sync_file_range_write = 2
+    return lambda fd, offset, size: function(fd, offset, size, sync_file_range_write)
+
+
+_start_writeback = _writeback_starter()
 
 
 def fsync_directory(path: Path) -> None:
@@ -63,12 +86,18 @@ class FileTempBlob:
         self._store = store
         self.path = store.tmp / f"{uuid.uuid4().hex}.part"
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self._written = 0  # bytes written so far
+        self._unstarted = 0  # where the bytes whose writeback has not been asked for start
 
     def write(self, data: memoryview | bytes) -> None:
         view = memoryview(data)
         while view.nbytes:
             written = os.write(self._fd, view)
             view = view[written:]
+            self._written += written
+        if self._written - self._unstarted >= WRITEBACK_BYTES and _start_writeback is not None:
+            _start_writeback(self._fd, self._unstarted, self._written - self._unstarted)
+            self._unstarted = self._written
 
     def seal(self, digest: str) -> bool:
         # Not fsynced here: the kernel writes it back while later payloads arrive, and
