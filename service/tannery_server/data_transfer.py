@@ -159,7 +159,10 @@ def _send_checked(link: Link, blob, info: BlobInfo, start: int, stop: int, what:
             for batch in range(first, end, SEND_BATCH_BLOCKS):
                 last = min(end, batch + SEND_BATCH_BLOCKS)
                 for index in range(batch, last):
-                    check_block(what, info, index, view[index * block : min((index + 1) * block, info.size)])
+                    # Released at once, even when the check fails: a slice a traceback keeps
+                    # would make closing the map fail (BufferError) in place of the DataLoss.
+                    with view[index * block : min((index + 1) * block, info.size)] as data:
+                        check_block(what, info, index, data)
                 lo, hi = max(start, batch * block), min(stop, last * block)
                 link.send_file(blob.fileno(), lo, hi - lo)
         finally:
