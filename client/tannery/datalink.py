@@ -53,6 +53,9 @@ class Link:
         self.local = local
         self._fds: list[int] = []  # received with the bytes read so far, not yet taken
         self._closed = False
+        #: Raw payload bytes that a frame announced are being sent: the peer reads whatever
+        #: comes next as those bytes, so no frame (a failure) may be sent until they are out.
+        self.in_payload = False
 
     # -- frames -------------------------------------------------------------------------
 

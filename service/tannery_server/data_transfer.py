@@ -47,8 +47,11 @@ _SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 
 def fail(link: Link, failure: BaseException) -> None:
     """Tell the peer why the transfer stops, then break the connection. Best effort and never
-    blocking (the call's status says it too): a peer whose buffer is full misses the frame."""
-    if isinstance(failure, Failure):
+    blocking (the call's status says it too): a peer whose buffer is full misses the frame.
+
+    In the middle of an entry's raw bytes (TCP Fetch) the connection is only broken: the
+    client would read a failure frame as tensor bytes (or as the payload's header)."""
+    if isinstance(failure, Failure) and not link.in_payload:
         try:
             link.sock.settimeout(0.0)
             link.send(frame(failure=DataFailure(code=failure.code.name, message=str(failure))))
@@ -128,6 +131,13 @@ def _computed(blob, info: BlobInfo, plan: Plan, what: str) -> Iterator[memoryvie
 
 def _send_bytes(link: Link, blob, info: BlobInfo, plan: Plan, what: str) -> int:
     """One entry as an ``entry`` frame and its payload's bytes."""
+    link.in_payload = True  # from the entry frame on, until its last byte is out
+    size = _send_payload(link, blob, info, plan, what)
+    link.in_payload = False
+    return size
+
+
+def _send_payload(link: Link, blob, info: BlobInfo, plan: Plan, what: str) -> int:
     if plan.prefix is None:  # the whole payload as stored: from the file, each batch checked first
         link.send(frame(entry=EntryBytes(name=plan.entry.name, payload_bytes=info.size)))
         _send_checked(link, blob, info, 0, info.size, what)
