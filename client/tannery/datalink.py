@@ -44,6 +44,10 @@ class LinkError(ConnectionError):
     """The data connection broke or its peer broke the protocol; the message says which."""
 
 
+class LinkClosed(LinkError):
+    """The peer closed the data connection before all it announced had come."""
+
+
 class Link:
     """One data connection, used by one thread at a time (blocking socket)."""
 
@@ -109,7 +113,7 @@ class Link:
             else:
                 got = self.sock.recv_into(view[filled:])
             if not got:
-                raise LinkError(f"data connection closed by the peer after {filled} of {size} bytes")
+                raise LinkClosed(f"data connection closed by the peer after {filled} of {size} bytes")
             filled += got
 
     def _receive_with_fds(self, view: memoryview) -> int:
@@ -236,5 +240,5 @@ def tune_tcp(sock: socket.socket) -> None:
             pass
 
 
-__all__ = ["DATA_TRANSPORTS", "Link", "LinkError", "PeerFailed", "TICKET_KEY", "TRANSPORT_KEY", "connect_unix",
+__all__ = ["DATA_TRANSPORTS", "Link", "LinkClosed", "LinkError", "PeerFailed", "TICKET_KEY", "TRANSPORT_KEY", "connect_unix",
            "expect", "frame", "tune_tcp", "unix_address"]

@@ -22,15 +22,16 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import ssl
 from collections import deque
 from typing import Iterator, Sequence
 
 from tannery.codec import read_info
-from tannery.datalink import Link, LinkError, expect, frame
+from tannery.datalink import Link, LinkClosed, LinkError, expect, frame
 from tannery.v1.data_pb2 import DataEnd, DataFailure, EntryBytes, MappedEntry
 from tannery.wire import StoreMessage
 
-from .failures import DataLoss, Failure, Malformed
+from .failures import DataLoss, Failure, Malformed, Unavailable
 from .fetching import Plan, _cast, _read_blocks, _shift_bits
 from .storage import BlobInfo, Storage
 from .storage.integrity import check_block
@@ -43,6 +44,19 @@ SEND_BATCH_BLOCKS = 8
 RECEIVE_WINDOW = 4 << 20
 #: A sealed memory file of a local Store must not change, shrink or grow under the server.
 _SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+
+
+#: What a data connection raises when it breaks (or its peer breaks the protocol): errors of
+#: the connection, not of the storage, whatever OSError they derive from.
+LINK_ERRORS = (ConnectionError, ssl.SSLError, TimeoutError)
+
+
+def link_failure(transport: str, exc: BaseException) -> Failure:
+    """The call's failure for a data connection that broke (one of :data:`LINK_ERRORS`): the
+    peer leaving is Unavailable, a peer breaking the protocol Malformed."""
+    if isinstance(exc, LinkError) and not isinstance(exc, LinkClosed):
+        return Malformed(f"the {transport} {exc}")
+    return Unavailable(f"the {transport} data connection broke: {exc}")
 
 
 def fail(link: Link, failure: BaseException) -> None:
@@ -277,4 +291,4 @@ def _close_all(fds: list[int]) -> None:
         os.close(fd)
 
 
-__all__ = ["LinkError", "fail", "receive_store", "send_fetch"]
+__all__ = ["LINK_ERRORS", "LinkError", "fail", "link_failure", "receive_store", "send_fetch"]
