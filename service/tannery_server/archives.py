@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable, TypeVar
 
@@ -154,6 +155,9 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
                 failure = exc if not isinstance(exc, asyncio.CancelledError) else Cancelled("the call was cancelled")
             fail(link, failure)
             await _settle(job)
+            # The transfer's frames hold its buffers (mapped memory files, receive windows):
+            # let them go now, not when gRPC drops the aborted call (a dead client's, later).
+            traceback.clear_frames(exc.__traceback__)
             if isinstance(exc, LINK_ERRORS):
                 raise failure from None
             raise
