@@ -166,6 +166,15 @@ class Client:
         return {"metadata": (*self._connection.metadata, (_transports.TRANSPORT_KEY, route.kind)),
                 "timeout": self._connection.timeout}
 
+    @staticmethod
+    def _connect(route: Route, ticket: str) -> Any:
+        """The call's data connection (a ``tannery.datalink.Link``); Unavailable at once when
+        it cannot be made (the server would answer only when its wait for the connection ends)."""
+        try:
+            return route.connect(ticket)
+        except (_transports.LinkError, OSError) as exc:
+            raise _transports.link_failure(exc, route) from None
+
     def _broken(self, call: Any, exc: BaseException, route: Route) -> Exception:
         """The error of a call whose data connection broke: the call's own failure when it has one."""
         if not (isinstance(exc, _transports.PeerFailed) and exc.code == "PERMISSION_DENIED"):
@@ -202,8 +211,8 @@ class Client:
                     for _ in call:
                         pass
                     raise errors.ServiceError("the server answered a data-path Fetch without a ticket")
+            link = self._connect(route, ticket)  # the call is cancelled (finally) when it fails
             try:
-                link = route.connect(ticket)
                 for item in _transports.receive_fetch(link, pieces=reader.pieces):
                     yield from reader.arrived(item)
             except (_transports.LinkError, OSError) as exc:
@@ -266,8 +275,9 @@ class Client:
         try:
             ticket = _transports.ticket_of(future.initial_metadata())
             if ticket is not None:
+                link = self._connect(route, ticket)  # the call is cancelled (below) when it fails
                 try:
-                    with route.connect(ticket) as link:
+                    with link:
                         sent.extend(_transports.send_store(link, store_entries(archive, prefix), progress))
                 except (_transports.LinkError, OSError) as exc:
                     broken = exc
