@@ -21,6 +21,7 @@ import os
 import socket
 import ssl
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -409,6 +410,30 @@ def test_rows_casts_and_load_state_dict_of_a_remote_archive(client, connect, cal
     assert same_bits(module.bias.detach(), weights["layer.bias"])
 
 
+def test_one_client_serves_concurrent_calls_from_many_threads(client, connect):
+    name = fresh()
+    state = {f"w{i}": torch.full((1000,), float(i)) for i in range(20)}
+    client.store(name, state)
+    failures: list[BaseException] = []
+
+    def work(worker: int) -> None:
+        try:
+            for round in range(4):
+                fetched = client.fetch(name)
+                assert all(same_bits(fetched.find(k), v) for k, v in state.items())
+                client.store(f"{name}.{worker}.{round}", {"x": torch.full((10,), float(worker))})
+        except BaseException as exc:  # noqa: BLE001 (reported below)
+            failures.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert failures == []
+    assert len(client.list(prefix=f"{name}.")) == 32
+
+
 # -- errors name the entry on every transport -----------------------------------------------------
 
 
@@ -641,6 +666,23 @@ def test_a_socket_that_went_away_makes_auto_fall_back_to_the_data_port(tmp_path,
         round_trip(auto, calls, "tcp")
         with pytest.raises(tannery.Unavailable, match=f"socket {socket_path} does not answer as this server"):
             open_client(server.target, transport="local").fetch("anything")
+
+
+def test_a_socket_that_went_away_after_it_was_chosen_fails_the_next_calls_at_once(tmp_path, open_client):
+    """The path is settled at the first call; one that no longer answers fails the call (the
+    server's wait for the connection is cancelled), without waiting for the server."""
+    with running_server(tmp_path) as server:
+        client = open_client(server.target, transport="auto")
+        client.store("m", {"w": torch.ones(3)})
+        assert client.transport == "local"
+        (server.data_dir / "tannery.sock").unlink()
+        for call in (lambda: client.fetch("m"), lambda: client.store("n", {"w": torch.ones(3)})):
+            started = time.monotonic()
+            with pytest.raises(tannery.Unavailable, match="socket .*tannery.sock"):
+                call()
+            assert time.monotonic() - started < 3
+        assert wait_for(lambda: not server.data_paths._tickets and not server.storage._pins, timeout=3)
+        assert [info.name for info in client.list()] == ["m"]
 
 
 def test_a_socket_that_leads_to_another_server_is_not_taken(tmp_path, open_client, calls):
