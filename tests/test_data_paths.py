@@ -712,6 +712,26 @@ def test_a_socket_path_longer_than_sun_path_works(tmp_path, open_client, calls):
     assert not path.exists()  # removed when the server stops
 
 
+def test_the_socket_path_offered_is_absolute_when_the_server_was_given_a_relative_one(tmp_path, monkeypatch,
+                                                                                      open_client, calls):
+    """A client in another directory than the server's reaches the socket of a server started
+    with a relative --socket or --data-dir (the default, ./tannery-data)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "elsewhere").mkdir()
+    with running_server(tmp_path, socket="relative.sock") as server:
+        monkeypatch.chdir(tmp_path / "elsewhere")
+        client = open_client(server.target, transport="local")
+        assert offered(client).socket_path == str(tmp_path / "relative.sock")
+        round_trip(client, calls, "local")
+    monkeypatch.chdir(tmp_path)
+    with ServerProcess(Path("relative-data")) as process:  # started here, in tmp_path
+        monkeypatch.chdir(tmp_path / "elsewhere")
+        client = open_client(process.target, transport="local")
+        assert offered(client).socket_path == str(tmp_path / "relative-data" / "tannery.sock")
+        client.store("m", {"w": torch.arange(4)})
+        assert same_bits(client.fetch("m").find("w"), torch.arange(4))
+
+
 # -- the server's settings ------------------------------------------------------------------------
 
 
