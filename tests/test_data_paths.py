@@ -341,6 +341,9 @@ def test_fetch_by_names_by_prefix_or_all_and_fetch_iter_in_order(client, connect
     everything = client.fetch(name)
     assert everything.names() == sorted(state)
     assert all(same_bits(everything.find(k), v) for k, v in state.items())
+    under = fresh()
+    client.store(under, state, prefix="model")  # entries named under a prefix
+    assert client.fetch(under, prefix="model.blocks.0").names() == ["model.blocks.0.b", "model.blocks.0.w"]
     asked = ["steps", "blocks.1.mask", "embed.weight"]
     iterated = list(client.fetch_iter(name, names=asked))
     assert [entry for entry, _ in iterated] == asked
@@ -392,7 +395,7 @@ def test_rows_casts_and_load_state_dict_of_a_remote_archive(client, connect, cal
     assert same_bits(remote.rows("flags", 8, 16), flags[8:16])  # 24 bits: starts on a byte
     assert same_bits(remote.rows("flags", 0, 50), flags)
     for entry, tensor in (("table", table), ("flags", flags)):
-        for start in (0, 5, 50):
+        for start in (0, 5, 50, len(tensor)):  # empty ranges, the last one at the very end
             empty = remote.rows(entry, start, start)
             assert empty.shape == (0, *tensor.shape[1:]) and empty.dtype == tensor.dtype, (entry, start)
     assert same_bits(remote.tensor("table", [640, 1024], torch.float32), table)
@@ -432,6 +435,19 @@ def test_one_client_serves_concurrent_calls_from_many_threads(client, connect):
         thread.join(60)
     assert failures == []
     assert len(client.list(prefix=f"{name}.")) == 32
+
+
+def test_the_clients_timeout_ends_a_transfer_that_outlasts_it_and_nothing_is_stored(shared, connect):
+    big = {"x": random_tensor("float32", (32 * MiB // 4,), seed()), "y": random_tensor("float32", (32 * MiB // 4,),
+                                                                                        seed())}
+    name = fresh()
+    client = connect(shared.target, timeout=0.05)
+    client.transport  # the path is chosen before the clock of the calls below starts
+    with pytest.raises(tannery.ServiceError, match="DEADLINE_EXCEEDED") as caught:
+        client.store(name, big)
+    assert caught.value.code == "DEADLINE_EXCEEDED"
+    assert wait_for(lambda: list((shared.data_dir / "tmp").iterdir()) == [])
+    assert name not in [info.name for info in connect(shared.target).list()]
 
 
 # -- errors name the entry on every transport -----------------------------------------------------
