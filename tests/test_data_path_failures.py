@@ -35,6 +35,15 @@ from .server_harness import ServerProcess, running_server, wait_for
 MiB = 1 << 20
 
 
+@pytest.fixture(autouse=True)
+def no_client_environment(monkeypatch):
+    """The clients' defaults come from TANNERY_* variables: none of the caller's apply here
+    (the tests give transport= themselves)."""
+    for variable in ("TANNERY_TARGET", "TANNERY_TOKEN", "TANNERY_TLS", "TANNERY_TLS_CA", "TANNERY_CLIENT_CERT",
+                     "TANNERY_CLIENT_KEY"):
+        monkeypatch.delenv(variable, raising=False)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[Any]:
     """One server for the ticket tests, with archive "m" (three small entries)."""

@@ -85,6 +85,15 @@ def unique_state(base: int) -> dict[str, torch.Tensor]:
     }
 
 
+@pytest.fixture(autouse=True)
+def no_client_environment(monkeypatch):
+    """The clients' defaults come from TANNERY_* variables: none of the caller's apply here
+    (the tests give transport= themselves)."""
+    for variable in ("TANNERY_TARGET", "TANNERY_TOKEN", "TANNERY_TLS", "TANNERY_TLS_CA", "TANNERY_CLIENT_CERT",
+                     "TANNERY_CLIENT_KEY"):
+        monkeypatch.delenv(variable, raising=False)
+
+
 # -- the server's call log: which path a call took ----------------------------------------------
 
 
@@ -405,7 +414,8 @@ def test_rows_casts_and_load_state_dict_of_a_remote_archive(client, connect, cal
     assert_took(calls, connect.transport, "Fetch", name)
     module = torch.nn.Linear(1024, 3)
     model_name = fresh()
-    weights = {"layer.weight": random_tensor("float32", (3, 1024), 302), "layer.bias": random_tensor("float32", (3,), 303)}
+    weights = {"layer.weight": random_tensor("float32", (3, 1024), 302),
+               "layer.bias": random_tensor("float32", (3,), 303)}
     client.store(model_name, weights)
     client.load_state_dict(module, model_name, prefix="layer")
     assert_took(calls, connect.transport, "Fetch", model_name)

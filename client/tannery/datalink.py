@@ -240,5 +240,5 @@ def tune_tcp(sock: socket.socket) -> None:
             pass
 
 
-__all__ = ["DATA_TRANSPORTS", "Link", "LinkClosed", "LinkError", "PeerFailed", "TICKET_KEY", "TRANSPORT_KEY", "connect_unix",
-           "expect", "frame", "tune_tcp", "unix_address"]
+__all__ = ["DATA_TRANSPORTS", "Link", "LinkClosed", "LinkError", "PeerFailed", "TICKET_KEY", "TRANSPORT_KEY",
+           "connect_unix", "expect", "frame", "tune_tcp", "unix_address"]
