@@ -166,15 +166,6 @@ class Client:
         return {"metadata": (*self._connection.metadata, (_transports.TRANSPORT_KEY, route.kind)),
                 "timeout": self._connection.timeout}
 
-    @staticmethod
-    def _connect(route: Route, ticket: str) -> Any:
-        """The call's data connection (a ``tannery.datalink.Link``); Unavailable at once when
-        it cannot be made (the server would answer only when its wait for the connection ends)."""
-        try:
-            return route.connect(ticket)
-        except (_transports.LinkError, OSError) as exc:
-            raise _transports.link_failure(exc, route) from None
-
     def _broken(self, call: Any, exc: BaseException, route: Route) -> Exception:
         """The error of a call whose data connection broke: the call's own failure when it has one."""
         if not (isinstance(exc, _transports.PeerFailed) and exc.code == "PERMISSION_DENIED"):
@@ -211,7 +202,7 @@ class Client:
                     for _ in call:
                         pass
                     raise errors.ServiceError("the server answered a data-path Fetch without a ticket")
-            link = self._connect(route, ticket)  # the call is cancelled (finally) when it fails
+            link = _transports.connect_call(route, ticket)  # the call is cancelled (finally) when it fails
             try:
                 for item in _transports.receive_fetch(link, pieces=reader.pieces):
                     yield from reader.arrived(item)
@@ -275,7 +266,7 @@ class Client:
         try:
             ticket = _transports.ticket_of(future.initial_metadata())
             if ticket is not None:
-                link = self._connect(route, ticket)  # the call is cancelled (below) when it fails
+                link = _transports.connect_call(route, ticket)  # the call is cancelled (below) when it fails
                 try:
                     with link:
                         sent.extend(_transports.send_store(link, store_entries(archive, prefix), progress))

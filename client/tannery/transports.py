@@ -412,6 +412,15 @@ def next_published(link: Link, reader: object) -> list:
     return reader.feed(memoryview(link.receive_exactly(received.entry.payload_bytes)))
 
 
+def connect_call(route: Route, ticket: str) -> Link:
+    """A call's data connection; Unavailable at once when it cannot be made (the caller then
+    cancels the call: the server would answer only when its wait for the connection ends)."""
+    try:
+        return route.connect(ticket)
+    except (LinkError, OSError) as exc:
+        raise link_failure(exc, route) from None
+
+
 def link_failure(exc: BaseException, route: Route) -> errors.ServiceError:
     """The client's error for a data connection that broke (when the call's status says nothing more)."""
     if isinstance(exc, PeerFailed) and exc.code == "PERMISSION_DENIED":
@@ -427,5 +436,5 @@ def _coded(kind: type[errors.ServiceError], code: str, message: str) -> errors.S
     return error
 
 
-__all__ = ["Arrived", "Route", "TRANSPORTS", "check_transport", "choose", "next_published", "publish_over",
-           "receive_fetch", "send_store", "ticket_of"]
+__all__ = ["Arrived", "Route", "TRANSPORTS", "check_transport", "choose", "connect_call", "next_published",
+           "publish_over", "receive_fetch", "send_store", "ticket_of"]
