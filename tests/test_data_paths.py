@@ -6,15 +6,14 @@ server's socket: blob files passed and mapped), ``tcp`` (its data port) and ``au
 done so in the server's call log (its ``transport`` field, and no tensor bytes in its gRPC
 messages), so a silent fall back to gRPC fails the tests.
 
-The asyncio client's tests are marked ``xfail`` until ``tannery.aio.Client`` takes
-``transport=`` (they fail with TypeError until then). Raw tickets, killed clients and
-killed servers are in tests/test_data_path_failures.py.
+Both clients run them, ``tannery.Client`` and ``tannery.aio.Client`` (driven from these
+synchronous tests on a loop thread). Raw tickets, killed clients and killed servers are in
+tests/test_data_path_failures.py.
 """
 
 from __future__ import annotations
 
 import hashlib
-import inspect
 import itertools
 import logging
 import os
@@ -45,7 +44,6 @@ from .test_security import pki  # noqa: F401  (the test CA, server and client ce
 TRANSPORTS = ["grpc", "local", "tcp", "auto"]
 #: The path each ``transport=`` takes to a server offering both data paths on this host.
 TAKEN = {"grpc": "grpc", "local": "local", "tcp": "tcp", "auto": "local"}
-AIO_PENDING = pytest.mark.xfail(raises=TypeError, strict=False, reason="aio transport pending")
 MiB = 1 << 20
 
 _names = itertools.count()
@@ -163,6 +161,8 @@ class AioBlocking(Blocking):
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self._target, name)
+        if name == "transport":  # a coroutine method of the aio client, a property of the other
+            return self._loop.run(value())
         if name not in ("fetch_iter", "fetch_pieces"):
             return super().__getattr__(name)
 
@@ -183,9 +183,6 @@ class AioBlocking(Blocking):
 def _connector(kind: str, transport: str | None) -> Iterator[Any]:
     """``make(target, **options)``: clients of ``kind`` ("sync" or "aio"), of ``transport``
     unless ``options`` say otherwise, closed at the end."""
-    if kind == "aio" and "transport" not in inspect.signature(tannery.aio.Client).parameters:
-        # Before the test starts its servers: the xfail costs nothing until aio has it.
-        raise TypeError("tannery.aio.Client takes no transport= yet")
     opened: list[Any] = []
     loop = LoopThread() if kind == "aio" else None
 
@@ -211,14 +208,14 @@ def _connector(kind: str, transport: str | None) -> Iterator[Any]:
 
 
 @pytest.fixture(params=[pytest.param(("sync", t), id=f"sync-{t}") for t in TRANSPORTS]
-                + [pytest.param(("aio", t), id=f"aio-{t}", marks=AIO_PENDING) for t in TRANSPORTS])
+                + [pytest.param(("aio", t), id=f"aio-{t}") for t in TRANSPORTS])
 def connect(request):
     """``connect(target, **options)``: a client of the parametrized kind and transport (its
     ``.transport`` is the one asked for), closed at the end."""
     yield from _connector(*request.param)
 
 
-@pytest.fixture(params=["sync", pytest.param("aio", marks=AIO_PENDING)])
+@pytest.fixture(params=["sync", "aio"])
 def open_client(request):
     """``open_client(target, transport=..., **options)``: a client of the parametrized kind."""
     yield from _connector(request.param, None)
@@ -641,7 +638,10 @@ def offered(client: Any) -> Any:
 
     target = client._target if isinstance(client, Blocking) else client
     if isinstance(target, tannery.aio.Client):
-        return client._loop.run(target._methods.data_paths(archives_pb2.DataPathsRequest()))
+        async def ask() -> Any:
+            return await target._methods.data_paths(archives_pb2.DataPathsRequest())
+
+        return client._loop.run(ask())
     return target._methods.data_paths(archives_pb2.DataPathsRequest())
 
 
