@@ -24,6 +24,7 @@ Helpers for raw stubs: :func:`store_requests` splits payloads into ``StoreReques
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import re
 import resource
@@ -134,8 +135,6 @@ def free_port() -> int:
 def running_server(tmp_path: Path, **config: Any) -> Iterator[InProcessServer]:
     """A server in this process with data in ``tmp_path / "data"`` (or ``data_dir=``), on a free port."""
     from tannery_server.config import Config
-
-    import errno
 
     config.setdefault("data_dir", Path(tmp_path) / "data")
     pick = "data_port" not in config
