@@ -24,6 +24,7 @@ Helpers for raw stubs: :func:`store_requests` splits payloads into ``StoreReques
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import re
 import resource
@@ -70,6 +71,17 @@ class InProcessServer:
     def storage(self):
         """The server's :class:`tannery_server.storage.Storage` (for white-box checks)."""
         return self._running.storage
+
+    @property
+    def data_paths(self):
+        """The server's :class:`tannery_server.data_paths.DataPaths` (its socket, data port and
+        the tickets waiting; for white-box checks)."""
+        from tannery_server.data_paths import DataPaths
+
+        for close in self._running._closers:
+            if isinstance(getattr(close, "__self__", None), DataPaths):
+                return close.__self__
+        raise AssertionError("this server has no data paths")
 
     @property
     def hub(self):
@@ -125,9 +137,18 @@ def running_server(tmp_path: Path, **config: Any) -> Iterator[InProcessServer]:
     from tannery_server.config import Config
 
     config.setdefault("data_dir", Path(tmp_path) / "data")
-    config.setdefault("data_port", free_port())
-    cfg = Config(host=HOST, port=0, **{"grace_seconds": 5.0, "metrics_port": 0, **config})
-    server = InProcessServer(cfg)
+    pick = "data_port" not in config
+    for attempt in range(5):
+        if pick:
+            config["data_port"] = free_port()
+        cfg = Config(host=HOST, port=0, **{"grace_seconds": 5.0, "metrics_port": 0, **config})
+        try:
+            server = InProcessServer(cfg)
+            break
+        except OSError as exc:
+            # The free port picked was taken meanwhile (an outgoing connection's, say): another.
+            if not pick or exc.errno != errno.EADDRINUSE or attempt == 4:
+                raise
     try:
         yield server
     finally:
@@ -165,8 +186,22 @@ class ServerProcess:
             resource.setrlimit(resource.RLIMIT_FSIZE, (self.fsize_limit, self.fsize_limit))
 
     def start(self, timeout: float = 60) -> "ServerProcess":
+        pick = "data_port" not in self.config and "TANNERY_DATA_PORT" not in (self.env or {})
+        for attempt in range(5):
+            try:
+                return self._start(timeout, free_port() if pick else None)
+            except RuntimeError:
+                # The free data port picked was taken meanwhile: another (other failures repeat).
+                if not pick or attempt == 4 or not any("cannot listen for data connections" in line
+                                                       for line in self.log_lines):
+                    raise
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout: float, data_port: int | None) -> "ServerProcess":
         # Metrics on a free port unless asked otherwise (the default port would be shared).
-        env = {"TANNERY_METRICS_PORT": "0", **os.environ, "TANNERY_DATA_PORT": str(free_port()), **(self.env or {})}
+        env = {"TANNERY_METRICS_PORT": "0", **os.environ, **(self.env or {})}
+        if data_port is not None:  # over the suite's TANNERY_DATA_PORT=0 (tests/conftest.py)
+            env["TANNERY_DATA_PORT"] = str(data_port)
         self.log_lines = []
         ready = threading.Event()
         # A preexec_fn makes Popen fork (not vfork): gRPC's fork handlers then restart its poller

@@ -305,12 +305,7 @@ def test_the_data_paths_serve_old_and_new_blobs(tmp_path, transport):
     store_old_and_new(tmp_path, transport)
 
 
-@pytest.mark.parametrize("transport", [
-    "local",
-    pytest.param("tcp", marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-        "data_transfer._send_checked: the DataLoss's traceback keeps a slice of the mapped blob, so "
-        "closing the mmap raises BufferError and the call ends INTERNAL instead of DATA_LOSS"))),
-])
+@pytest.mark.parametrize("transport", ["local", "tcp"])
 def test_the_data_paths_check_old_and_new_blobs_with_their_own_algorithm(tmp_path, transport):
     """Over ``local`` the client maps the blob and checks its blocks itself (tannery.checksums,
     with the algorithm the server sends); over ``tcp`` the server checks them before sendfile."""

@@ -42,8 +42,8 @@ from .connection import Connection, TLSLike, rpc_error, service_error
 from .datalink import TRANSPORT_KEY, LinkError, PeerFailed
 from .remote import AsyncRemoteArchive
 from .transports import (
-    STATUS_WAIT, Route, check_transport, choose, link_failure, next_published, publish_over, receive_fetch, send_store,
-    ticket_of,
+    STATUS_WAIT, Route, check_transport, choose, connect_call, link_failure, next_published, publish_over,
+    receive_fetch, send_store, ticket_of,
 )
 from .v1 import archives_pb2, channels_pb2
 from .wire import ABANDONED, encode_publish_request, encode_store_commit, encode_store_request
@@ -226,8 +226,9 @@ class Client:
                     raise errors.ServiceError("the server answered a data-path Fetch without a ticket")
             except grpc.RpcError as error:
                 raise self._error(error) from None
+            # Unavailable at once when the connection cannot be made; the call is cancelled (finally).
+            link = await asyncio.to_thread(connect_call, route, ticket)
             try:
-                link = await asyncio.to_thread(route.connect, ticket)
                 items = receive_fetch(link, pieces=reader.pieces)
                 while (item := await asyncio.to_thread(next, items, None)) is not None:
                     for entry in reader.arrived(item):
@@ -280,8 +281,8 @@ class Client:
             if sent:  # no commit after a failed transfer: the server stores nothing
                 yield encode_store_commit(*sent)
 
-        def transfer(ticket: str) -> tuple[int, int]:
-            with route.connect(ticket) as link:
+        def transfer(link: Any) -> tuple[int, int]:
+            with link:
                 return send_store(link, store_entries(archive, prefix), progress)
 
         call = self._methods.store(messages(), **self._over(route))
@@ -290,8 +291,10 @@ class Client:
         try:
             ticket = ticket_of(await call.initial_metadata())
             if ticket is not None:
+                # Unavailable at once when the connection cannot be made; the call is cancelled (below).
+                link = await asyncio.to_thread(connect_call, route, ticket)
                 try:
-                    sent.extend(await asyncio.to_thread(transfer, ticket))
+                    sent.extend(await asyncio.to_thread(transfer, link))
                 except (LinkError, OSError) as exc:
                     broken = exc
         except BaseException:

@@ -202,8 +202,8 @@ class Client:
                     for _ in call:
                         pass
                     raise errors.ServiceError("the server answered a data-path Fetch without a ticket")
+            link = _transports.connect_call(route, ticket)  # the call is cancelled (finally) when it fails
             try:
-                link = route.connect(ticket)
                 for item in _transports.receive_fetch(link, pieces=reader.pieces):
                     yield from reader.arrived(item)
             except (_transports.LinkError, OSError) as exc:
@@ -251,22 +251,24 @@ class Client:
         """A Store whose call carries begin and commit, its payloads sent on the data path."""
         sent: list[int] = []
         finished = threading.Event()
+        consumer: list[threading.Thread] = []  # gRPC's thread that sends this call's messages
 
         def messages() -> Iterator[bytes]:
+            consumer.append(threading.current_thread())
             begin = archives_pb2.StoreBegin(archive=name, replace=replace).SerializeToString()
             yield encode_store_request(begin=begin)
             finished.wait()
             if sent:  # no commit after a failed transfer: the server stores nothing
                 yield encode_store_commit(*sent)
 
-        started = set(threading.enumerate())
         future = self._methods.store.future(messages(), **self._over(route))
         broken: BaseException | None = None
         try:
             ticket = _transports.ticket_of(future.initial_metadata())
             if ticket is not None:
+                link = _transports.connect_call(route, ticket)  # the call is cancelled (below) when it fails
                 try:
-                    with route.connect(ticket) as link:
+                    with link:
                         sent.extend(_transports.send_store(link, store_entries(archive, prefix), progress))
                 except (_transports.LinkError, OSError) as exc:
                     broken = exc
@@ -281,7 +283,11 @@ class Client:
                     raise self._broken(future, broken, route)
                 return ArchiveInfo.of(future.result())
         finally:
-            _join_new_grpc_threads(started)
+            # That thread outlives the call briefly; a program that exits meanwhile aborts in
+            # gRPC's C++ code. Only this call's: other threads' calls are theirs to wait for.
+            for thread in consumer:
+                if thread is not threading.current_thread():
+                    thread.join(2.0)
 
     def archive(self, name: str, *, progress: Progress = None) -> RemoteArchive:
         """The archive ``name`` as a :class:`RemoteArchive` (one Describe; reads fetch only what

@@ -44,6 +44,10 @@ class LinkError(ConnectionError):
     """The data connection broke or its peer broke the protocol; the message says which."""
 
 
+class LinkClosed(LinkError):
+    """The peer closed the data connection before all it announced had come."""
+
+
 class Link:
     """One data connection, used by one thread at a time (blocking socket)."""
 
@@ -53,6 +57,9 @@ class Link:
         self.local = local
         self._fds: list[int] = []  # received with the bytes read so far, not yet taken
         self._closed = False
+        #: Raw payload bytes that a frame announced are being sent: the peer reads whatever
+        #: comes next as those bytes, so no frame (a failure) may be sent until they are out.
+        self.in_payload = False
 
     # -- frames -------------------------------------------------------------------------
 
@@ -106,7 +113,7 @@ class Link:
             else:
                 got = self.sock.recv_into(view[filled:])
             if not got:
-                raise LinkError(f"data connection closed by the peer after {filled} of {size} bytes")
+                raise LinkClosed(f"data connection closed by the peer after {filled} of {size} bytes")
             filled += got
 
     def _receive_with_fds(self, view: memoryview) -> int:
@@ -233,5 +240,5 @@ def tune_tcp(sock: socket.socket) -> None:
             pass
 
 
-__all__ = ["DATA_TRANSPORTS", "Link", "LinkError", "PeerFailed", "TICKET_KEY", "TRANSPORT_KEY", "connect_unix",
-           "expect", "frame", "tune_tcp", "unix_address"]
+__all__ = ["DATA_TRANSPORTS", "Link", "LinkClosed", "LinkError", "PeerFailed", "TICKET_KEY", "TRANSPORT_KEY",
+           "connect_unix", "expect", "frame", "tune_tcp", "unix_address"]

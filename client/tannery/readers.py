@@ -136,8 +136,8 @@ class PieceReader(_EntryStream):
     def arrived(self, item: Arrived | TensorPiece) -> list[TensorPiece]:
         """An entry (a mapped one is one piece) or a piece that came on a data path."""
         if isinstance(item, TensorPiece):
-            if self._progress is not None:
-                self._progress(item.data.nbytes)
+            if self._progress is not None:  # payload bytes, as everywhere: the header with the first piece
+                self._progress(item.data.nbytes + (item.info.data_offset if item.first else 0))
             return [item]
         if self._progress is not None:
             self._progress(item.info.size)

@@ -151,8 +151,8 @@ def choose(transport: str, offered: "DataPathsResponse | None", target: str, tls
             reasons.append(f"the {route.describe()} does not answer as this server ({exc}; {where})")
     if transport == "auto":
         return None
-    raise errors.Unavailable(f"transport {transport!r} is not available: {'; '.join(reasons)}; use transport='auto' "
-                             "(or --transport auto) to fall back to what is")
+    raise _coded(errors.Unavailable, "UNAVAILABLE", f"transport {transport!r} is not available: {'; '.join(reasons)}; "
+                 "use transport='auto' (or --transport auto) to fall back to what is")
 
 
 def _host_of(target: str) -> str | None:
@@ -244,7 +244,7 @@ def _mapped(entry, fd: int) -> Arrived:
             bad = checksums.first_bad_block(region[first:], entry.block_size, entry.block_crcs, entry.checksum,
                                             entry.first_block)
             if bad is not None:
-                raise errors.DataLoss(checksums.corrupted_message(what, entry.digest, bad))
+                raise _coded(errors.DataLoss, "DATA_LOSS", checksums.corrupted_message(what, entry.digest, bad))
         region = region[start - map_start : stop - map_start]
     try:
         if entry.prefix:
@@ -412,12 +412,29 @@ def next_published(link: Link, reader: object) -> list:
     return reader.feed(memoryview(link.receive_exactly(received.entry.payload_bytes)))
 
 
+def connect_call(route: Route, ticket: str) -> Link:
+    """A call's data connection; Unavailable at once when it cannot be made (the caller then
+    cancels the call: the server would answer only when its wait for the connection ends)."""
+    try:
+        return route.connect(ticket)
+    except (LinkError, OSError) as exc:
+        raise link_failure(exc, route) from None
+
+
 def link_failure(exc: BaseException, route: Route) -> errors.ServiceError:
     """The client's error for a data connection that broke (when the call's status says nothing more)."""
     if isinstance(exc, PeerFailed) and exc.code == "PERMISSION_DENIED":
-        return errors.PermissionDenied(f"the server refused the data connection: {exc.message}")
-    return errors.Unavailable(f"the data connection ({route.describe()}) broke: {exc}")
+        return _coded(errors.PermissionDenied, exc.code, f"the server refused the data connection: {exc.message}")
+    return _coded(errors.Unavailable, "UNAVAILABLE", f"the data connection ({route.describe()}) broke: {exc}")
 
 
-__all__ = ["Arrived", "Route", "TRANSPORTS", "check_transport", "choose", "next_published", "publish_over",
-           "receive_fetch", "send_store", "ticket_of"]
+def _coded(kind: type[errors.ServiceError], code: str, message: str) -> errors.ServiceError:
+    """A service error raised by the client itself, carrying ``.code`` as those made from a
+    call's status do (:func:`tannery.connection.service_error`)."""
+    error = kind(message)
+    error.code = code  # type: ignore[attr-defined]
+    return error
+
+
+__all__ = ["Arrived", "Route", "TRANSPORTS", "check_transport", "choose", "connect_call", "next_published",
+           "publish_over", "receive_fetch", "send_store", "ticket_of"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable, TypeVar
 
@@ -22,7 +23,7 @@ from .calllog import current_call
 from .config import Config
 from .failures import Cancelled, DeadlineExceeded, Malformed, Missing
 from .data_paths import DataPathOff, DataPaths, requested_transport
-from .data_transfer import fail, receive_store, send_fetch
+from .data_transfer import LINK_ERRORS, fail, link_failure, receive_store, send_fetch
 from .fetching import FetchStream, check_request, digests, resolve
 from .handling import add_service, answering_failures
 from .storage import ArchiveLimits, ArchiveRecord, Storage
@@ -148,8 +149,17 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
         try:
             return await asyncio.shield(job)
         except BaseException as exc:
-            fail(link, exc if not isinstance(exc, asyncio.CancelledError) else Cancelled("the call was cancelled"))
+            if isinstance(exc, LINK_ERRORS):  # the connection's, not the storage's: no "storage error"
+                failure: BaseException = link_failure(transport, exc)
+            else:
+                failure = exc if not isinstance(exc, asyncio.CancelledError) else Cancelled("the call was cancelled")
+            fail(link, failure)
             await _settle(job)
+            # The transfer's frames hold its buffers (mapped memory files, receive windows):
+            # let them go now, not when gRPC drops the aborted call (a dead client's, later).
+            traceback.clear_frames(exc.__traceback__)
+            if isinstance(exc, LINK_ERRORS):
+                raise failure from None
             raise
         finally:
             link.close()

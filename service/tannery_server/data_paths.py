@@ -59,8 +59,10 @@ class Ticket:
     def hex(self) -> str:
         return self.secret.hex()
 
-    async def connection(self, timeout: float = CONNECT_SECONDS) -> Link:
-        """The client's data connection; Unavailable when it does not come in time."""
+    async def connection(self, timeout: float | None = None) -> Link:
+        """The client's data connection; Unavailable when it does not come in time
+        (:data:`CONNECT_SECONDS`, as the ticket's validity, unless ``timeout`` says otherwise)."""
+        timeout = CONNECT_SECONDS if timeout is None else timeout
         try:
             return await asyncio.wait_for(asyncio.shield(self.future), timeout)
         except asyncio.TimeoutError:

@@ -22,15 +22,16 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import ssl
 from collections import deque
 from typing import Iterator, Sequence
 
 from tannery.codec import read_info
-from tannery.datalink import Link, LinkError, expect, frame
+from tannery.datalink import Link, LinkClosed, LinkError, expect, frame
 from tannery.v1.data_pb2 import DataEnd, DataFailure, EntryBytes, MappedEntry
 from tannery.wire import StoreMessage
 
-from .failures import DataLoss, Failure, Malformed
+from .failures import DataLoss, Failure, Malformed, Unavailable
 from .fetching import Plan, _cast, _read_blocks, _shift_bits
 from .storage import BlobInfo, Storage
 from .storage.integrity import check_block
@@ -45,10 +46,26 @@ RECEIVE_WINDOW = 4 << 20
 _SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 
 
+#: What a data connection raises when it breaks (or its peer breaks the protocol): errors of
+#: the connection, not of the storage, whatever OSError they derive from.
+LINK_ERRORS = (ConnectionError, ssl.SSLError, TimeoutError)
+
+
+def link_failure(transport: str, exc: BaseException) -> Failure:
+    """The call's failure for a data connection that broke (one of :data:`LINK_ERRORS`): the
+    peer leaving is Unavailable, a peer breaking the protocol Malformed."""
+    if isinstance(exc, LinkError) and not isinstance(exc, LinkClosed):
+        return Malformed(f"the {transport} {exc}")
+    return Unavailable(f"the {transport} data connection broke: {exc}")
+
+
 def fail(link: Link, failure: BaseException) -> None:
     """Tell the peer why the transfer stops, then break the connection. Best effort and never
-    blocking (the call's status says it too): a peer whose buffer is full misses the frame."""
-    if isinstance(failure, Failure):
+    blocking (the call's status says it too): a peer whose buffer is full misses the frame.
+
+    In the middle of an entry's raw bytes (TCP Fetch) the connection is only broken: the
+    client would read a failure frame as tensor bytes (or as the payload's header)."""
+    if isinstance(failure, Failure) and not link.in_payload:
         try:
             link.sock.settimeout(0.0)
             link.send(frame(failure=DataFailure(code=failure.code.name, message=str(failure))))
@@ -128,6 +145,13 @@ def _computed(blob, info: BlobInfo, plan: Plan, what: str) -> Iterator[memoryvie
 
 def _send_bytes(link: Link, blob, info: BlobInfo, plan: Plan, what: str) -> int:
     """One entry as an ``entry`` frame and its payload's bytes."""
+    link.in_payload = True  # from the entry frame on, until its last byte is out
+    size = _send_payload(link, blob, info, plan, what)
+    link.in_payload = False
+    return size
+
+
+def _send_payload(link: Link, blob, info: BlobInfo, plan: Plan, what: str) -> int:
     if plan.prefix is None:  # the whole payload as stored: from the file, each batch checked first
         link.send(frame(entry=EntryBytes(name=plan.entry.name, payload_bytes=info.size)))
         _send_checked(link, blob, info, 0, info.size, what)
@@ -159,7 +183,10 @@ def _send_checked(link: Link, blob, info: BlobInfo, start: int, stop: int, what:
             for batch in range(first, end, SEND_BATCH_BLOCKS):
                 last = min(end, batch + SEND_BATCH_BLOCKS)
                 for index in range(batch, last):
-                    check_block(what, info, index, view[index * block : min((index + 1) * block, info.size)])
+                    # Released at once, even when the check fails: a slice a traceback keeps
+                    # would make closing the map fail (BufferError) in place of the DataLoss.
+                    with view[index * block : min((index + 1) * block, info.size)] as data:
+                        check_block(what, info, index, data)
                 lo, hi = max(start, batch * block), min(stop, last * block)
                 link.send_file(blob.fileno(), lo, hi - lo)
         finally:
@@ -264,4 +291,4 @@ def _close_all(fds: list[int]) -> None:
         os.close(fd)
 
 
-__all__ = ["LinkError", "fail", "receive_store", "send_fetch"]
+__all__ = ["LINK_ERRORS", "LinkError", "fail", "link_failure", "receive_store", "send_fetch"]
