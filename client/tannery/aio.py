@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Coroutine
 
 import grpc
@@ -271,21 +271,31 @@ class Client:
     async def _store_over(self, route: Route, name: str, archive: Archive, prefix: str, replace: bool,
                           progress: Progress) -> ArchiveInfo:
         """A Store whose call carries begin and commit, its payloads sent on the data path."""
-        sent: list[int] = []
+        begin = archives_pb2.StoreBegin(archive=name, replace=replace).SerializeToString()
+        answer = await self._upload_over(
+            route, self._methods.store, encode_store_request(begin=begin),
+            lambda link: send_store(link, store_entries(archive, prefix), progress),
+            lambda sent: encode_store_commit(*sent))
+        return ArchiveInfo.of(answer)
+
+    async def _upload_over(self, route: Route, method: Any, first: bytes, transfer: Callable[[Any], tuple[int, int]],
+                           last: Callable[[tuple[int, int]], bytes] | None = None) -> Any:
+        """As :meth:`tannery.Client._upload_over`: the connection made and ``transfer`` run on
+        worker threads."""
+        sent: list[tuple[int, int]] = []
         finished = asyncio.Event()
 
         async def messages() -> AsyncIterator[bytes]:
-            begin = archives_pb2.StoreBegin(archive=name, replace=replace).SerializeToString()
-            yield encode_store_request(begin=begin)
+            yield first
             await finished.wait()
-            if sent:  # no commit after a failed transfer: the server stores nothing
-                yield encode_store_commit(*sent)
+            if sent and last is not None:  # no final message after a failed transfer
+                yield last(sent[0])
 
-        def transfer(link: Any) -> tuple[int, int]:
+        def run(link: Any) -> tuple[int, int]:
             with link:
-                return send_store(link, store_entries(archive, prefix), progress)
+                return transfer(link)
 
-        call = self._methods.store(messages(), **self._over(route))
+        call = method(messages(), **self._over(route))
         final = _FinalStatus(call)
         broken: BaseException | None = None
         try:
@@ -294,7 +304,7 @@ class Client:
                 # Unavailable at once when the connection cannot be made; the call is cancelled (below).
                 link = await asyncio.to_thread(connect_call, route, ticket)
                 try:
-                    sent.extend(await asyncio.to_thread(transfer, link))
+                    sent.append(await asyncio.to_thread(run, link))
                 except (LinkError, OSError) as exc:
                     broken = exc
         except BaseException:
@@ -305,7 +315,7 @@ class Client:
         try:
             if broken is not None:
                 raise await self._broken(call, broken, route)
-            return ArchiveInfo.of(await call)
+            return await call
         except grpc.aio.AioRpcError as error:
             raise final.error(error, self._connection.target) from None
 
@@ -389,37 +399,9 @@ class Client:
         (an async iterable of tensors is gathered first: the passing runs on a worker thread)."""
         if isinstance(tensors, AsyncIterable):
             tensors = [tensor async for tensor in tensors]
-        finished = asyncio.Event()
-
-        async def messages() -> AsyncIterator[bytes]:
-            yield encode_publish_request(channel, [])
-            await finished.wait()
-
-        def transfer(ticket: str) -> tuple[int, int]:
-            with route.connect(ticket) as link:
-                return publish_over(link, tensors, progress)
-
-        call = self._methods.publish(messages(), **self._over(route))
-        final = _FinalStatus(call)
-        broken: BaseException | None = None
-        try:
-            ticket = ticket_of(await call.initial_metadata())
-            if ticket is not None:
-                try:
-                    await asyncio.to_thread(transfer, ticket)
-                except (LinkError, OSError) as exc:
-                    broken = exc
-        except BaseException:
-            call.cancel()
-            raise
-        finally:
-            finished.set()
-        try:
-            if broken is not None:
-                raise await self._broken(call, broken, route)
-            return Published.of(await call)
-        except grpc.aio.AioRpcError as error:
-            raise final.error(error, self._connection.target) from None
+        answer = await self._upload_over(route, self._methods.publish, encode_publish_request(channel, []),
+                                         lambda link: publish_over(link, tensors, progress))
+        return Published.of(answer)
 
     def subscribe(self, channel: str, *, progress: Progress = None) -> "AsyncSubscription":
         """Subscribe to ``channel``: ``await`` it (or ``async with`` it) to register the
@@ -480,7 +462,11 @@ class AsyncSubscription:
                 if ticket is None:
                     self._call.cancel()
                     raise errors.ServiceError("the server answered a same-host Subscribe without a ticket")
-                self._link = await asyncio.to_thread(self._route.connect, ticket)
+                try:
+                    self._link = await asyncio.to_thread(connect_call, self._route, ticket)
+                except BaseException:
+                    self._call.cancel()  # the server would wait for the connection until its ticket expires
+                    raise
         return self
 
     async def _next_over_link(self) -> list:

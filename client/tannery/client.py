@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -249,19 +249,30 @@ class Client:
     def _store_over(self, route: Route, name: str, archive: Archive, prefix: str, replace: bool,
                     progress: Progress) -> ArchiveInfo:
         """A Store whose call carries begin and commit, its payloads sent on the data path."""
-        sent: list[int] = []
+        begin = archives_pb2.StoreBegin(archive=name, replace=replace).SerializeToString()
+        answer = self._upload_over(
+            route, self._methods.store, encode_store_request(begin=begin),
+            lambda link: _transports.send_store(link, store_entries(archive, prefix), progress),
+            lambda sent: encode_store_commit(*sent))
+        return ArchiveInfo.of(answer)
+
+    def _upload_over(self, route: Route, method: Any, first: bytes, transfer: Callable[[Any], tuple[int, int]],
+                     last: Callable[[tuple[int, int]], bytes] | None = None) -> Any:
+        """A client-streaming call (Store, Publish) whose ``first`` message opens it and whose
+        payloads ``transfer`` sends on the data path; ``last(sent)`` is its final message (not
+        sent after a failed transfer: the server then keeps nothing). The call's answer."""
+        sent: list[tuple[int, int]] = []
         finished = threading.Event()
         consumer: list[threading.Thread] = []  # gRPC's thread that sends this call's messages
 
         def messages() -> Iterator[bytes]:
             consumer.append(threading.current_thread())
-            begin = archives_pb2.StoreBegin(archive=name, replace=replace).SerializeToString()
-            yield encode_store_request(begin=begin)
+            yield first
             finished.wait()
-            if sent:  # no commit after a failed transfer: the server stores nothing
-                yield encode_store_commit(*sent)
+            if sent and last is not None:
+                yield last(sent[0])
 
-        future = self._methods.store.future(messages(), **self._over(route))
+        future = method.future(messages(), **self._over(route))
         broken: BaseException | None = None
         try:
             ticket = _transports.ticket_of(future.initial_metadata())
@@ -269,7 +280,7 @@ class Client:
                 link = _transports.connect_call(route, ticket)  # the call is cancelled (below) when it fails
                 try:
                     with link:
-                        sent.extend(_transports.send_store(link, store_entries(archive, prefix), progress))
+                        sent.append(transfer(link))
                 except (_transports.LinkError, OSError) as exc:
                     broken = exc
         except BaseException:
@@ -281,7 +292,7 @@ class Client:
             with self._errors():
                 if broken is not None:
                     raise self._broken(future, broken, route)
-                return ArchiveInfo.of(future.result())
+                return future.result()
         finally:
             # That thread outlives the call briefly; a program that exits meanwhile aborts in
             # gRPC's C++ code. Only this call's: other threads' calls are theirs to wait for.
@@ -381,35 +392,9 @@ class Client:
 
     def _publish_over(self, route: Route, channel: str, tensors: Iterable[Any], progress: Progress) -> Published:
         """A Publish whose call names the channel, its payloads passed as sealed memory files."""
-        finished = threading.Event()
-
-        def messages() -> Iterator[bytes]:
-            yield encode_publish_request(channel, [])
-            finished.wait()
-
-        started = set(threading.enumerate())
-        future = self._methods.publish.future(messages(), **self._over(route))
-        broken: BaseException | None = None
-        try:
-            ticket = _transports.ticket_of(future.initial_metadata())
-            if ticket is not None:
-                try:
-                    with route.connect(ticket) as link:
-                        _transports.publish_over(link, tensors, progress)
-                except (_transports.LinkError, OSError) as exc:
-                    broken = exc
-        except BaseException:
-            future.cancel()
-            raise
-        finally:
-            finished.set()
-        try:
-            with self._errors():
-                if broken is not None:
-                    raise self._broken(future, broken, route)
-                return Published.of(future.result())
-        finally:
-            _join_new_grpc_threads(started)
+        answer = self._upload_over(route, self._methods.publish, encode_publish_request(channel, []),
+                                   lambda link: _transports.publish_over(link, tensors, progress))
+        return Published.of(answer)
 
     def subscribe(self, channel: str, *, progress: Progress = None) -> "Subscription":
         """Subscribe to ``channel``: an iterator of the tensors published from now on.
@@ -439,7 +424,7 @@ class Client:
                     for _ in call:
                         pass
                     raise errors.ServiceError("the server answered a same-host Subscribe without a ticket")
-            link = route.connect(ticket)
+            link = _transports.connect_call(route, ticket)
         except BaseException:
             call.cancel()
             raise

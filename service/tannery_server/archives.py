@@ -56,7 +56,7 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
         self._limits = ArchiveLimits(config.max_entries, config.max_name_bytes)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return await self._run_future(fn, *args)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
@@ -113,7 +113,13 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
         await self._run(session.abort)
 
     def _run_future(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
-        return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        loop = asyncio.get_running_loop()
+        try:
+            return loop.run_in_executor(self._executor, fn, *args)
+        except RuntimeError:
+            # Closed: a call cancelled at shutdown still releases its pins and files (on the
+            # loop's default threads) after the pool stopped taking work.
+            return loop.run_in_executor(None, fn, *args)
 
     @answering_failures
     async def Union(self, request: archives_pb2.UnionRequest, context) -> archives_pb2.ArchiveInfo:
