@@ -66,3 +66,12 @@ def server_process(tmp_path: Path):
     process = ServerProcess(tmp_path / "data")
     yield process
     process.kill()
+
+
+@pytest.fixture
+def no_client_environment(monkeypatch):
+    """The clients' defaults come from TANNERY_* variables: none of the caller's apply (for
+    tests that give ``transport=`` and the rest themselves; use it with ``usefixtures``)."""
+    for variable in ("TANNERY_TARGET", "TANNERY_TOKEN", "TANNERY_TLS", "TANNERY_TLS_CA", "TANNERY_CLIENT_CERT",
+                     "TANNERY_CLIENT_KEY", "TANNERY_TRANSPORT"):
+        monkeypatch.delenv(variable, raising=False)

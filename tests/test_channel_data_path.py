@@ -12,13 +12,13 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
-import time
 
 import pytest
 import torch
 
 import tannery
 import tannery.aio
+from tannery.torch import serialize
 from tannery.datalink import TICKET_KEY, TRANSPORT_KEY, connect_unix, expect, frame
 from tannery.v1 import channels_pb2, channels_pb2_grpc
 from tannery.v1.data_pb2 import Hello, SealedPiece
@@ -29,9 +29,8 @@ MiB = 1 << 20
 PAIRS = [("local", "local"), ("local", "grpc"), ("grpc", "local")]
 
 
-@pytest.fixture(autouse=True)
-def no_client_environment(monkeypatch):
-    monkeypatch.delenv("TANNERY_TRANSPORT", raising=False)
+#: The caller's TANNERY_* client variables do not apply (conftest.no_client_environment).
+pytestmark = pytest.mark.usefixtures("no_client_environment")
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +160,7 @@ def test_a_piece_that_is_not_a_sealed_memory_file_is_refused(server):
     link = connect_unix(server.data_paths.socket_path)
     expect(link.receive()[0], "welcome")
     link.send(frame(hello=Hello(ticket=bytes.fromhex(ticket))))
-    payload = tannery.torch.serialize(torch.arange(4))
+    payload = serialize(torch.arange(4))
     fd = os.memfd_create("unsealed", os.MFD_ALLOW_SEALING)
     os.write(fd, payload)
     fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)  # writes still allowed
@@ -184,12 +183,11 @@ def test_channels_refuse_the_tcp_data_path_naming_the_ones_they_take(server):
     assert "local data path or gRPC" in raised.value.details()
 
 
-def test_a_closed_same_host_subscription_is_forgotten_by_the_server(server):
-    with tannery.Client(server.target, transport="local") as client:
-        before = server.hub.subscribers
+def test_a_closed_same_host_subscription_is_forgotten_by_the_server(tmp_path):
+    with running_server(tmp_path, data_port=0) as server, tannery.Client(server.target, transport="local") as client:
         subscription = client.subscribe("leaving")
-        assert wait_for(lambda: server.hub.subscribers == before + 1)
+        assert server.hub.subscribers == 1
         subscription.close()
-        assert wait_for(lambda: server.hub.subscribers == before)
-        time.sleep(0.1)
-        client.publish("leaving", [torch.zeros(3)])  # nobody left to block it
+        assert wait_for(lambda: server.hub.subscribers == 0)
+        published = client.publish("leaving", [torch.zeros(3)])  # nobody left to hold it up
+        assert published.payloads == 1 and published.dropped_subscribers == 0

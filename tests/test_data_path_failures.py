@@ -35,13 +35,8 @@ from .server_harness import ServerProcess, running_server, wait_for
 MiB = 1 << 20
 
 
-@pytest.fixture(autouse=True)
-def no_client_environment(monkeypatch):
-    """The clients' defaults come from TANNERY_* variables: none of the caller's apply here
-    (the tests give transport= themselves)."""
-    for variable in ("TANNERY_TARGET", "TANNERY_TOKEN", "TANNERY_TLS", "TANNERY_TLS_CA", "TANNERY_CLIENT_CERT",
-                     "TANNERY_CLIENT_KEY"):
-        monkeypatch.delenv(variable, raising=False)
+#: The caller's TANNERY_* client variables do not apply (conftest.no_client_environment).
+pytestmark = pytest.mark.usefixtures("no_client_environment")
 
 
 @pytest.fixture(scope="module")

@@ -64,8 +64,11 @@ class Ticket:
         (:data:`CONNECT_SECONDS`, as the ticket's validity, unless ``timeout`` says otherwise)."""
         timeout = CONNECT_SECONDS if timeout is None else timeout
         try:
-            return await asyncio.wait_for(asyncio.shield(self.future), timeout)
-        except asyncio.TimeoutError:
+            # Not asyncio.wait_for: on Python 3.11 it can swallow the call's cancellation when
+            # the connection arrives at the same moment, leaving a handler for a client gone.
+            async with asyncio.timeout(timeout):
+                return await asyncio.shield(self.future)
+        except TimeoutError:
             raise Unavailable(f"the client did not open its {self.transport} data connection within {timeout:g} s "
                               "(a firewall between it and the data port?); nothing was moved") from None
         except asyncio.CancelledError:
