@@ -24,7 +24,7 @@ import grpc
 from . import errors
 
 DEFAULT_TARGET = "localhost:50051"
-#: Bytes of payload per message sent (Store, Publish). 1 MiB, not the 3 MiB the server sends:
+#: Bytes of payload per message sent (Store, Publish). 1 MiB, not the 2 MiB the server sends:
 #: grpcio's cost per byte received grows with the message, and here the server receives.
 DEFAULT_CHUNK_SIZE = 1 << 20
 #: The most a message may carry and stay under gRPC's default 4 MiB limit.

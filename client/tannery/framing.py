@@ -149,7 +149,7 @@ EAGER_GATHER = 32 << 20
 #: cost a receiving client 2.5x the CPU (docs/benchmarks.md, "Measurements behind the code").
 HUGE_PAGES = False
 #: Bytes of a gather map faulted in ahead of the data, in one call (``MADV_POPULATE_WRITE``,
-#: Linux 5.14+), instead of one page fault per 4 KiB page the copy touches: about 0.1 client
+#: Linux 5.14+), instead of one page fault per 4 KiB page the copy touches: 0.05-0.2 client
 #: CPU-s per GiB fetched less here (docs/benchmarks.md).
 POPULATE_AHEAD = 8 << 20
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23) if sys.platform == "linux" else None

@@ -1,10 +1,10 @@
 """Transport: one float32 tensor uploaded to a server on loopback and downloaded back.
 
 Competitors (every server a subprocess, every client in this process, 1 MiB messages but
-tannery's Fetch, which the server sends in chunks of its default size, 3 MiB):
+tannery's Fetch, which the server sends in chunks of its default size, 2 MiB):
 
 - the raw grpcio ceiling: bytes messages through a bare generic handler, no work on
-  either side (the baseline of every ratio), and the same with 3 MiB messages (what
+  either side (the baseline of every ratio), and the same with 2 MiB messages (what
   tannery's Fetch compares with message for message);
 - the ceiling plus what a store must do with the bytes: written to a file and fsynced
   (upload), read from a file in the page cache with ``pread`` (download);
