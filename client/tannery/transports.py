@@ -49,6 +49,8 @@ PROGRESS_STEP = 1 << 20
 RECEIVE_PIECE = 4 << 20
 #: Seconds to wait for a call's status after its data connection broke.
 STATUS_WAIT = 10.0
+#: madvise advice that maps a range's pages in for reading (Linux 5.14; the mmap module may lack the name).
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 
 
 @dataclass(frozen=True)
@@ -235,9 +237,9 @@ def _mapped(entry, fd: int) -> Arrived:
     if map_stop == map_start:
         region = memoryview(bytearray(0))
     else:
-        flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
-        mapped = mmap.mmap(fd, map_stop - map_start, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE,
+        mapped = mmap.mmap(fd, map_stop - map_start, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE,
                            offset=map_start)
+        _populate(mapped)
         region = memoryview(mapped)
         if entry.block_crcs:
             first = entry.first_block * entry.block_size - map_start
@@ -256,6 +258,20 @@ def _mapped(entry, fd: int) -> Arrived:
     except FormatError as exc:
         raise FormatError(f"Fetch: {what}: {exc}") from None
     return Arrived(entry.name, info, region[info.data_offset :])
+
+
+def _populate(mapped: mmap.mmap) -> None:
+    """Map the file's pages in at once, read-only (the block check reads them all next).
+
+    Not MAP_POPULATE: on a private writable map it faults every page in for writing, which
+    copies the whole file (about 0.6 s per GiB here). MADV_POPULATE_READ (Linux 5.14) maps the
+    page cache's own pages; a page is copied only if the tensor is written. Older kernels
+    refuse it, and the check then faults the pages in as it reads them.
+    """
+    try:
+        mapped.madvise(_MADV_POPULATE_READ)
+    except (OSError, AttributeError):
+        pass
 
 
 def _receive_prefix(link: Link, size: int, name: str) -> bytearray:

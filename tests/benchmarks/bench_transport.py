@@ -10,14 +10,20 @@ tannery's Fetch, which the server sends in chunks of its default size, 2 MiB):
   (upload), read from a file in the page cache with ``pread`` (download);
 - tannery Store/Fetch with pre-built request bytes and raw response bytes: the server's
   share alone, the figure the 0.8x target is about;
-- ``tannery.Client``: a tensor in, a tensor out (what users run);
+- ``tannery.Client``: a tensor in, a tensor out (what users run), on each of its data paths:
+  ``transport="grpc"`` (the gRPC streams), ``"local"`` (the server's Unix socket: a Fetch
+  maps the blob file it is passed and checks every block's CRC before the tensor is handed
+  out, so every byte is read; a Store passes sealed memory files) and ``"tcp"`` (the
+  server's data port: ``sendfile`` out, ``recv_into`` the tensor in);
 - pytannic's serialize/deserialize over its raw TCP framing;
 - ``torch.save`` bytes in chunk-sized gRPC messages, ``torch.load`` on the way back;
 - Apache Arrow Flight ``DoPut``/``DoGet`` of a one-column table.
 
 Only tannery writes to disk (durably, as a store must); the other servers keep the bytes
-in memory, which flatters them on upload. Each round is one upload then one download;
-the server's copy is dropped after each round (so tannery's Store writes every time).
+in memory, which flatters them on upload. Every competitor is also given as a ratio to
+Arrow Flight of the same run (DoPut for upload, DoGet for download). Each round is one
+upload then one download; the server's copy is dropped after each round (so tannery's
+Store writes every time).
 """
 
 from __future__ import annotations
@@ -36,7 +42,9 @@ CEILING = "raw grpcio ceiling"
 CEILING_LARGE = f"raw grpcio ceiling, {clients.TANNERY_SERVER_CHUNK >> 20} MiB messages"
 CEILING_DISK = "ceiling + durable write / file read"
 TANNERY_RAW = "tannery Store/Fetch (pre-built messages)"
-TANNERY = "tannery.Client"
+TANNERY = "tannery.Client grpc"
+TANNERY_LOCAL = "tannery.Client local"
+TANNERY_TCP = "tannery.Client tcp"
 PYTANNIC = "pytannic over TCP"
 PYTANNIC_SHIPPED = "pytannic over TCP, Client.receive as shipped"
 TORCH = "torch.save bytes over gRPC"
@@ -52,7 +60,8 @@ def run(options: Options) -> CaseResult:
             "ratios of medians against the ceilings of the same run; CPU seconds per GiB moved, of the server "
             "process and of the client (this process), medians (resolution 10 ms: meaningless below ~64 MiB).")
     tables = {d: Table(f"{d.capitalize()}", ["size", "competitor", "median", "spread (slow – fast)",
-                                             f"vs {CEILING}", "vs ceiling + disk", "server CPU s/GiB",
+                                             f"vs {CEILING}", "vs ceiling + disk", "vs Flight",
+                                             "server CPU s/GiB",
                                              "client CPU s/GiB"], note=note)
               for d in ("upload", "download")}
     series: dict[str, dict[str, list]] = {"upload": {}, "download": {}}
@@ -71,6 +80,8 @@ def run(options: Options) -> CaseResult:
                 CEILING_DISK: clients.RawCeiling(raw_channel, payload, durable_dir=tmp),
                 TANNERY_RAW: clients.TanneryMessages(tannery_channel, payload),
                 TANNERY: clients.TanneryClient(server.target),
+                TANNERY_LOCAL: clients.TanneryClient(server.target, "bench-local", transport="local"),
+                TANNERY_TCP: clients.TanneryClient(server.target, "bench-tcp", transport="tcp"),
                 PYTANNIC: clients.PytannicTcp(tcp.target),
                 TORCH: clients.TorchSaveGrpc(raw_channel),
                 FLIGHT: clients.ArrowFlight(flight.target),
@@ -78,7 +89,7 @@ def run(options: Options) -> CaseResult:
             if size <= SHIPPED_RECEIVE_MAX:
                 competitors[PYTANNIC_SHIPPED] = clients.PytannicTcp(tcp.target, shipped_receive=True)
             del payload
-            competitors = options.select(competitors, CEILING, CEILING_DISK)
+            competitors = options.select(competitors, CEILING, CEILING_DISK, FLIGHT)
             for name, competitor in competitors.items():  # each gives the tensor back, exactly
                 competitor.upload(tensor)
                 back = competitor.download()
@@ -106,7 +117,8 @@ def run(options: Options) -> CaseResult:
                 return measure
 
             pids = {CEILING: raw.pid, CEILING_LARGE: raw.pid, CEILING_DISK: raw.pid, TORCH: raw.pid, TANNERY_RAW: server.pid,
-                    TANNERY: server.pid, PYTANNIC: tcp.pid, PYTANNIC_SHIPPED: tcp.pid, FLIGHT: flight.pid}
+                    TANNERY: server.pid, TANNERY_LOCAL: server.pid, TANNERY_TCP: server.pid, PYTANNIC: tcp.pid,
+                    PYTANNIC_SHIPPED: tcp.pid, FLIGHT: flight.pid}
             timings = alternate({name: round_of(c, pids[name]) for name, c in competitors.items()},
                                 options.repetitions(size))
             for competitor in competitors.values():
@@ -115,13 +127,16 @@ def run(options: Options) -> CaseResult:
             for direction, table in tables.items():
                 base = timings[CEILING][direction].median
                 disk = timings[CEILING_DISK][direction].median
+                flight_time = timings[FLIGHT][direction].median
                 for name, quantities in timings.items():
                     samples = quantities[direction]
                     ratio = base / samples.median
                     ratios[size, name, direction] = ratio
+                    ratios[size, name, direction + " vs flight"] = flight_time / samples.median
                     per_gib = GiB / nbytes
                     table.add(fmt_size(size), name, fmt_rate(nbytes, samples.median), samples.rate_spread(nbytes),
                               fmt_ratio(ratio), fmt_ratio(disk / samples.median),
+                              fmt_ratio(flight_time / samples.median),
                               f"{quantities[direction + ' server cpu'].median * per_gib:.2f}",
                               f"{quantities[direction + ' client cpu'].median * per_gib:.2f}")
                     series[direction].setdefault(name, []).append(
@@ -137,8 +152,17 @@ def run(options: Options) -> CaseResult:
         result.target(f"tannery {rpc} at {fmt_size(largest)} (pre-built messages) vs the raw grpcio ceiling",
                       ratios[largest, TANNERY_RAW, direction], 0.8)
         others = {name: ratios.get((largest, name, direction))
-                  for name in (TANNERY, CEILING_LARGE, CEILING_DISK, PYTANNIC, TORCH, FLIGHT)}
+                  for name in (TANNERY, TANNERY_LOCAL, TANNERY_TCP, CEILING_LARGE, CEILING_DISK, PYTANNIC, TORCH, FLIGHT)}
         result.notes.append(f"{rpc} at {fmt_size(largest)}, against the ceiling: " + "; ".join(
             f"{name} {fmt_ratio(r)}" for name, r in others.items() if r is not None) + ".")
+    # The data paths' targets (issue 14), against Arrow Flight of the same run.
+    for name, direction, rpc, flight_rpc, goal in (
+            (TANNERY_LOCAL, "download", "same-host Fetch", "DoGet", 3.0),
+            (TANNERY_LOCAL, "upload", "same-host Store", "DoPut", 0.6),
+            (TANNERY_TCP, "download", "TCP data port Fetch", "DoGet", 1.3),
+            (TANNERY_TCP, "upload", "TCP data port Store", "DoPut", 0.6)):
+        ratio = ratios.get((largest, name, direction + " vs flight"))
+        if ratio is not None:
+            result.target(f"{rpc} at {fmt_size(largest)} ({name}) vs Arrow Flight {flight_rpc}", ratio, goal)
     result.data = {"series": series, "sizes": sizes}
     return result

@@ -14,6 +14,7 @@ import os
 import platform
 import re
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -308,9 +309,19 @@ class Subprocess:
         self.close()
 
 
+def free_port() -> int:
+    """A TCP port on HOST that nothing listens on now (the OS's pick; a server binds it next)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((HOST, 0))
+        return probe.getsockname()[1]
+
+
 def tannery_server(data_dir: Path, **flags: Any) -> Subprocess:
     """``python -m tannery_server serve`` on a free port with its own data directory, as
-    configured by default (metrics on, on a free port too; no tokens, no TLS)."""
+    configured by default (metrics on, on a free port too; no tokens, no TLS), with both
+    data paths: its same-host socket (``DATA_DIR/tannery.sock``, the default) and a data
+    port that is free (not the default 50052, which another server may hold)."""
+    flags.setdefault("data_port", free_port())
     args = ["-m", "tannery_server", "serve", "--host", HOST, "--port", "0", "--data-dir", str(data_dir),
             "--log-format", "json"]
     for key, value in flags.items():
