@@ -27,10 +27,11 @@ class Config:
     socket: str = ""
     #: TCP port of the direct data connection (on ``host``); 0 for none.
     data_port: int = 50052
-    #: Bytes of tensor data per message the server sends (Fetch, Subscribe). 2 MiB: sending
-    #: costs less per byte than with 1 MiB, and receiving (the client) not yet more, as it
-    #: does at 3 MiB (docs/benchmarks.md). At most 3 MiB: messages stay under gRPC's 4 MiB limit.
-    chunk_size: int = 2 * MiB
+    #: Bytes of tensor data per message the server sends (Fetch, Subscribe). 1 MiB: 2 MiB
+    #: cost the server a little less CPU per byte (docs/benchmarks.md, round 4) but let a
+    #: client that writes what it receives to disk (tannery pull) hold about twice as many
+    #: bytes in gRPC's buffers, over the 64 MiB its memory test allows. At most 3 MiB.
+    chunk_size: int = MiB
     #: Largest payload (header included) an archive entry may have.
     max_payload_bytes: int = 256 * GiB
     #: Largest rank of a stored tensor.

@@ -1,7 +1,7 @@
 """Transport: one float32 tensor uploaded to a server on loopback and downloaded back.
 
 Competitors (every server a subprocess, every client in this process, 1 MiB messages but
-tannery's Fetch, which the server sends in chunks of its default size, 2 MiB):
+tannery's Fetch, which the server sends in chunks of its default size):
 
 - the raw grpcio ceiling: bytes messages through a bare generic handler, no work on
   either side (the baseline of every ratio), and the same with 2 MiB messages (what
