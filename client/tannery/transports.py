@@ -452,5 +452,5 @@ def _coded(kind: type[errors.ServiceError], code: str, message: str) -> errors.S
     return error
 
 
-__all__ = ["Arrived", "Route", "TRANSPORTS", "check_transport", "choose", "connect_call", "next_published",
+__all__ = ["Arrived", "Route", "TRANSPORT_KEY", "TRANSPORTS", "check_transport", "choose", "connect_call", "next_published",
            "publish_over", "receive_fetch", "send_store", "ticket_of"]

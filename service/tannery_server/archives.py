@@ -22,7 +22,8 @@ from tannery.v1 import archives_pb2, archives_pb2_grpc
 from .calllog import current_call
 from .config import Config
 from .failures import Cancelled, DeadlineExceeded, Malformed, Missing
-from .data_paths import DataPathOff, DataPaths, requested_transport
+from . import data_paths as data_path_listeners
+from .data_paths import DataPathOff, requested_transport
 from .data_transfer import LINK_ERRORS, fail, link_failure, receive_store, send_fetch
 from .fetching import FetchStream, check_request, digests, resolve
 from .handling import add_service, answering_failures
@@ -48,7 +49,7 @@ def archive_info(record: ArchiveRecord) -> archives_pb2.ArchiveInfo:
 
 
 class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
-    def __init__(self, storage: Storage, config: Config, data_paths: DataPaths | None = None) -> None:
+    def __init__(self, storage: Storage, config: Config, data_paths: data_path_listeners.DataPaths | None = None) -> None:
         self.storage = storage
         self.config = config
         self.data_paths = data_paths

@@ -24,19 +24,21 @@ import mmap
 import os
 import ssl
 from collections import deque
-from typing import Iterator, Sequence
+from typing import Sequence
 
 from tannery.codec import read_info
 from tannery.datalink import Link, LinkClosed, LinkError, expect, frame
 from tannery.v1.data_pb2 import DataEnd, DataFailure, EntryBytes, MappedEntry
 from tannery.wire import StoreMessage
 
-from .failures import DataLoss, Failure, Malformed, Unavailable
-from .fetching import Plan, _cast, _read_blocks, _shift_bits
+from .failures import Failure, Malformed, Unavailable
+from .fetching import Plan, open_planned, payload_pieces
 from .storage import BlobInfo, Storage
 from .storage.integrity import check_block
 from .store_session import StoreSession
 
+#: Bytes a cast converts at a time for a data path.
+COMPUTE_WINDOW = 4 << 20
 #: Blocks checked before each ``sendfile`` of a TCP Fetch.
 SEND_BATCH_BLOCKS = 8
 #: Bytes a TCP Store receives at a time (two such buffers alternate: one is hashed while
@@ -82,17 +84,8 @@ def send_fetch(link: Link, storage: Storage, plans: Sequence[Plan]) -> int:
     total = 0
     for plan in plans:
         what = f"entry {plan.entry.name!r}"
+        blob, info = open_planned(storage, plan, what)
         try:
-            blob = storage.open_blob(plan.entry.digest)
-        except FileNotFoundError:
-            raise DataLoss(f"{what}: stored blob {plan.entry.digest} is missing") from None
-        try:
-            if blob.size != plan.entry.payload_bytes:
-                raise DataLoss(f"{what}: stored blob {plan.entry.digest} has {blob.size} bytes, "
-                               f"{plan.entry.payload_bytes} were stored")
-            info = plan.blob or storage.catalog.blob(plan.entry.digest)
-            if info is None:
-                raise DataLoss(f"{what}: stored blob {plan.entry.digest} has no checksums in the catalog")
             send = _send_mapped if link.local else _send_bytes
             total += send(link, blob, info, plan, what)
         finally:
@@ -114,14 +107,14 @@ def _send_mapped(link: Link, blob, info: BlobInfo, plan: Plan, what: str) -> int
         entry = MappedEntry(
             name=plan.entry.name, prefix=plan.prefix or b"", offset=plan.start, length=plan.stop - plan.start,
             digest=info.digest, file_size=info.size, block_size=info.block_size, first_block=first,
-            block_crcs=info.block_crcs[4 * first : 4 * last], checksum=getattr(info, "checksum", "crc32"),
+            block_crcs=info.block_crcs[4 * first : 4 * last], checksum=info.checksum,
         )
         link.send(frame(mapped=entry), [blob.fileno()])
         return len(entry.prefix) + entry.length
     memory = os.memfd_create(f"tannery-{plan.entry.digest[:12]}", os.MFD_CLOEXEC)
     try:
         size = 0
-        for piece in _computed(blob, info, plan, what):
+        for piece in payload_pieces(blob, info, plan, what, COMPUTE_WINDOW):
             size += piece.nbytes
             while piece.nbytes:
                 piece = piece[os.write(memory, piece):]
@@ -130,17 +123,6 @@ def _send_mapped(link: Link, blob, info: BlobInfo, plan: Plan, what: str) -> int
         return size
     finally:
         os.close(memory)
-
-
-def _computed(blob, info: BlobInfo, plan: Plan, what: str) -> Iterator[memoryview]:
-    """The payload of a cast or of bool rows: its prefix, then bytes made from checked blocks."""
-    yield memoryview(plan.prefix)
-    pieces = _read_blocks(blob, info, plan.start, plan.stop, what)
-    if plan.source.is_bool and plan.blob is not None:
-        pieces = _shift_bits(pieces, plan.skip_bits, plan.send_bits)
-    elif plan.target is not None:
-        pieces = _cast(pieces, plan.source, plan.target, 4 << 20)
-    yield from pieces
 
 
 def _send_bytes(link: Link, blob, info: BlobInfo, plan: Plan, what: str) -> int:
@@ -163,7 +145,7 @@ def _send_payload(link: Link, blob, info: BlobInfo, plan: Plan, what: str) -> in
         _send_checked(link, blob, info, plan.start, plan.stop, what)
         return size
     sent = 0
-    for piece in _computed(blob, info, plan, what):
+    for piece in payload_pieces(blob, info, plan, what, COMPUTE_WINDOW):
         link.send_bytes(piece)
         sent += piece.nbytes
     if sent != size:

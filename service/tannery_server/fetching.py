@@ -221,43 +221,50 @@ class FetchStream:
         for plan in self.plans:
             yield from self._entry(plan)
 
-    def _blob_info(self, entry: EntryRecord, what: str) -> BlobInfo:
-        """The checksums of a pinned blob (whole entries look them up as they are served)."""
-        info = self.storage.catalog.blob(entry.digest)
-        if info is None:
-            raise DataLoss(f"{what}: stored blob {entry.digest} has no checksums in the catalog")
-        return info
-
     def _entry(self, plan: Plan) -> Iterator[bytes]:
         what = f"entry {plan.entry.name!r}"
+        blob, info = open_planned(self.storage, plan, what)
         try:
-            blob = self.storage.open_blob(plan.entry.digest)
-        except FileNotFoundError:
-            raise DataLoss(f"{what}: stored blob {plan.entry.digest} is missing") from None
-        try:
-            if blob.size != plan.entry.payload_bytes:
-                raise DataLoss(
-                    f"{what}: stored blob {plan.entry.digest} has {blob.size} bytes, {plan.entry.payload_bytes} "
-                    "were stored"
-                )
-            info = plan.blob or self._blob_info(plan.entry, what)
             if plan.prefix is None:
                 yield from _whole_payload(blob, plan.entry, info, self.chunk_size, what)
                 return
-            pieces = _read_blocks(blob, info, plan.start, plan.stop, what)
-            if plan.source.is_bool and plan.blob is not None:
-                pieces = _shift_bits(pieces, plan.skip_bits, plan.send_bits)
-            elif plan.target is not None:
-                pieces = _cast(pieces, plan.source, plan.target, self.chunk_size)
             # Each block is checked as it is read, before any of its bytes reach a message.
-            yield from _messages(plan.entry.name, _chain([memoryview(plan.prefix)], pieces), self.chunk_size)
+            yield from _messages(plan.entry.name, payload_pieces(blob, info, plan, what, self.chunk_size),
+                                 self.chunk_size)
         finally:
             blob.close()
 
 
-def _chain(*iterables: Iterable[memoryview]) -> Iterator[memoryview]:
-    for iterable in iterables:
-        yield from iterable
+def open_planned(storage: Storage, plan: Plan, what: str) -> tuple[BlobFile, BlobInfo]:
+    """The open blob of a pinned entry and its checksums; DataLoss when the blob is missing,
+    of another size than was stored, or without checksums. The caller closes the blob."""
+    try:
+        blob = storage.open_blob(plan.entry.digest)
+    except FileNotFoundError:
+        raise DataLoss(f"{what}: stored blob {plan.entry.digest} is missing") from None
+    try:
+        if blob.size != plan.entry.payload_bytes:
+            raise DataLoss(f"{what}: stored blob {plan.entry.digest} has {blob.size} bytes, "
+                           f"{plan.entry.payload_bytes} were stored")
+        info = plan.blob or storage.catalog.blob(plan.entry.digest)
+        if info is None:
+            raise DataLoss(f"{what}: stored blob {plan.entry.digest} has no checksums in the catalog")
+    except BaseException:
+        blob.close()
+        raise
+    return blob, info
+
+
+def payload_pieces(blob: BlobFile, info: BlobInfo, plan: Plan, what: str, window: int) -> Iterator[memoryview]:
+    """The payload of a plan with a new prefix (rows, a cast): the prefix, then the bytes made
+    from blocks each checked as it is read (a cast converts ``window`` bytes at a time)."""
+    yield memoryview(plan.prefix)
+    pieces = _read_blocks(blob, info, plan.start, plan.stop, what)
+    if plan.source.is_bool and plan.blob is not None:
+        pieces = _shift_bits(pieces, plan.skip_bits, plan.send_bits)
+    elif plan.target is not None:
+        pieces = _cast(pieces, plan.source, plan.target, window)
+    yield from pieces
 
 
 def _messages(name: str, pieces: Iterable[memoryview], chunk_size: int) -> Iterator[bytes]:
