@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Protocol, Sequence
+from typing import Callable, Iterable, Iterator, Protocol, Sequence
 
 from tannery.names import join
 
@@ -165,7 +165,12 @@ class BlobFile(Protocol):
         ...
 
     def fileno(self) -> int:
-        """An open descriptor of the blob's bytes (the data paths send or pass it)."""
+        """An open descriptor of the blob's bytes (the data paths send or pass it).
+
+        ``io.UnsupportedOperation`` for a blob with no local file (an object in a bucket
+        that is not in the local cache): the data paths then send bytes read with
+        :meth:`read_into` instead.
+        """
         ...
 
     def close(self) -> None: ...
@@ -194,8 +199,9 @@ class BlobStore(Protocol):
         """Return once these blobs survive a crash (the catalog references only durable blobs)."""
         ...
 
-    def open(self, digest: str) -> BlobFile:
-        """FileNotFoundError when the blob is missing."""
+    def open(self, digest: str, size: int | None = None) -> BlobFile:
+        """FileNotFoundError when the blob is missing. ``size``, when the caller knows it
+        (the catalog does), spares a remote store the request that would find it."""
         ...
 
     def remove(self, digest: str) -> int:
@@ -206,6 +212,79 @@ class BlobStore(Protocol):
         """Every stored blob."""
         ...
 
-    def clear_temporary(self) -> int:
-        """Remove blobs left half-written by an interrupted run; returns how many."""
+    def clear_temporary(self, older_than_ns: int | None = None) -> int:
+        """Remove blobs left half-written by an interrupted run; returns how many.
+
+        ``older_than_ns`` (a ``time.time_ns()``): only those started before it (a store
+        shared by replicas must not remove another replica's upload in progress); None:
+        every one (one process owns the store and nothing is being written).
+        """
+        ...
+
+    def check(self) -> None:
+        """Return when the store answers; StorageUnavailable naming it otherwise (health checks)."""
+        ...
+
+
+class SharedCatalog(Catalog, Protocol):
+    """A catalog that several server replicas share (PostgreSQL).
+
+    Replicas keep nothing that matters in memory, so what protects a blob from collection
+    lives here too (see ``docs/scale-out.md``):
+
+    * a **lease** ``(replica, holder)`` on a blob, taken by a Store once the blob's bytes
+      are sealed and dropped when its archive commits or the call ends; a replica renews
+      its leases while it lives, so those of a killed replica expire;
+    * ``blobs.touched_ns``, set when a blob row is created, leased, unleased, or loses its
+      last reference: a blob is collected only once it has no reference, no live lease,
+      and was last touched before a grace period (which also covers a Fetch that was
+      reading it when its archive was deleted);
+    * :meth:`collect_blob` decides and deletes under the blob row's lock, so a lease taken
+      at the same moment either comes first (no collection) or finds no row (and uploads
+      the blob again).
+
+    Every write is one transaction. Driver errors are raised as StorageUnavailable naming
+    the catalog (never the driver's own exception).
+    """
+
+    def lease(self, blob: BlobInfo, replica: str, holder: str, expires_ns: int) -> bool:
+        """Record ``blob`` (its row created if absent, else touched) and a lease on it by
+        ``(replica, holder)`` until ``expires_ns``, in one transaction that holds the blob
+        row's lock. Returns whether the row existed before."""
+        ...
+
+    def renew_leases(self, replica: str, expires_ns: int) -> int:
+        """Extend every lease of ``replica`` to ``expires_ns``; returns how many."""
+        ...
+
+    def drop_leases(self, replica: str, holder: str) -> None:
+        """Remove the leases of ``(replica, holder)`` and touch their blobs."""
+        ...
+
+    def commit_leased(
+        self, name: str, entries: Sequence[EntryRecord], replace: bool, created_ns: int, replica: str, holder: str,
+        now_ns: int,
+    ) -> tuple[ArchiveRecord, list[str]]:
+        """:meth:`Catalog.commit_archive` for blobs leased by ``(replica, holder)``: in one
+        transaction, check that every entry's blob has a live lease of that holder at
+        ``now_ns`` (StorageUnavailable naming the blob otherwise: nothing is committed),
+        create or replace the archive (NameTaken as ever; two replicas committing one name
+        at once: exactly one wins, never a mix), drop the holder's leases, and touch the
+        blobs the replaced archive released (returned, as by ``commit_archive``)."""
+        ...
+
+    def collectable(self, touched_before_ns: int, now_ns: int, limit: int) -> list[str]:
+        """Up to ``limit`` digests of blob rows that no entry references, with no lease live at
+        ``now_ns``, last touched before ``touched_before_ns``."""
+        ...
+
+    def collect_blob(self, digest: str, touched_before_ns: int, now_ns: int, remove: Callable[[str], object]) -> bool:
+        """In one transaction holding the blob row's lock: if the blob is still collectable
+        (as :meth:`collectable` says), call ``remove(digest)`` (which deletes its bytes) and
+        delete the row. Returns whether it was collected; an exception from ``remove``
+        leaves the row."""
+        ...
+
+    def check(self) -> None:
+        """Return when the catalog answers; StorageUnavailable naming it otherwise."""
         ...

@@ -162,7 +162,7 @@ class FileBlobStore:
             fsync_directory(self.blobs)
             self.new_directories -= created
 
-    def open(self, digest: str) -> FileBlob:
+    def open(self, digest: str, size: int | None = None) -> FileBlob:
         return FileBlob(self.path(digest))
 
     def remove(self, digest: str) -> int:
@@ -181,9 +181,23 @@ class FileBlobStore:
                     if _DIGEST.fullmatch(blob.name):
                         yield blob.name
 
-    def clear_temporary(self) -> int:
+    def clear_temporary(self, older_than_ns: int | None = None) -> int:
         count = 0
         for leftover in self.tmp.iterdir():
-            leftover.unlink(missing_ok=True)
+            try:
+                if older_than_ns is not None and leftover.stat().st_mtime_ns >= older_than_ns:
+                    continue
+                leftover.unlink()
+            except FileNotFoundError:
+                continue
             count += 1
         return count
+
+    def check(self) -> None:
+        """StorageUnavailable when the blob directory cannot be read."""
+        from .errors import StorageUnavailable  # errors imports reserve, which imports this module
+
+        try:
+            os.stat(self.blobs)
+        except OSError as exc:
+            raise StorageUnavailable(f"blob directory {self.blobs} unreadable: {exc.strerror or exc}") from exc
