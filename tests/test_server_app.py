@@ -178,3 +178,23 @@ def test_the_tannery_command_serves(tmp_path):
         responses = list(stub.Fetch(pb.FetchRequest(archive="a")))
         assert max(len(r.chunk) for r in responses) == 8192
         assert proc.stop() == 0
+
+
+def test_health_follows_the_storage_not_serving_while_it_is_away_then_serving_again(tmp_path):
+    from .server_harness import running_server
+
+    with running_server(tmp_path, health_check_seconds=0.1) as server:
+        health = health_pb2_grpc.HealthStub(server.channel())
+
+        def status(service: str = "") -> int:
+            return health.Check(health_pb2.HealthCheckRequest(service=service)).status
+
+        blobs = tmp_path / "data" / "blobs"
+        blobs.rename(tmp_path / "elsewhere")
+        try:
+            assert wait_for(lambda: status() == health_pb2.HealthCheckResponse.NOT_SERVING, timeout=10)
+            assert status("tannery.v1.Archives") == health_pb2.HealthCheckResponse.NOT_SERVING
+        finally:
+            (tmp_path / "elsewhere").rename(blobs)
+        assert wait_for(lambda: status() == health_pb2.HealthCheckResponse.SERVING, timeout=10)
+        assert status("tannery.v1.Archives") == health_pb2.HealthCheckResponse.SERVING

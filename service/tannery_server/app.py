@@ -28,6 +28,8 @@ from .calllog import CallLogInterceptor
 from .config import Config
 from .data_paths import DataPaths
 from .storage import Storage
+from .storage.factory import describe, open_storage
+from .storage_health import StorageHealth
 
 log = logging.getLogger("tannery_server")
 
@@ -177,7 +179,7 @@ async def start(config: Config) -> RunningServer:
     start metrics, start; health SERVING. A bad tokens or TLS file raises ValueError first."""
     tokens = load_tokens(config.tokens_file, config.tokens)
     credentials = tls.server_credentials(config)
-    storage = await asyncio.to_thread(Storage.open_local, config.data_dir, config.reserve_bytes)
+    storage = await asyncio.to_thread(open_storage, config)
     closers: list = []
     enders: list = []
     metrics_port = None
@@ -234,10 +236,13 @@ async def start(config: Config) -> RunningServer:
         raise
     for name in ("", *services):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    watcher = StorageHealth(storage, health_servicer, services, config.health_check_seconds)
+    watcher.start()
+    closers.append(watcher.close)  # closers run in reverse: the watcher stops first
     running = RunningServer(server, port, config, storage, health_servicer, metrics_port, channels_servicer,
                             closers, enders)
     security = _security_summary(config, tokens, running.target)
-    log.info("serving on %s (%s; data directory %s)", running.target, security, config.data_dir.resolve())
+    log.info("serving on %s (%s; %s)", running.target, security, describe(config))
     return running
 
 

@@ -17,6 +17,21 @@ _FLAGS = [
              "in use by another process stops the start"),
     ("data_dir", "directory of the catalog (catalog.sqlite3), blobs and the space reserve (reserve, see "
                  "--reserve-bytes); one server per directory"),
+    ("catalog", "where the catalog lives: empty for DATA_DIR/catalog.sqlite3 (one server), or "
+                "postgresql://USER@HOST:PORT/DB, shared by replicas (the password from PGPASSWORD or ~/.pgpass "
+                "rather than the URL); the server creates and migrates its schema"),
+    ("blobs", "where tensor bytes live: empty for DATA_DIR/blobs, or s3://BUCKET/PREFIX (endpoint and "
+              "credentials from AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, "
+              "AWS_SECRET_ACCESS_KEY, AWS_REGION: AWS S3, SeaweedFS, MinIO, Ceph RGW, R2)"),
+    ("cache_dir", "a directory for a local read cache of blobs from a bucket (least recently used whole blobs, "
+                  "checked like any read): a hot checkpoint is served at local-disk speed after its first Fetch"),
+    ("cache_size", "most bytes the read cache holds"),
+    ("gc_grace_seconds", "with a shared catalog: seconds an unreferenced blob is kept before the bucket's space "
+                         "is freed (a Fetch already reading it has that long to finish)"),
+    ("lease_seconds", "with a shared catalog: seconds a Store's hold on its blobs lasts unless its replica "
+                      "renews it (what a replica killed mid-Store leaves is collected after this plus the grace)"),
+    ("health_check_seconds", "seconds between checks that the catalog and blob store answer; gRPC health is "
+                             "NOT_SERVING while one does not"),
     ("socket", "Unix socket of the same-host data path: clients on this host get Fetch as the stored files "
                "themselves (mapped, no byte copied through a socket) and Store through sealed memory files; "
                "empty for DATA_DIR/tannery.sock, 'off' for none"),

@@ -23,6 +23,24 @@ class Config:
     host: str = "127.0.0.1"
     port: int = 50051
     data_dir: Path = Path("./tannery-data")
+    #: Where the catalog lives: empty (or ``sqlite:``) for ``data_dir/catalog.sqlite3``,
+    #: ``postgresql://USER@HOST:PORT/DB`` for one that replicas share.
+    catalog: str = ""
+    #: Where blobs live: empty (or ``file:``) for ``data_dir/blobs``, ``s3://BUCKET/PREFIX``
+    #: for a bucket (endpoint and credentials from the AWS_* variables).
+    blobs: str = ""
+    #: A local read cache of blobs from a bucket: its directory (None: no cache) and size.
+    cache_dir: Path | None = None
+    cache_size: int = 10 * GiB
+    #: A shared store: seconds an unreferenced blob is kept before it is collected (and a
+    #: Fetch reading it when its archive went away still finds it).
+    gc_grace_seconds: float = 600.0
+    #: A shared store: seconds a Store's hold on its blobs lasts unless renewed (a replica
+    #: renews its own; those of a replica that died expire after this).
+    lease_seconds: float = 120.0
+    #: Seconds between two checks that the catalog and blob store answer (gRPC health
+    #: follows: NOT_SERVING while one does not).
+    health_check_seconds: float = 5.0
     #: Unix socket of the same-host data path: empty for ``data_dir/tannery.sock``, "off" for none.
     socket: str = ""
     #: TCP port of the direct data connection (on ``host``); 0 for none.
@@ -101,7 +119,17 @@ class Config:
                 problems.append(f"{name} {getattr(self, name)} must be at least 1")
         if self.max_rank > 255:
             problems.append(f"max_rank {self.max_rank} is over 255, the most a payload can carry")
-        for name in ("grace_seconds", "channel_timeout_seconds"):
+        if self.catalog and self.catalog.split(":", 1)[0] not in CATALOG_SCHEMES:
+            problems.append(f"catalog {without_password(self.catalog)!r} is not a sqlite: or postgresql:// URL")
+        if self.blobs and self.blobs.split(":", 1)[0] not in BLOB_SCHEMES:
+            problems.append(f"blobs {self.blobs!r} is not a file: or s3:// URL")
+        if self.cache_size < 0:
+            problems.append(f"cache_size {self.cache_size} is negative")
+        if self.health_check_seconds <= 0:
+            problems.append(f"health_check_seconds {self.health_check_seconds} must be positive")
+        if self.lease_seconds <= 0:
+            problems.append(f"lease_seconds {self.lease_seconds} must be positive")
+        for name in ("grace_seconds", "channel_timeout_seconds", "gc_grace_seconds"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} {getattr(self, name)} is negative")
         if self.log_format not in ("text", "json"):
@@ -125,8 +153,22 @@ class Config:
         return dataclasses.replace(self, **changes)
 
 
+#: The schemes of ``catalog`` and ``blobs`` URLs (:mod:`.storage.factory` opens them).
+CATALOG_SCHEMES = ("sqlite", "postgresql", "postgres")
+BLOB_SCHEMES = ("file", "s3")
+
+
+def without_password(url: str) -> str:
+    """A URL fit for messages and logs: ``user:secret@`` becomes ``user@``."""
+    head, at, rest = url.rpartition("@")
+    if not at or "//" not in head:
+        return url
+    scheme, _, user = head.partition("//")
+    return f"{scheme}//{user.split(':', 1)[0]}@{rest}"
+
+
 #: Settings that name a file; unset (None) by default.
-_PATH_FIELDS = ("tls_cert", "tls_key", "tls_client_ca", "tokens_file")
+_PATH_FIELDS = ("tls_cert", "tls_key", "tls_client_ca", "tokens_file", "cache_dir")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -174,4 +216,4 @@ def parse_size(raw: str) -> int:
     return int(digits) * _UNITS.get(unit, 1)
 
 
-__all__ = ["Config", "env_name", "parse_size", "parse_value"]
+__all__ = ["Config", "env_name", "parse_size", "parse_value", "without_password"]

@@ -20,11 +20,12 @@ temporary blob, commit only on the gRPC call's ``commit``.
 from __future__ import annotations
 
 import fcntl
+import io
 import mmap
 import os
 import ssl
 from collections import deque
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from tannery.codec import read_info
 from tannery.datalink import Link, LinkClosed, LinkError, expect, frame
@@ -32,7 +33,7 @@ from tannery.v1.data_pb2 import DataEnd, DataFailure, EntryBytes, MappedEntry
 from tannery.wire import StoreMessage
 
 from .failures import Failure, Malformed, Unavailable
-from .fetching import Plan, open_planned, payload_pieces
+from .fetching import Plan, open_planned, payload_pieces, read_blocks
 from .storage import BlobInfo, Storage
 from .storage.integrity import check_block
 from .store_session import StoreSession
@@ -99,9 +100,26 @@ def _as_stored(plan: Plan) -> bool:
     return plan.target is None and (plan.prefix is None or not plan.source.is_bool)
 
 
+def _has_file(blob) -> bool:
+    """Whether the blob is a local file the data paths may pass or ``sendfile`` (an object in a
+    bucket that is not in the local cache is not: its bytes are read and sent instead)."""
+    try:
+        blob.fileno()
+    except io.UnsupportedOperation:
+        return False
+    return True
+
+
+def _checked_pieces(blob, info: BlobInfo, plan: Plan, what: str) -> Iterator[memoryview]:
+    """The entry's payload as the client gets it, from blocks each checked as it is read."""
+    if plan.prefix is None:
+        return read_blocks(blob, info, plan.start, plan.stop, what)
+    return payload_pieces(blob, info, plan, what, COMPUTE_WINDOW)
+
+
 def _send_mapped(link: Link, blob, info: BlobInfo, plan: Plan, what: str) -> int:
     """One entry as a descriptor: its blob file (a region of it), or a memory file the server filled."""
-    if _as_stored(plan):
+    if _as_stored(plan) and _has_file(blob):
         first = plan.start // info.block_size
         last = max(first, -(-plan.stop // info.block_size))
         entry = MappedEntry(
@@ -114,7 +132,7 @@ def _send_mapped(link: Link, blob, info: BlobInfo, plan: Plan, what: str) -> int
     memory = os.memfd_create(f"tannery-{plan.entry.digest[:12]}", os.MFD_CLOEXEC)
     try:
         size = 0
-        for piece in payload_pieces(blob, info, plan, what, COMPUTE_WINDOW):
+        for piece in _checked_pieces(blob, info, plan, what):
             size += piece.nbytes
             while piece.nbytes:
                 piece = piece[os.write(memory, piece):]
@@ -156,6 +174,10 @@ def _send_payload(link: Link, blob, info: BlobInfo, plan: Plan, what: str) -> in
 def _send_checked(link: Link, blob, info: BlobInfo, start: int, stop: int, what: str) -> None:
     """Bytes [start, stop) of the blob, each batch of covering blocks checked before it is sent."""
     if start == stop:
+        return
+    if not _has_file(blob):
+        for piece in read_blocks(blob, info, start, stop, what):
+            link.send_bytes(piece)
         return
     block = info.block_size
     with mmap.mmap(blob.fileno(), info.size, prot=mmap.PROT_READ) as mapped:

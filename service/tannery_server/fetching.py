@@ -239,7 +239,7 @@ def open_planned(storage: Storage, plan: Plan, what: str) -> tuple[BlobFile, Blo
     """The open blob of a pinned entry and its checksums; DataLoss when the blob is missing,
     of another size than was stored, or without checksums. The caller closes the blob."""
     try:
-        blob = storage.open_blob(plan.entry.digest)
+        blob = storage.open_blob(plan.entry.digest, plan.entry.payload_bytes)
     except FileNotFoundError:
         raise DataLoss(f"{what}: stored blob {plan.entry.digest} is missing") from None
     try:
@@ -259,7 +259,7 @@ def payload_pieces(blob: BlobFile, info: BlobInfo, plan: Plan, what: str, window
     """The payload of a plan with a new prefix (rows, a cast): the prefix, then the bytes made
     from blocks each checked as it is read (a cast converts ``window`` bytes at a time)."""
     yield memoryview(plan.prefix)
-    pieces = _read_blocks(blob, info, plan.start, plan.stop, what)
+    pieces = read_blocks(blob, info, plan.start, plan.stop, what)
     if plan.source.is_bool and plan.blob is not None:
         pieces = _shift_bits(pieces, plan.skip_bits, plan.send_bits)
     elif plan.target is not None:
@@ -319,7 +319,7 @@ def _new_message(framing: bytes, blob: BlobFile, offset: int, size: int) -> tupl
     return buffer.getvalue(), got
 
 
-def _read_blocks(blob: BlobFile, info: BlobInfo, start: int, stop: int, what: str) -> Iterator[memoryview]:
+def read_blocks(blob: BlobFile, info: BlobInfo, start: int, stop: int, what: str) -> Iterator[memoryview]:
     """Bytes [start, stop) of the blob, each covering block checked against its CRC-32 first."""
     size = info.block_size
     for index in range(start // size, -(-stop // size)):

@@ -11,6 +11,8 @@ was written.
 
 from __future__ import annotations
 
+import uuid
+
 
 from tannery.codec import FormatError, Limits, OverLimit
 from tannery.framing import Deframer
@@ -45,6 +47,8 @@ class StoreSession:
         self._payload_size = 0
         self._commit: StoreCommit | None = None
         self._closed = False
+        #: Names this call's hold on the blobs it sealed (a shared store's leases).
+        self._holder = uuid.uuid4().hex
 
     def check_name_free(self) -> None:
         """ALREADY_EXISTS before any data is received (checked again at commit)."""
@@ -121,7 +125,7 @@ class StoreSession:
     def _finish_payload(self, info) -> None:
         assert self._writer is not None and self._entry is not None
         writer, self._writer = self._writer, None
-        blob = self.storage.seal(writer)
+        blob = self.storage.seal(writer, self._holder)
         self._blobs.append(blob)
         self._entries.append(
             EntryRecord(self._entry, info.dtype.name, tuple(info.shape), info.nbytes, info.size, info.data_offset,
@@ -159,9 +163,9 @@ class StoreSession:
                 f"({self.bytes_received} payload bytes): nothing was stored (a client that sent everything "
                 "sends commit as its last message)"
             )
-        record = self.storage.commit_archive(self.archive, self._entries, self._blobs, self.replace)
+        record = self.storage.commit_archive(self.archive, self._entries, self._blobs, self.replace, self._holder)
         self._closed = True
-        self.storage.release(b.digest for b in self._blobs)
+        self.storage.release((b.digest for b in self._blobs), holder=self._holder)
         return record
 
     def abort(self) -> None:
@@ -172,4 +176,4 @@ class StoreSession:
         if self._writer is not None:
             self._writer.temp.discard()
             self._writer = None
-        self.storage.release((b.digest for b in self._blobs), collect=True)
+        self.storage.release((b.digest for b in self._blobs), collect=True, holder=self._holder)

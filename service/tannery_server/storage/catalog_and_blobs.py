@@ -56,9 +56,9 @@ class Storage:
         self._deferred: set[str] = set()
 
     @classmethod
-    def open_local(cls, data_dir: Path, reserve_bytes: int = DEFAULT_CAP) -> "Storage":
-        """The embedded storage in ``data_dir``: a SQLite catalog and blob files, recovered, with a space
-        reserve of up to ``reserve_bytes`` (0: none).
+    def open_local(cls, data_dir: Path, reserve_bytes: int = DEFAULT_CAP, blobs: BlobStore | None = None) -> "Storage":
+        """The embedded storage in ``data_dir``: a SQLite catalog and blob files (or ``blobs``),
+        recovered, with a space reserve of up to ``reserve_bytes`` (0: none).
 
         On a full disk the catalog may not open (SQLite creates its WAL index and WAL
         files): then the reserve is released and the open tried once more.
@@ -75,7 +75,7 @@ class Storage:
                 if not (is_disk_full(exc, data_dir) and reserve.release()):
                     raise
                 catalog = SqliteCatalog(path)
-            storage = cls(catalog, FileBlobStore(data_dir), lock, reserve, data_dir)
+            storage = cls(catalog, blobs if blobs is not None else FileBlobStore(data_dir), lock, reserve, data_dir)
             try:
                 storage.recover()
                 reserve.open()
@@ -201,9 +201,10 @@ class Storage:
             self._pins.update(digests_of(result))
             return result
 
-    def release(self, digests: Iterable[str], collect: bool = False) -> Collected:
+    def release(self, digests: Iterable[str], collect: bool = False, holder: str | None = None) -> Collected:
         """Unpin digests; collect those that nothing references (``collect``) or whose
-        collection was deferred while they were pinned."""
+        collection was deferred while they were pinned. (``holder``: the Store that sealed
+        them, which a shared store's leases name; pins here are counted per digest.)"""
         with self._gc_lock:
             candidates = []
             for digest in digests:
@@ -251,8 +252,8 @@ class Storage:
             raise self.full_error(exc) from exc
         return PayloadWriter(temp, BLOCK_SIZE, self)
 
-    def seal(self, writer: PayloadWriter) -> BlobInfo:
-        """Make a written payload a blob, pinned until :meth:`release`."""
+    def seal(self, writer: PayloadWriter, holder: str | None = None) -> BlobInfo:
+        """Make a written payload a blob, pinned until :meth:`release` (``holder``: see there)."""
         blob = writer.finish()
         with self._gc_lock:
             self._pins[blob.digest] += 1
@@ -266,7 +267,8 @@ class Storage:
         return blob
 
     def commit_archive(
-        self, name: str, entries: Sequence[EntryRecord], blobs: Sequence[BlobInfo], replace: bool
+        self, name: str, entries: Sequence[EntryRecord], blobs: Sequence[BlobInfo], replace: bool,
+        holder: str | None = None,
     ) -> ArchiveRecord:
         """Record an archive whose (pinned) blobs are all sealed, once they are durable."""
         self._ensure_room()
@@ -302,8 +304,14 @@ class Storage:
 
     # Reading ----------------------------------------------------------------------------
 
-    def open_blob(self, digest: str) -> BlobFile:
-        return self.blobs.open(digest)
+    def open_blob(self, digest: str, size: int | None = None) -> BlobFile:
+        """An open blob (FileNotFoundError when missing); ``size`` from the catalog spares a
+        remote store a request."""
+        return self.blobs.open(digest, size)
+
+    def check(self) -> None:
+        """StorageUnavailable naming what does not answer (the health check asks)."""
+        self.blobs.check()
 
     def scrub(self) -> list[str]:
         """Re-hash every referenced blob and compare it with its name (the SHA-256 a Fetch no

@@ -1,0 +1,96 @@
+"""The one place where a catalog URL and a blobs URL become a :class:`Storage`.
+
+* nothing, ``sqlite:`` and ``file:`` with the data directory: the embedded store (one
+  server per data directory, :meth:`Storage.open_local`);
+* ``postgresql://USER@HOST:PORT/DB``: a catalog that replicas share, with blobs in
+  ``s3://BUCKET/PREFIX`` (or a ``file:`` directory every replica mounts): a
+  :class:`SharedStorage`, whose collection is lease-based and delayed;
+* a SQLite catalog with blobs in a bucket: one server, the embedded rules, remote bytes.
+
+``cache_dir`` puts a local LRU of whole blobs in front of a bucket. The drivers of a
+remote store (psycopg, the S3 client) are imported only when one is asked for.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from ..config import Config
+from .base import BlobStore
+from .catalog_and_blobs import Storage
+from .file_blobs import FileBlobStore
+
+
+def open_storage(config: Config) -> Storage:
+    """The storage ``config`` names, opened and recovered (ready to serve)."""
+    catalog_scheme = _scheme(config.catalog, "sqlite")
+    blobs_scheme = _scheme(config.blobs, "file")
+    if catalog_scheme == "sqlite":
+        _check_same_directory(config)
+        if blobs_scheme == "file":
+            return Storage.open_local(config.data_dir, config.reserve_bytes)
+        return Storage.open_local(config.data_dir, config.reserve_bytes, blobs=open_blobs(config))
+    from .postgres_catalog import PostgresCatalog
+    from .shared_storage import SharedStorage
+
+    blobs = open_blobs(config)
+    catalog = PostgresCatalog(config.catalog)
+    storage = SharedStorage(catalog, blobs, grace_seconds=config.gc_grace_seconds,
+                            lease_seconds=config.lease_seconds)
+    try:
+        storage.recover()
+    except BaseException:
+        storage.close()
+        raise
+    return storage
+
+
+def describe(config: Config) -> str:
+    """Where the data lives, for the start-up line (no password)."""
+    from ..config import without_password
+
+    if _scheme(config.catalog, "sqlite") == "sqlite" and _scheme(config.blobs, "file") == "file":
+        return f"data directory {config.data_dir.resolve()}"
+    cache = f", cache {config.cache_dir} ({config.cache_size} bytes)" if config.cache_dir and config.cache_size else ""
+    catalog = without_password(config.catalog) if config.catalog else f"{config.data_dir}/catalog.sqlite3"
+    return f"catalog {catalog}, blobs {config.blobs or config.data_dir}{cache}"
+
+
+def open_blobs(config: Config) -> BlobStore:
+    """The blob store of ``config.blobs``, behind the read cache when ``cache_dir`` is set."""
+    scheme = _scheme(config.blobs, "file")
+    if scheme == "file":
+        return FileBlobStore(_file_path(config.blobs) or config.data_dir)
+    from .s3_blobs import S3BlobStore
+
+    store: BlobStore = S3BlobStore(config.blobs)
+    if config.cache_dir is not None and config.cache_size > 0:
+        from .blob_cache import CachedBlobStore
+
+        store = CachedBlobStore(store, Path(config.cache_dir), config.cache_size)
+    return store
+
+
+def _scheme(url: str, default: str) -> str:
+    scheme = url.split(":", 1)[0] if url else default
+    return "postgresql" if scheme == "postgres" else scheme
+
+
+def _file_path(url: str) -> Path | None:
+    """The directory of a ``file:`` URL (``file:///srv/tannery`` or ``file:relative``), None when empty."""
+    if not url:
+        return None
+    parts = urlsplit(url)
+    path = parts.path if parts.scheme == "file" else url
+    return Path(path) if path else None
+
+
+def _check_same_directory(config: Config) -> None:
+    """An embedded store keeps catalog and blobs in the data directory: a ``sqlite:`` or ``file:``
+    URL elsewhere is refused (rather than quietly ignored)."""
+    for url, expected in ((config.catalog, config.data_dir / "catalog.sqlite3"), (config.blobs, config.data_dir)):
+        path = _file_path(url)
+        if path is not None and url.split(":", 1)[0] in ("sqlite", "file") and path.resolve() != expected.resolve():
+            raise ValueError(f"{url!r}: the embedded store keeps its catalog and blobs in the data directory "
+                             f"({config.data_dir}); set --data-dir instead (or use postgresql:// and s3://)")

@@ -1,0 +1,165 @@
+"""Storage that several server replicas share: a PostgreSQL catalog and a bucket of blobs.
+
+No replica keeps anything in memory that another would need. What keeps a blob from
+being collected is in the catalog (see :class:`~.base.SharedCatalog` and
+``docs/scale-out.md``):
+
+* a Store leases each blob once its bytes are sealed, until its archive commits (which
+  checks the leases are still live) or the call ends; this replica renews its leases while
+  it runs, so those of a replica killed mid-Store expire;
+* an unreferenced blob is collected only after a grace period since it was last touched
+  (its last reference went, or its last lease), which also gives a Fetch that was reading
+  it when its archive was deleted that long to finish; no Fetch writes to the catalog;
+* collection decides under the blob row's lock, so it never races a lease.
+
+A background sweeper does the collecting and the lease renewal: Delete and a replacing
+Store answer at once and free the bucket's space after the grace period.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from typing import Callable, Iterable, Sequence, TypeVar
+
+from .base import ArchiveLimits, ArchiveRecord, BlobInfo, BlobStore, EntryRecord, SharedCatalog
+from .catalog_and_blobs import Collected, Storage
+from .integrity import BLOCK_SIZE
+from .payload_writer import PayloadWriter
+
+log = logging.getLogger("tannery_server.storage")
+T = TypeVar("T")
+NS = 1_000_000_000
+
+
+class SharedStorage(Storage):
+    """A :class:`Storage` on a shared catalog: leases in the catalog, collection by a sweeper."""
+
+    def __init__(self, catalog: SharedCatalog, blobs: BlobStore, *, grace_seconds: float, lease_seconds: float,
+                 sweep_seconds: float | None = None, replica: str | None = None) -> None:
+        super().__init__(catalog, blobs)
+        self.catalog: SharedCatalog = catalog
+        #: This process, as its leases name it.
+        self.replica = replica or uuid.uuid4().hex
+        self.grace_ns = int(grace_seconds * NS)
+        self.lease_ns = int(lease_seconds * NS)
+        #: How often the sweeper renews leases and collects: often enough that a lease is
+        #: renewed at least three times before it would expire.
+        self.sweep_seconds = sweep_seconds if sweep_seconds is not None else min(lease_seconds / 4, 30.0)
+        self._stopping = threading.Event()
+        self._sweeper: threading.Thread | None = None
+
+    # Life ---------------------------------------------------------------------------------
+
+    def recover(self) -> None:
+        """Nothing is removed at start-up (other replicas are working): the sweeper starts."""
+        if self._sweeper is None:
+            self._sweeper = threading.Thread(target=self._sweep_forever, name="tannery-sweeper", daemon=True)
+            self._sweeper.start()
+
+    def close(self) -> None:
+        self._stopping.set()
+        if self._sweeper is not None:
+            self._sweeper.join(timeout=10)
+            self._sweeper = None
+        self.catalog.close()
+
+    def check(self) -> None:
+        """StorageUnavailable naming the catalog or the bucket when either does not answer."""
+        self.catalog.check()
+        self.blobs.check()
+
+    # Writing ------------------------------------------------------------------------------
+
+    def new_payload(self) -> PayloadWriter:
+        return PayloadWriter(self.blobs.create(), BLOCK_SIZE, self)
+
+    def seal(self, writer: PayloadWriter, holder: str | None = None) -> BlobInfo:
+        """Lease the payload's blob for ``holder``, then put its bytes under its digest (or find
+        them there already). The lease comes first: a collection that got the blob row's
+        lock before it has removed the old bytes by the time the lease is taken."""
+        blob = writer.finish()
+        holder = holder or uuid.uuid4().hex
+        self.catalog.lease(blob, self.replica, holder, time.time_ns() + self.lease_ns)
+        try:
+            writer.temp.seal(blob.digest)
+        except BaseException:
+            self._drop_leases(holder)
+            raise
+        return blob
+
+    def commit_archive(self, name: str, entries: Sequence[EntryRecord], blobs: Sequence[BlobInfo], replace: bool,
+                       holder: str | None = None) -> ArchiveRecord:
+        """Commit an archive whose blobs ``holder`` leased (the catalog checks the leases are live)."""
+        if holder is None:
+            raise ValueError("a shared store commits leased blobs only: pass the holder that sealed them")
+        self.blobs.make_durable(b.digest for b in blobs)
+        now = time.time_ns()
+        record, _released = self.catalog.commit_leased(name, entries, replace, now, self.replica, holder, now)
+        return record  # what the replaced archive released is collected after the grace period
+
+    def release(self, digests: Iterable[str], collect: bool = False, holder: str | None = None) -> Collected:
+        """End a Store's hold (its leases); reads hold nothing. Collection is the sweeper's."""
+        if holder is not None:
+            self._drop_leases(holder)
+        return Collected()
+
+    def _drop_leases(self, holder: str) -> None:
+        try:
+            self.catalog.drop_leases(self.replica, holder)
+        except Exception as exc:  # they expire anyway; the call's own outcome matters more
+            log.warning("could not drop the leases of %s (they expire on their own): %s", holder, exc)
+
+    def pinned(self, lookup: Callable[[], T], digests_of: Callable[[T], Iterable[str]]) -> T:
+        """A lookup with no pin: the grace period keeps an unreferenced blob for a read under way."""
+        return lookup()
+
+    def collect(self, candidates: Iterable[str]) -> Collected:
+        return Collected()  # the sweeper collects, after the grace period
+
+    # Collecting ---------------------------------------------------------------------------
+
+    def sweep(self, now_ns: int | None = None) -> Collected:
+        """Renew this replica's leases, remove uploads abandoned longer than the grace period,
+        and collect the blobs that have been unreferenced and unleased that long."""
+        now = time.time_ns() if now_ns is None else now_ns
+        self.catalog.renew_leases(self.replica, now + self.lease_ns)
+        before = now - self.grace_ns
+        abandoned = self.blobs.clear_temporary(before)
+        if abandoned:
+            log.info("removed %d uploads abandoned for longer than the grace period", abandoned)
+        blobs = freed = 0
+        while not self._stopping.is_set():
+            digests = self.catalog.collectable(before, now, 256)
+            collected_now = 0
+            for digest in digests:
+                sizes: list[int] = []
+                if self.catalog.collect_blob(digest, before, now, lambda d: sizes.append(self.blobs.remove(d))):
+                    collected_now += 1
+                    freed += sum(sizes)
+            blobs += collected_now
+            if len(digests) < 256 or not collected_now:
+                break
+        if blobs:
+            log.info("collected %d unreferenced blobs (%d bytes)", blobs, freed)
+        return Collected(blobs, freed)
+
+    def _sweep_forever(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self.sweep()
+            except Exception as exc:  # the catalog or bucket away: try again at the next round
+                log.warning("sweep failed (retried in %.0f s): %s", self.sweep_seconds, exc)
+            self._stopping.wait(self.sweep_seconds)
+
+    # Unions and deletes answer at once; the catalog touches what they release ---------------
+
+    def union(self, target: str, sources: Sequence[tuple[str, str]], replace: bool, limits: ArchiveLimits) -> ArchiveRecord:
+        record, _released = self.catalog.union(target, sources, replace, time.time_ns(), limits)
+        return record
+
+    def delete(self, name: str) -> tuple[ArchiveRecord | None, Collected]:
+        record, _released = self.catalog.delete_archive(name)
+        return record, Collected()
