@@ -93,12 +93,23 @@ def build_parser(prog: str = "tannery") -> argparse.ArgumentParser:
         help="check every stored blob against its SHA-256 (server stopped)",
         description="Re-read every blob an archive references and compare its SHA-256 with its name. Fetch "
         "checks the cheaper per-block CRC-32Cs as it serves; this is the full check, for after a disk "
-        "incident or on a schedule. It takes the data directory's lock, so run it while the server is "
-        "stopped. Exit status 0 when every blob matches, 1 otherwise (each bad blob is listed with the "
+        "incident or on a schedule. On a data directory it takes the directory's lock, so run it while the "
+        "server is stopped; on a shared catalog and bucket (--catalog, --blobs) it runs beside the replicas. "
+        "Exit status 0 when every blob matches, 1 otherwise (each bad blob is listed with the "
         "archive entries that use it).",
     )
-    scrub.add_argument("--data-dir", dest="data_dir", type=lambda raw: parse_value("data_dir", raw), default=None,
-                       help=f"the data directory [env {env_name('data_dir')}; default {defaults.data_dir}]")
+    _storage_flags(scrub, defaults)
+    migrate = commands.add_parser(
+        "migrate",
+        help="copy a data directory into a PostgreSQL catalog and a bucket (resumable)",
+        description="Copy every archive of an embedded data directory (--data-dir, its server stopped) into a "
+        "shared catalog (--catalog postgresql://...) and blob store (--blobs s3://...), where replicas may "
+        "already be serving. Each blob is hashed as it streams and must match its SHA-256; a blob the target "
+        "has is not copied again, and an archive it has with the same entries is skipped, so running the "
+        "command again resumes an interrupted migration. An archive the target has with other entries is "
+        "left alone and reported. Exit status 0 when everything is in the target, 1 otherwise.",
+    )
+    _storage_flags(migrate, defaults)
     for name, text in _FLAGS:
         serve.add_argument(
             "--" + name.replace("_", "-"),
@@ -110,11 +121,24 @@ def build_parser(prog: str = "tannery") -> argparse.ArgumentParser:
     return parser
 
 
+def _storage_flags(parser: argparse.ArgumentParser, defaults: Config) -> None:
+    """--data-dir, --catalog and --blobs, as ``serve`` reads them."""
+    for name, text in _FLAGS:
+        if name in ("data_dir", "catalog", "blobs"):
+            parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
+                                type=lambda raw, name=name: parse_value(name, raw),
+                                help=f"{text} [env {env_name(name)}; default {_shown(getattr(defaults, name))}]")
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "tannery") -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
-    if args.command == "scrub":
-        return scrub(Config.from_env(data_dir=args.data_dir).data_dir)
+    if args.command in ("scrub", "migrate"):
+        try:
+            config = Config.from_env(data_dir=args.data_dir, catalog=args.catalog, blobs=args.blobs)
+        except ValueError as exc:
+            parser.error(str(exc))
+        return scrub(config) if args.command == "scrub" else migrate(config)
     if args.command == "serve":
         try:
             config = Config.from_env(**{name: getattr(args, name) for name, _ in _FLAGS})
@@ -140,20 +164,32 @@ def main(argv: Sequence[str] | None = None, prog: str = "tannery") -> int:
     return 0
 
 
-def scrub(data_dir: Path) -> int:
-    """``tannery scrub``: every referenced blob re-hashed; 0 when all match, 1 otherwise."""
-    from .storage import CatalogTooNew, DataDirectoryInUse, Storage
+def _embedded(config: Config) -> bool:
+    return not config.catalog or config.catalog.startswith("sqlite:")
 
-    if not (data_dir / "catalog.sqlite3").is_file():
-        print(f"tannery scrub: {data_dir}: no tannery data directory (no catalog.sqlite3)", file=sys.stderr)
-        return 1
+
+def _open(command: str, config: Config):
+    """The storage a tool works on, or None after saying why it cannot be opened."""
+    from .storage import CatalogTooNew, DataDirectoryInUse, StorageUnavailable
+    from .storage.factory import open_storage
+
+    if _embedded(config) and not (config.data_dir / "catalog.sqlite3").is_file():
+        print(f"tannery {command}: {config.data_dir}: no tannery data directory (no catalog.sqlite3); "
+              "set --data-dir (or --catalog and --blobs)", file=sys.stderr)
+        return None
     try:
-        storage = Storage.open_local(data_dir)
+        return open_storage(config, collecting=False)
     except DataDirectoryInUse as exc:
-        print(f"tannery scrub: {exc}; stop the server first", file=sys.stderr)
-        return 1
-    except CatalogTooNew as exc:
-        print(f"tannery scrub: {exc}", file=sys.stderr)
+        print(f"tannery {command}: {exc}; stop the server first", file=sys.stderr)
+    except (CatalogTooNew, StorageUnavailable, ValueError, ModuleNotFoundError) as exc:
+        print(f"tannery {command}: {exc}", file=sys.stderr)
+    return None
+
+
+def scrub(config: Config) -> int:
+    """``tannery scrub``: every referenced blob re-hashed; 0 when all match, 1 otherwise."""
+    storage = _open("scrub", config)
+    if storage is None:
         return 1
     try:
         checked = len(storage.catalog.referenced_digests())
@@ -165,3 +201,44 @@ def scrub(data_dir: Path) -> int:
         storage.close()
     print(f"checked {checked} blobs: {'all match' if not bad else f'{len(bad)} damaged'}")
     return 1 if bad else 0
+
+
+def migrate(config: Config) -> int:
+    """``tannery migrate``: the data directory's archives copied into the shared store."""
+    from .migrate import MigrationError, migrate as copy_all
+    from .storage import Storage, StorageUnavailable
+    from .storage.shared_storage import SharedStorage
+
+    if _embedded(config):
+        print("tannery migrate: the target must be a shared catalog: set --catalog postgresql://USER@HOST:PORT/DB "
+              "and --blobs s3://BUCKET/PREFIX", file=sys.stderr)
+        return 1
+    if not (config.data_dir / "catalog.sqlite3").is_file():
+        print(f"tannery migrate: {config.data_dir}: no tannery data directory (no catalog.sqlite3); set --data-dir",
+              file=sys.stderr)
+        return 1
+    target = _open("migrate", config)
+    if target is None:
+        return 1
+    assert isinstance(target, SharedStorage)
+    source = _open("migrate", config.replace(catalog="", blobs=""))
+    if source is None:
+        target.close()
+        return 1
+    assert isinstance(source, Storage)
+    try:
+        done = copy_all(source, target, progress=print)
+    except (MigrationError, StorageUnavailable) as exc:
+        print(f"tannery migrate: {exc}", file=sys.stderr)
+        print("hint: fix the cause and run the same command again: it resumes", file=sys.stderr)
+        return 1
+    finally:
+        source.close()
+        target.close()
+    print(f"migrated {done.archives} archives ({done.blobs} blobs, {done.bytes} bytes copied, {done.reused} blobs "
+          f"already there); {done.skipped} archives were there already")
+    if done.conflicts:
+        print(f"{len(done.conflicts)} archives NOT migrated: the target has archives of these names with other "
+              f"entries: {', '.join(done.conflicts)} (delete or rename them there, then run this again)")
+        return 1
+    return 0

@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("serve", help="run the server (tannery serve --help for its flags)", add_help=False)
     commands.add_parser("scrub", help="check every stored blob against its SHA-256, server stopped (tannery scrub --help)",
                         add_help=False)
+    commands.add_parser("migrate", help="copy a data directory into a PostgreSQL catalog and a bucket "
+                        "(tannery migrate --help)", add_help=False)
     archives.add_commands(commands, common, _Formatter)
     channels.add_commands(commands, common, _Formatter)
     return parser
@@ -79,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from --help and usage errors, as argparse does)."""
     args = list(sys.argv[1:] if argv is None else argv)
     try:
-        if args and args[0] in ("serve", "scrub"):
+        if args and args[0] in ("serve", "scrub", "migrate"):
             from tannery_server.cli import main as serve_main
 
             return serve_main(args)

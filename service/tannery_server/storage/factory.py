@@ -22,8 +22,9 @@ from .catalog_and_blobs import Storage
 from .file_blobs import FileBlobStore
 
 
-def open_storage(config: Config) -> Storage:
-    """The storage ``config`` names, opened and recovered (ready to serve)."""
+def open_storage(config: Config, collecting: bool = True) -> Storage:
+    """The storage ``config`` names, opened and recovered (ready to serve). ``collecting=False``
+    for a tool beside running servers: a shared store then collects nothing itself."""
     catalog_scheme = _scheme(config.catalog, "sqlite")
     blobs_scheme = _scheme(config.blobs, "file")
     if catalog_scheme == "sqlite":
@@ -37,7 +38,7 @@ def open_storage(config: Config) -> Storage:
     blobs = open_blobs(config)
     catalog = PostgresCatalog(config.catalog)
     storage = SharedStorage(catalog, blobs, grace_seconds=config.gc_grace_seconds,
-                            lease_seconds=config.lease_seconds)
+                            lease_seconds=config.lease_seconds, collecting=collecting)
     try:
         storage.recover()
     except BaseException:

@@ -38,7 +38,7 @@ class SharedStorage(Storage):
     """A :class:`Storage` on a shared catalog: leases in the catalog, collection by a sweeper."""
 
     def __init__(self, catalog: SharedCatalog, blobs: BlobStore, *, grace_seconds: float, lease_seconds: float,
-                 sweep_seconds: float | None = None, replica: str | None = None) -> None:
+                 sweep_seconds: float | None = None, replica: str | None = None, collecting: bool = True) -> None:
         super().__init__(catalog, blobs)
         self.catalog: SharedCatalog = catalog
         #: This process, as its leases name it.
@@ -48,6 +48,8 @@ class SharedStorage(Storage):
         #: How often the sweeper renews leases and collects: often enough that a lease is
         #: renewed at least three times before it would expire.
         self.sweep_seconds = sweep_seconds if sweep_seconds is not None else min(lease_seconds / 4, 30.0)
+        #: False for a tool (``tannery migrate``, ``scrub``): its sweeper only renews its leases.
+        self.collecting = collecting
         self._stopping = threading.Event()
         self._sweeper: threading.Thread | None = None
 
@@ -90,6 +92,18 @@ class SharedStorage(Storage):
             raise
         return blob
 
+    def adopt(self, blob: BlobInfo, holder: str) -> bool:
+        """Lease a blob this store already has (its record and its bytes) for ``holder``, which then
+        need not write it again (``tannery migrate`` run again); False when it is not all there."""
+        if self.catalog.blob(blob.digest) is None:
+            return False
+        self.catalog.lease(blob, self.replica, holder, time.time_ns() + self.lease_ns)
+        try:
+            self.blobs.open(blob.digest).close()  # no size given: a bucket is asked whether it is there
+        except FileNotFoundError:
+            return False  # the lease stays: the upload that follows is held by it too
+        return True
+
     def commit_archive(self, name: str, entries: Sequence[EntryRecord], blobs: Sequence[BlobInfo], replace: bool,
                        holder: str | None = None) -> ArchiveRecord:
         """Commit an archive whose blobs ``holder`` leased (the catalog checks the leases are live)."""
@@ -126,6 +140,8 @@ class SharedStorage(Storage):
         and collect the blobs that have been unreferenced and unleased that long."""
         now = time.time_ns() if now_ns is None else now_ns
         self.catalog.renew_leases(self.replica, now + self.lease_ns)
+        if not self.collecting:
+            return Collected()
         before = now - self.grace_ns
         abandoned = self.blobs.clear_temporary(before)
         if abandoned:

@@ -1,0 +1,123 @@
+"""``tannery migrate``: copy an embedded data directory into a shared catalog and bucket.
+
+Every blob the source's archives reference is read once, hashed as it streams to the
+target (its SHA-256 must equal its name: a corrupted file stops the migration, naming
+the blob and the entries that use it), and held by a lease until its archive commits, the
+same path a Store takes; so replicas already serving the target never collect it midway.
+An archive the target already has is skipped when it has the same entries (a migration
+run again resumes where it stopped) and reported as a conflict when it differs. A blob the
+target already has is not uploaded again.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .storage import BlobInfo, EntryRecord, Storage
+from .storage.shared_storage import SharedStorage
+
+log = logging.getLogger("tannery_server.migrate")
+#: Bytes read from a source blob at a time.
+READ_BYTES = 8 << 20
+
+
+class MigrationError(RuntimeError):
+    """A blob that does not match its name, or an archive that exists with other entries."""
+
+
+@dataclass
+class Migrated:
+    archives: int = 0
+    skipped: int = 0
+    blobs: int = 0
+    reused: int = 0
+    bytes: int = 0
+    conflicts: list[str] = field(default_factory=list)
+
+
+def migrate(source: Storage, target: SharedStorage, progress: Callable[[str], None] = lambda line: None) -> Migrated:
+    """Copy every archive of ``source`` into ``target``; see the module's docstring."""
+    done = Migrated()
+    after = ""
+    while True:
+        page = source.catalog.list_archives("", after, 500)
+        if not page:
+            return done
+        for record in page:
+            _migrate_archive(source, target, record.name, done, progress)
+        after = page[-1].name
+
+
+def _migrate_archive(source: Storage, target: SharedStorage, name: str, done: Migrated,
+                     progress: Callable[[str], None]) -> None:
+    entries = source.catalog.entries_under(name, "")
+    if target.catalog.archive(name) is not None:
+        if _same(entries, target.catalog.entries_under(name, "")):
+            done.skipped += 1
+            progress(f"{name}: already there")
+        else:
+            done.conflicts.append(name)
+            progress(f"{name}: CONFLICT, the target has an archive of this name with other entries; left as it is")
+        return
+    holder = f"migrate-{uuid.uuid4().hex}"
+    blobs: dict[str, BlobInfo] = {}
+    try:
+        for entry in entries:
+            if entry.digest not in blobs:
+                blobs[entry.digest] = _copy_blob(source, target, name, entry, holder, done)
+        target.commit_archive(name, entries, list(blobs.values()), False, holder)
+    finally:
+        target.release(blobs, holder=holder)
+    done.archives += 1
+    progress(f"{name}: {len(entries)} entries migrated")
+
+
+def _same(ours: list[EntryRecord], theirs: list[EntryRecord]) -> bool:
+    return sorted(ours, key=lambda e: e.name) == sorted(theirs, key=lambda e: e.name)
+
+
+def _copy_blob(source: Storage, target: SharedStorage, archive: str, entry: EntryRecord, holder: str,
+               done: Migrated) -> BlobInfo:
+    """The entry's blob in the target, leased by ``holder``: adopted when the target has it, else
+    streamed from the source and checked against its name."""
+    info = source.catalog.blob(entry.digest)
+    if info is None:
+        raise MigrationError(f"archive {archive!r}, entry {entry.name!r}: blob {entry.digest} has no record "
+                             "in the source catalog (run tannery scrub on the source)")
+    if target.adopt(info, holder):
+        done.reused += 1
+        return info
+    blob = source.open_blob(entry.digest, info.size)
+    writer = target.new_payload()
+    try:
+        offset = 0
+        # Two buffers in turn: the writer may still hash the last piece while the next is read.
+        buffers = [memoryview(bytearray(min(READ_BYTES, max(info.size, 1)))) for _ in range(2)]
+        while offset < info.size:
+            view = buffers[0]
+            got = blob.read_into(view[: min(view.nbytes, info.size - offset)], offset)
+            if not got:
+                break
+            writer.write(view[:got])
+            offset += got
+            buffers.reverse()
+    except BaseException:
+        writer.temp.discard()
+        raise
+    finally:
+        blob.close()
+    copied = writer.finish()
+    if copied.digest != entry.digest or copied.size != info.size:
+        writer.temp.discard()
+        raise MigrationError(
+            f"archive {archive!r}, entry {entry.name!r}: blob {entry.digest} reads as {copied.size} bytes with "
+            f"SHA-256 {copied.digest}, not what it was stored as ({info.size} bytes): nothing of it was "
+            "migrated (run tannery scrub on the source, and restore or delete the archives it names)")
+    blob_info = target.seal(writer, holder)
+    done.blobs += 1
+    done.bytes += info.size
+    return blob_info
+
