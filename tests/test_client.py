@@ -800,3 +800,10 @@ def test_the_servers_certificate_variables_do_not_become_the_clients():
     client_env = {"TANNERY_TLS_CA": "ca.pem", "TANNERY_CLIENT_CERT": "c.pem", "TANNERY_CLIENT_KEY": "c.key"}
     tls = Connection(env={**server_env, **client_env}).tls
     assert (tls.ca, tls.cert, tls.key) == ("ca.pem", "c.pem", "c.key")
+
+
+def test_a_dns_target_spreads_calls_over_every_address_round_robin():
+    from tannery.connection import Connection
+
+    assert ("grpc.lb_policy_name", "round_robin") in Connection("dns:///tannery.internal:50051").options()
+    assert not any(key == "grpc.lb_policy_name" for key, _ in Connection("127.0.0.1:50051").options())

@@ -128,6 +128,10 @@ class Connection:
         ]
         if self.tls is not None and self.tls.server_name:
             options.append(("grpc.ssl_target_name_override", self.tls.server_name))
+        if self.target.startswith("dns:"):
+            # Every address the name resolves to (the replicas of a scaled-out store), calls
+            # spread over them in turn; gRPC's default would pick the first and stay there.
+            options.append(("grpc.lb_policy_name", "round_robin"))
         return options
 
     def channel(self) -> grpc.Channel:
