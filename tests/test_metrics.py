@@ -169,3 +169,22 @@ def test_log_line_fields_text_and_json(server, caplog):
     assert line["peer"].startswith("ipv4:127.0.0.1:")
     assert line["bytes"] == line["bytes_in"] + line["bytes_out"] and line["bytes_in"] > len(PAYLOAD)
     assert line["duration_ms"] > 0 and line["level"] == "INFO"
+
+
+@pytest.mark.usefixtures("no_client_environment")
+def test_bytes_moved_on_the_data_paths_are_counted_by_method_and_transport(tmp_path):
+    import tannery
+
+    tensor = np.arange(1 << 18, dtype=np.float32)
+    payload_bytes = len(encode_numpy(tensor))
+    with running_server(tmp_path) as server:
+        for transport in ("local", "tcp"):
+            with tannery.Client(server.target, transport=transport) as client:
+                client.store(f"moved-{transport}", {"w": __import__("torch").from_numpy(tensor)})
+                client.fetch(f"moved-{transport}", ["w"])
+        assert wait_for(lambda: value(scrape(server.metrics_port), "tannery_data_path_bytes_total",
+                                      method="Fetch", transport="tcp") is not None)
+        samples = scrape(server.metrics_port)
+        for transport in ("local", "tcp"):
+            assert value(samples, "tannery_data_path_bytes_total", method="Store", transport=transport) == payload_bytes
+            assert value(samples, "tannery_data_path_bytes_total", method="Fetch", transport=transport) == payload_bytes

@@ -95,6 +95,10 @@ class ServerMetrics:
                                 ["method"], registry=self.registry)
         self.sent = Counter("tannery_sent_bytes", "Bytes of response messages sent, by method.", ["method"],
                             registry=self.registry)
+        self.data_path = Counter("tannery_data_path_bytes", "Payload bytes moved on a data path beside gRPC (the "
+                                 "same-host socket, local, or the direct data connection, tcp), by method and "
+                                 "transport; what gRPC messages carry is in the received and sent bytes.",
+                                 ["method", "transport"], registry=self.registry)
         self.duration = Histogram("tannery_call_duration_seconds", "Call durations, by method.", ["method"],
                                   buckets=DURATION_BUCKETS, registry=self.registry)
         self._catalog: _CatalogCollector | None = None
@@ -107,6 +111,9 @@ class ServerMetrics:
         self.calls.labels(record.method, status).inc()
         self.received.labels(record.method).inc(record.received)
         self.sent.labels(record.method).inc(record.sent)
+        transport = record.fields.get("transport")
+        if transport is not None:
+            self.data_path.labels(record.method, transport).inc(record.fields.get("data_bytes", 0))
         self.duration.labels(record.method).observe(duration)
 
     def watch_storage(self, storage: Storage) -> None:
