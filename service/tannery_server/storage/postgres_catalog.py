@@ -514,8 +514,8 @@ class PostgresCatalog:
     ) -> tuple[ArchiveRecord, list[str]]:
         def work(cur: psycopg.Cursor) -> tuple[ArchiveRecord, list[str]]:
             self._lock_name(cur, name)
+            archive_id = self._begin_archive(cur, name, replace, created_ns)  # NameTaken first
             self._hold_leased(cur, sorted({e.digest for e in entries}), name, replica, holder, now_ns)
-            archive_id = self._begin_archive(cur, name, replace, created_ns)
             self._insert_entries(cur, archive_id, entries)
             result = self._finish_archive(cur, archive_id, name, now_ns)
             self._drop_leases(cur, replica, holder, now_ns, only_unreferenced=True)
