@@ -68,10 +68,8 @@ class PostgresServer:
             argv = ["runuser", "-u", SYSTEM_USER, "--", *argv]
         done = subprocess.run(argv, cwd=self.root, capture_output=True, text=True, timeout=timeout)
         if done.returncode != 0:
-            raise RuntimeError(
-                f"{program} {' '.join(args)} exited with {done.returncode}: {done.stderr.strip() or done.stdout.strip()}"
-                f"{self._log_tail()}"
-            )
+            output = done.stderr.strip() or done.stdout.strip()
+            raise RuntimeError(f"{program} {' '.join(args)} exited with {done.returncode}: {output}{self._log_tail()}")
         return done
 
     def _log_tail(self) -> str:

@@ -302,6 +302,9 @@ def test_a_stopped_postgresql_is_unavailable_and_the_catalog_recovers_without_re
                 assert message.startswith(f"catalog {shown} unreachable: connection refused"), message
                 assert "sekrit" not in message
             assert "(reading archive 'a')" in failures[0] and "(committing archive 'b')" in failures[2]
+            # A replica starting meanwhile fails the same way (and leaves no pool behind).
+            with pytest.raises(StorageUnavailable, match=f"catalog {shown} unreachable: connection refused"):
+                PostgresCatalog(with_password, timeout=0.5)
         finally:
             postgres_server.start()
         deadline = time.monotonic() + 20

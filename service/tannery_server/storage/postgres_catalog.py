@@ -47,7 +47,7 @@ except ImportError as _error:  # pragma: no cover: the embedded server never imp
         f"the PostgreSQL catalog needs psycopg and psycopg-pool: pip install 'tannery[scale]' ({_error})"
     ) from _error
 
-from ..failures import Missing, NameTaken
+from ..failures import Malformed, Missing, NameTaken
 from .base import ArchiveLimits, ArchiveRecord, BlobInfo, CatalogTotals, EntryRecord
 from .errors import StorageUnavailable
 from .sqlite_catalog import (CatalogTooNew, archive_from_row, check_union_limits, duplicate_error, entry_from_row,
@@ -438,7 +438,7 @@ class PostgresCatalog:
 
     @staticmethod
     def _duplicate(cur: psycopg.Cursor, archive_id: int, sources: Sequence[tuple[str, str]],
-                   ids: Sequence[int]) -> Exception:
+                   ids: Sequence[int]) -> Malformed:
         """The error for the last source, which holds a name an earlier one already gave."""
         row = cur.execute(
             "SELECT t.name FROM entries s JOIN entries t ON t.archive_id = %(id)s AND "
