@@ -161,7 +161,9 @@ class PostgresCatalog:
             # of waiting for an exponential back-off grown long while PostgreSQL was down.
             reconnect_timeout=max(2.0, timeout),
             check=ConnectionPool.check_connection,
-            kwargs={"autocommit": True, "connect_timeout": max(1, round(timeout))},
+            # TCP keepalives: a PostgreSQL host that vanished (no reset) is noticed in about 20 s.
+            kwargs={"autocommit": True, "connect_timeout": max(1, round(timeout)), "keepalives_idle": 10,
+                    "keepalives_interval": 5, "keepalives_count": 2},
         )
         self._pool.open(wait=False)
         try:
@@ -328,8 +330,15 @@ class PostgresCatalog:
         return [row[0] for row in rows]
 
     def check(self) -> None:
-        self._run("checking the catalog", lambda cur: cur.execute("SELECT 1").fetchone(), write=False,
-                  timeout=min(self.timeout, 2.0))
+        """``SELECT 1`` within about two seconds (health checks)."""
+        limit = min(self.timeout, 2.0)
+
+        def work(cur: psycopg.Cursor) -> None:
+            with cur.connection.transaction():
+                cur.execute("SELECT set_config('statement_timeout', %s, true)", (f"{round(limit * 1000)}ms",))
+                cur.execute("SELECT 1").fetchone()
+
+        self._run("checking the catalog", work, write=False, timeout=limit)
 
     # Archive writes ---------------------------------------------------------------------
 
