@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup serve test bench fuzz proto clean
+.PHONY: setup serve test postgresql bench fuzz proto clean
 
 setup: $(STAMP)
 
@@ -35,8 +35,20 @@ $(STAMP): pyproject.toml constraints.txt
 serve: $(STAMP)
 	$(VENV)/bin/tannery serve
 
-test: $(STAMP)
+test: $(STAMP) postgresql
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The shared-catalog tests start a private PostgreSQL (tests/postgres_harness.py) from Debian's
+# postgresql package, whose binaries live in /usr/lib/postgresql/*/bin: installed here when
+# absent (apt-get as root, or through sudo), left alone when present.
+postgresql:
+	@if ! command -v initdb >/dev/null 2>&1 && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then \
+	  echo "installing Debian's postgresql package (the catalog tests run a private PostgreSQL)"; \
+	  sudo=; [ "$$(id -u)" -eq 0 ] || sudo=sudo; \
+	  $$sudo apt-get update -qq && \
+	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends postgresql >/dev/null \
+	  || echo "could not install postgresql: the PostgreSQL tests will skip (and fail under CI)"; \
+	fi
 
 bench: $(STAMP)
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[client,dev,bench]'

@@ -12,6 +12,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 #: The atheris targets of ``make fuzz`` are scripts run under libFuzzer, not tests.
 collect_ignore = ["fuzz"]
+#: Fixtures of the backends that run as servers of their own (PostgreSQL).
+pytest_plugins = ["tests.backends"]
 #: Read-only data from other programs, beside the project; tests that use it skip without it.
 SHARED = ROOT.parent / "shared"
 FIXTURES = SHARED / "fixtures" / "tannic-nn"

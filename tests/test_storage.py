@@ -12,7 +12,7 @@ import crc32c
 import pytest
 
 from tannery_server.failures import LimitExceeded, Malformed, Missing, NameTaken
-from tannery_server.storage import ArchiveLimits, DataDirectoryInUse, EntryRecord, Storage
+from tannery_server.storage import ArchiveLimits, BlobInfo, CatalogTotals, DataDirectoryInUse, EntryRecord, Storage
 from tannery_server.storage.integrity import PayloadDigest
 from tannery_server.storage.sqlite_catalog import SqliteCatalog
 
@@ -126,18 +126,25 @@ def _entry(name: str, digest: str = "0" * 64) -> EntryRecord:
     return EntryRecord(name, "float32", (1,), 4, 41, 37, digest)
 
 
-@pytest.fixture
-def catalog(tmp_path):
-    catalog = SqliteCatalog(tmp_path / "catalog.sqlite3")
+@pytest.fixture(params=["sqlite", "postgres"])
+def catalog(request, tmp_path):
+    """Each catalog test runs on the embedded catalog and on the shared one (PostgreSQL)."""
+    if request.param == "sqlite":
+        catalog = SqliteCatalog(tmp_path / "catalog.sqlite3")
+    else:
+        from tannery_server.storage.postgres_catalog import PostgresCatalog
+
+        catalog = PostgresCatalog(request.getfixturevalue("postgres_url"))
     yield catalog
     catalog.close()
 
 
-def _commit(catalog, name, names):
-    from tannery_server.storage import BlobInfo
+def _blob(digest: str = "0" * 64, size: int = 41) -> BlobInfo:
+    return BlobInfo(digest, size, 1 << 20, struct.pack("<I", 0))
 
-    blob = BlobInfo("0" * 64, 41, 1 << 20, struct.pack("<I", 0))
-    return catalog.commit_archive(name, [_entry(n) for n in names], [blob], False, 1)
+
+def _commit(catalog, name, names):
+    return catalog.commit_archive(name, [_entry(n) for n in names], [_blob()], False, 1)
 
 
 def test_entries_under_follows_the_owned_names_rule(catalog):
@@ -181,3 +188,37 @@ def test_list_archives_pages_by_name_within_a_prefix(catalog):
     assert [a.name for a in catalog.list_archives("run/", "", 2)] == ["run/1", "run/2"]
     assert [a.name for a in catalog.list_archives("run/", "run/2", 2)] == ["run/3"]
     assert [a.name for a in catalog.list_archives("", "", 10)] == ["other", "run/1", "run/2", "run/3", "runs"]
+
+
+def test_commit_refuses_a_taken_name_and_replace_returns_what_the_old_archive_referenced(catalog):
+    one, two = "1" * 64, "2" * 64
+    record, released = catalog.commit_archive("a", [_entry("w", one), _entry("v", one)], [_blob(one)], False, 7)
+    assert (record.name, record.entries, record.nbytes, record.payload_bytes, record.created_ns) == ("a", 2, 8, 82, 7)
+    assert released == []
+    with pytest.raises(NameTaken, match="archive 'a' already exists"):
+        catalog.commit_archive("a", [_entry("w", two)], [_blob(two)], False, 8)
+    assert catalog.entries("a", ["w"])["w"].digest == one
+    record, released = catalog.commit_archive("a", [_entry("x", two)], [_blob(two)], True, 9)
+    assert (record.entries, record.created_ns, released) == (1, 9, [one])
+    assert list(catalog.entries("a", ["w", "x", "x", "absent"])) == ["x"]
+    assert catalog.blob(one) == _blob(one) and catalog.blob("f" * 64) is None
+
+
+def test_delete_and_the_bookkeeping_of_unreferenced_blobs(catalog):
+    one, two, three = "1" * 64, "2" * 64, "3" * 64
+    catalog.commit_archive("a", [_entry("x", one), _entry("y", two)], [_blob(one, 10), _blob(two, 20)], False, 1)
+    catalog.commit_archive("b", [_entry("z", two)], [_blob(two, 20)], False, 2)
+    assert catalog.referenced_digests() == {one, two}
+    assert catalog.referrers(two) == [("a", "y"), ("b", "z")]
+    assert catalog.totals() == CatalogTotals(archives=2, archive_bytes=3 * 41, blobs=2, blob_bytes=30)
+    record, released = catalog.delete_archive("a")
+    assert record.name == "a" and sorted(released) == [one, two]
+    assert catalog.delete_archive("a") == (None, [])
+    # one is recorded and unreferenced; two is referenced by b; three was never recorded.
+    assert catalog.unreferenced([three, one, two, one]) == [BlobInfo(three, 0, 0, b""), _blob(one, 10)]
+    catalog.forget_blobs([one, two])
+    assert catalog.blob(one) is None and catalog.blob(two) is not None
+    catalog.delete_archive("b")
+    assert catalog.referrers(two) == [] and catalog.referenced_digests() == set()
+    assert catalog.forget_unreferenced_blobs() == 1
+    assert catalog.totals() == CatalogTotals(0, 0, 0, 0)

@@ -1,8 +1,11 @@
 """Where archives live: a catalog (SQLite) and content-addressed blobs (files), behind
-the small :class:`Catalog` and :class:`BlobStore` protocols of :mod:`.base`."""
+the small :class:`Catalog` and :class:`BlobStore` protocols of :mod:`.base`.
+
+``PostgresCatalog`` (the catalog replicas share) is imported on first use, so the embedded
+server never needs psycopg."""
 
 from .base import (ArchiveRecord, BlobFile, BlobInfo, BlobStore, Catalog, CatalogTotals, EntryRecord, ArchiveLimits,
-                   TempBlob)
+                   SharedCatalog, TempBlob)
 from .reserve import SpaceReserve
 from .catalog_and_blobs import Collected, Storage
 from .errors import StorageFull, StorageUnavailable
@@ -24,9 +27,19 @@ __all__ = [
     "EntryRecord",
     "ArchiveLimits",
     "PayloadWriter",
+    "PostgresCatalog",
     "SpaceReserve",
+    "SharedCatalog",
     "Storage",
     "StorageFull",
     "StorageUnavailable",
     "TempBlob",
 ]
+
+
+def __getattr__(name: str):
+    if name == "PostgresCatalog":
+        from .postgres_catalog import PostgresCatalog
+
+        return PostgresCatalog
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,7 +13,7 @@ import json
 import sqlite3
 import threading
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from ..failures import LimitExceeded, Malformed, Missing, NameTaken
 from .base import ArchiveRecord, BlobInfo, CatalogTotals, EntryRecord, ArchiveLimits
@@ -112,13 +112,54 @@ _BUILDING = "\x00building:"
 _IN_BATCH = 500
 
 
-def _entry(row: tuple) -> EntryRecord:
+# Shared with the PostgreSQL catalog, which keeps the same columns and the same rules.
+
+
+def entry_from_row(row: tuple) -> EntryRecord:
+    """An entry from its columns (:data:`_ENTRY_COLUMNS`; the shape as JSON text)."""
     name, dtype, shape, nbytes, payload_bytes, data_offset, digest = row
     return EntryRecord(name, dtype, tuple(json.loads(shape)), nbytes, payload_bytes, data_offset, digest)
 
 
-def _archive(row: tuple) -> ArchiveRecord:
+def entry_values(archive_id: int, e: EntryRecord) -> tuple:
+    """The row of ``e`` in archive ``archive_id`` (archive_id, name, dtype, shape, nbytes,
+    payload_bytes, data_offset, digest)."""
+    return (archive_id, e.name, e.dtype, json.dumps(list(e.shape)), e.nbytes, e.payload_bytes, e.data_offset,
+            e.digest)
+
+
+def archive_from_row(row: tuple) -> ArchiveRecord:
     return ArchiveRecord(*row)
+
+
+def check_union_limits(target: str, count: int, longest: int, longest_name: Callable[[], str],
+                       limits: ArchiveLimits) -> None:
+    """LimitExceeded for a union of more than ``limits.max_entries`` entries, Malformed when its
+    longest name (``longest`` bytes, ``longest_name()``) is over ``limits.max_name_bytes``."""
+    if count > limits.max_entries:
+        raise LimitExceeded(f"union {target!r}: {count} entries, over the limit of {limits.max_entries}")
+    if longest > limits.max_name_bytes:
+        name = longest_name()
+        raise Malformed(
+            f"union {target!r}: entry name {name[:64]!r}... is {longest} bytes, over the limit of "
+            f"{limits.max_name_bytes}"
+        )
+
+
+def duplicate_error(name: str, sources: Sequence[tuple[str, str]], ids: Sequence[int],
+                    has_entry: Callable[[int, str], bool]) -> Malformed:
+    """The error for the last of ``sources``, which gives the entry ``name`` that an earlier
+    source already gave; ``has_entry(archive_id, entry)`` finds which one."""
+    archive = sources[-1][0]
+    first = "?"
+    for (other, other_prefix), other_id in zip(sources[:-1], ids):
+        if other_prefix and not (name == other_prefix or name.startswith(other_prefix + ".")):
+            continue
+        inner = name[len(other_prefix) + 1 :] if other_prefix else name
+        if has_entry(other_id, inner):
+            first = other
+            break
+    return Malformed(f"union: {name!r} is in two sources, {first!r} and {archive!r}")
 
 
 class SqliteCatalog:
@@ -164,7 +205,7 @@ class SqliteCatalog:
         row = self._reader().execute(
             f"SELECT {_ARCHIVE_COLUMNS} FROM archives WHERE name = ?", (name,)
         ).fetchone()
-        return _archive(row) if row else None
+        return archive_from_row(row) if row else None
 
     def entries(self, archive: str, names: Sequence[str]) -> dict[str, EntryRecord]:
         conn = self._reader()
@@ -180,7 +221,7 @@ class SqliteCatalog:
                     (archive, *batch),
                 )
                 for row in rows:
-                    found[row[0]] = _entry(row)
+                    found[row[0]] = entry_from_row(row)
         finally:
             conn.execute("COMMIT")
         return found
@@ -195,7 +236,7 @@ class SqliteCatalog:
             query += " AND (e.name = ? OR (e.name >= ? AND e.name < ?))"
             args += (prefix, prefix + ".", prefix + "/")
         query += " ORDER BY e.name"
-        return [_entry(row) for row in self._reader().execute(query, args)]
+        return [entry_from_row(row) for row in self._reader().execute(query, args)]
 
     def list_archives(self, prefix: str, after: str, limit: int) -> list[ArchiveRecord]:
         rows = self._reader().execute(
@@ -207,7 +248,7 @@ class SqliteCatalog:
         for row in rows:
             if not row[0].startswith(prefix):
                 break  # names are sorted: those with the prefix are contiguous
-            out.append(_archive(row))
+            out.append(archive_from_row(row))
         return out
 
     def blob(self, digest: str) -> BlobInfo | None:
@@ -278,7 +319,7 @@ class SqliteCatalog:
             (name, archive_id, archive_id),
         )
         row = conn.execute(f"SELECT {_ARCHIVE_COLUMNS} FROM archives WHERE id = ?", (archive_id,)).fetchone()
-        return _archive(row), released
+        return archive_from_row(row), released
 
     @staticmethod
     def _drop(conn: sqlite3.Connection, name: str) -> list[str]:
@@ -301,11 +342,7 @@ class SqliteCatalog:
             conn.executemany(
                 "INSERT INTO entries (archive_id, name, dtype, shape, nbytes, payload_bytes, data_offset, digest) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    (archive_id, e.name, e.dtype, json.dumps(list(e.shape)), e.nbytes, e.payload_bytes,
-                     e.data_offset, e.digest)
-                    for e in entries
-                ),
+                (entry_values(archive_id, e) for e in entries),
             )
             return self._finish_archive(conn, archive_id, name)
 
@@ -334,46 +371,31 @@ class SqliteCatalog:
                 "SELECT count(*), coalesce(max(length(CAST(name AS BLOB))), 0) FROM entries WHERE archive_id = ?",
                 (archive_id,),
             ).fetchone()
-            if count > limits.max_entries:
-                raise LimitExceeded(f"union {target!r}: {count} entries, over the limit of {limits.max_entries}")
-            if longest > limits.max_name_bytes:
-                name = conn.execute(
-                    "SELECT name FROM entries WHERE archive_id = ? ORDER BY length(CAST(name AS BLOB)) DESC LIMIT 1",
-                    (archive_id,),
-                ).fetchone()[0]
-                raise Malformed(
-                    f"union {target!r}: entry name {name[:64]!r}... is {longest} bytes, over the limit of "
-                    f"{limits.max_name_bytes}"
-                )
+            check_union_limits(target, count, longest, lambda: conn.execute(
+                "SELECT name FROM entries WHERE archive_id = ? ORDER BY length(CAST(name AS BLOB)) DESC LIMIT 1",
+                (archive_id,),
+            ).fetchone()[0], limits)
             return self._finish_archive(conn, archive_id, target)
 
     @staticmethod
     def _duplicate(conn, archive_id: int, sources: Sequence[tuple[str, str]], ids: Sequence[int]) -> Malformed:
         """The error for the last source, which holds a name an earlier one already gave."""
-        archive, prefix = sources[-1]
+        prefix = sources[-1][1]
         row = conn.execute(
             "SELECT t.name FROM entries s JOIN entries t ON t.archive_id = ?1 AND "
             "t.name = (CASE WHEN ?2 = '' THEN s.name ELSE ?2 || '.' || s.name END) "
             "WHERE s.archive_id = ?3 ORDER BY t.name LIMIT 1",
             (archive_id, prefix, ids[len(sources) - 1]),
         ).fetchone()
-        name = row[0] if row else "?"
-        first = "?"
-        for (other, other_prefix), other_id in zip(sources[:-1], ids):
-            if other_prefix and not (name == other_prefix or name.startswith(other_prefix + ".")):
-                continue
-            inner = name[len(other_prefix) + 1 :] if other_prefix else name
-            if conn.execute("SELECT 1 FROM entries WHERE archive_id = ? AND name = ?", (other_id, inner)).fetchone():
-                first = other
-                break
-        return Malformed(f"union: {name!r} is in two sources, {first!r} and {archive!r}")
+        return duplicate_error(row[0] if row else "?", sources, ids, lambda other_id, inner: conn.execute(
+            "SELECT 1 FROM entries WHERE archive_id = ? AND name = ?", (other_id, inner)).fetchone() is not None)
 
     def delete_archive(self, name: str) -> tuple[ArchiveRecord | None, list[str]]:
         with self._transaction() as conn:
             row = conn.execute(f"SELECT {_ARCHIVE_COLUMNS} FROM archives WHERE name = ?", (name,)).fetchone()
             if row is None:
                 return None, []
-            return _archive(row), self._drop(conn, name)
+            return archive_from_row(row), self._drop(conn, name)
 
     def forget_blobs(self, digests: Iterable[str]) -> None:
         with self._transaction() as conn:
