@@ -44,3 +44,25 @@ def postgres_url(postgres_server):
     if not postgres_server.running:
         postgres_server.start()
     postgres_server.drop_database(name)
+
+
+#: The storage backends the service tests run against: the embedded store (SQLite and files
+#: in the data directory) and the shared one (PostgreSQL and a bucket, as replicas use it).
+BACKENDS = ("embedded", "shared")
+#: A shared store's timings in tests: leases expire and unreferenced blobs go within seconds.
+SHARED_TIMINGS = {"lease_seconds": 2.0, "gc_grace_seconds": 0.0, "health_check_seconds": 0.2}
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, tmp_path) -> dict:
+    """Server settings (``running_server`` keywords) of one storage backend: none for the
+    embedded store; a fresh PostgreSQL database and blob store for the shared one."""
+    if request.param == "embedded":
+        return {}
+    return {"catalog": request.getfixturevalue("postgres_url"), "blobs": shared_blobs_url(request, tmp_path),
+            **SHARED_TIMINGS}
+
+
+def shared_blobs_url(request, tmp_path) -> str:
+    """Where a shared store's blobs go in tests."""
+    return f"file://{tmp_path}/shared-blobs"

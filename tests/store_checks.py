@@ -117,3 +117,13 @@ def scrub(data_dir: Path) -> list[str]:
         return storage.scrub()
     finally:
         storage.close()
+
+
+def stored_blobs(server) -> set[str]:
+    """The digests of the blobs a running server's blob store holds (files or objects)."""
+    return set(server.storage.blobs.digests())
+
+
+def leftovers(server) -> list[str]:
+    """Temporary blobs a running server's blob store holds (Stores in flight, or not cleaned up)."""
+    return list(server.storage.blobs.temporaries())

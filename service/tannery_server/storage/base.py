@@ -212,6 +212,10 @@ class BlobStore(Protocol):
         """Every stored blob."""
         ...
 
+    def temporaries(self) -> list[str]:
+        """The names of the temporary blobs there now (Stores in flight, or left by a crash)."""
+        ...
+
     def clear_temporary(self, older_than_ns: int | None = None) -> int:
         """Remove blobs left half-written by an interrupted run; returns how many.
 

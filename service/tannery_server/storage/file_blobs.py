@@ -181,6 +181,10 @@ class FileBlobStore:
                     if _DIGEST.fullmatch(blob.name):
                         yield blob.name
 
+    def temporaries(self) -> list[str]:
+        """The names of the temporary blobs there now (Stores in flight, or left by a crash)."""
+        return sorted(p.name for p in self.tmp.iterdir())
+
     def clear_temporary(self, older_than_ns: int | None = None) -> int:
         count = 0
         for leftover in self.tmp.iterdir():
