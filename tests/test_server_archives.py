@@ -4,7 +4,6 @@ each storage backend (``srv``: the embedded store, and PostgreSQL with a bucket)
 from __future__ import annotations
 
 import hashlib
-from pathlib import Path
 
 import grpc
 import pytest
