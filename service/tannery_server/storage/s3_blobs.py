@@ -1,0 +1,441 @@
+"""Content-addressed blobs in an S3-compatible bucket (AWS S3, SeaweedFS, MinIO, Ceph RGW, R2).
+
+``s3://BUCKET/PREFIX`` holds each payload once, at ``PREFIX/blobs/ab/cd/<sha256>`` (two levels
+of the digest spread keys over the bucket's partitions); a payload being written goes to
+``PREFIX/tmp/<time_ns>-<uuid>`` first, because its digest is known only at its end. The
+endpoint and credentials come from the standard AWS variables (``AWS_ENDPOINT_URL_S3`` or
+``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``).
+
+- **Writing** streams: bytes fill a part buffer; a full part is uploaded by a background
+  thread (a multipart upload) while the next fills, at most :attr:`S3BlobStore.parts_in_flight`
+  at once, so a call holds ``(parts_in_flight + 1) * part_size`` bytes, never the payload. A
+  payload smaller than one part is PUT once, at seal, straight to its digest key. A larger one
+  is completed at its temporary key and copied server-side to its digest key (CopyObject;
+  s3transfer switches to UploadPartCopy past 5 GiB), unless that object exists already.
+- **Reading** uses ranged GETs; a large :meth:`S3Blob.read_into` splits into ranges fetched in
+  parallel, each read straight into its slice of the caller's buffer.
+- **Errors**: botocore's retries (``mode: standard``: backoff, idempotent retries) run first;
+  what still fails is raised as :class:`StorageUnavailable` naming the bucket, the endpoint
+  and the failure, and a missing blob as FileNotFoundError, as the file store does.
+
+boto3 was chosen over obstore by measurement (docs/benchmarks.md, "S3 client"): within the
+noise of each other on SeaweedFS, and boto3 also lists and aborts multipart uploads, copies
+parts server-side and reads into a given buffer.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import queue
+import re
+import threading
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Callable, Iterable, Iterator, TypeVar
+from urllib.parse import urlparse
+
+import boto3
+from boto3.s3.transfer import TransferConfig
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+
+from .errors import StorageUnavailable
+
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+_T = TypeVar("_T")
+MiB = 1 << 20
+#: Part size of uploads and range size of parallel reads (see docs/benchmarks.md, "S3 client").
+PART_SIZE = 16 * MiB
+#: Parts of one upload in flight at once (the memory of a call: this many parts, plus one filling).
+PARTS_IN_FLIGHT = 3
+#: Ranges of one read_into in flight at once (the shared reading pool bounds all calls together).
+RANGE_SIZE = 8 * MiB
+#: S3's largest CopyObject; bigger objects are copied in parts (UploadPartCopy).
+_COPY_LIMIT = 5 << 30
+_MISSING = ("404", "NoSuchKey", "NotFound")
+
+
+def _error_code(exc: ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Code") or exc.response.get("ResponseMetadata", {})
+               .get("HTTPStatusCode", "?"))
+
+
+def _is_missing(exc: BaseException) -> bool:
+    return isinstance(exc, ClientError) and _error_code(exc) in _MISSING
+
+
+def _reason(exc: BaseException) -> str:
+    """What failed, in words (the driver's exception class stays out of it)."""
+    if isinstance(exc, ClientError):
+        code = _error_code(exc)
+        message = exc.response.get("Error", {}).get("Message") or ""
+        words = {
+            "AccessDenied": "access denied", "InvalidAccessKeyId": "access denied (unknown access key)",
+            "SignatureDoesNotMatch": "access denied (wrong secret key)", "NoSuchBucket": "no such bucket",
+            "403": "access denied", "404": "not found (no such bucket?)", "NoSuchUpload": "no such multipart upload",
+        }.get(code, code)
+        return f"{words}: {message}" if message and message != words else words
+    if isinstance(exc, NoCredentialsError):
+        return "no credentials (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)"
+    text = str(exc)
+    if "Could not connect" in text or "Connection refused" in text:
+        return f"connection refused or unreachable ({text})"
+    return text or type(exc).__name__
+
+
+class S3Blob:
+    """An object of the bucket, read with ranged GETs (no local file: no :meth:`fileno`)."""
+
+    def __init__(self, store: "S3BlobStore", key: str, size: int) -> None:
+        self._store = store
+        self.key = key
+        self.size = size
+
+    def read(self, offset: int, size: int) -> bytes:
+        size = max(0, min(size, self.size - offset))
+        if size == 0:
+            return b""
+        buffer = bytearray(size)
+        got = self._read_range(memoryview(buffer), offset)
+        return bytes(buffer) if got == size else bytes(buffer[:got])
+
+    def read_into(self, buffer: memoryview, offset: int) -> int:
+        """Fill ``buffer`` from ``offset`` (fewer bytes at the end of the blob). Beyond one
+        range, the ranges are fetched in parallel, each straight into its slice."""
+        view = memoryview(buffer).cast("B") if memoryview(buffer).format != "B" else memoryview(buffer)
+        size = max(0, min(view.nbytes, self.size - offset))
+        if size <= self._store.range_size:
+            return self._read_range(view[:size], offset) if size else 0
+        step = self._store.range_size
+        futures = [self._store._reading.submit(self._read_range, view[at:min(size, at + step)], offset + at)
+                   for at in range(0, size, step)]
+        wait(futures)
+        for at, future in zip(range(0, size, step), futures):
+            n = future.result()  # raises the first failure
+            if n < min(step, size - at):  # the object is shorter than its size: the bytes end here
+                return at + n
+        return size
+
+    def _read_range(self, view: memoryview, offset: int) -> int:
+        """One ranged GET read into ``view``; the bytes read (fewer if the object is short)."""
+        if not view.nbytes:
+            return 0
+        store = self._store
+        response = store._call(f"read {self.key}", store.client.get_object, Bucket=store.bucket, Key=self.key,
+                               Range=f"bytes={offset}-{offset + view.nbytes - 1}", not_found=True)
+        body = response["Body"]
+        filled = 0
+        try:
+            while filled < view.nbytes:
+                got = store._call(f"read {self.key}", body.readinto, view[filled:])
+                if not got:
+                    break
+                filled += got
+        finally:
+            body.close()
+        return filled
+
+    def fileno(self) -> int:
+        raise io.UnsupportedOperation(f"blob {self.key} is an object in bucket {self._store.bucket}, not a local file")
+
+    def close(self) -> None:
+        pass
+
+
+class S3TempBlob:
+    """A payload being written: small ones held for one PUT, larger ones streamed as a multipart upload."""
+
+    def __init__(self, store: "S3BlobStore") -> None:
+        self._store = store
+        self.key = store.temp_key()
+        self.size = 0
+        #: The part being filled: grown as bytes arrive (a small payload costs its size, not a
+        #: part's), full-sized once the payload is known to be large.
+        self._part = bytearray()
+        self._filled = 0
+        self._upload_id: str | None = None
+        self._parts: list[Future] = []
+        #: Part buffers free for reuse; taking one waits while ``parts_in_flight`` are uploading.
+        self._free: queue.Queue[bytearray] = queue.Queue()
+        self._buffers = 1
+        self._closed = False
+
+    def write(self, data: memoryview | bytes) -> None:
+        view = memoryview(data).cast("B")
+        part_size = self._store.part_size
+        while view.nbytes:
+            n = min(part_size - self._filled, view.nbytes)
+            self._part[self._filled:self._filled + n] = view[:n]  # extends a grown buffer
+            self._filled += n
+            self.size += n
+            view = view[n:]
+            if self._filled == part_size:
+                self._send_part(self._part)
+                self._part = self._next_buffer()
+                self._filled = 0
+
+    def _next_buffer(self) -> bytearray:
+        if self._buffers <= self._store.parts_in_flight:
+            self._buffers += 1
+            return bytearray(self._store.part_size)  # filled by slice assignment, reused
+        buffer = self._free.get()  # waits for an upload to finish
+        self._raise_failed()
+        return buffer
+
+    def _raise_failed(self) -> None:
+        for future in self._parts:
+            if future.done() and future.exception() is not None:
+                raise future.exception()
+
+    def _send_part(self, buffer: bytearray | bytes, reuse: bool = True) -> None:
+        store = self._store
+        if self._upload_id is None:
+            created = store._call(f"start an upload to {self.key}", store.client.create_multipart_upload,
+                                  Bucket=store.bucket, Key=self.key)
+            self._upload_id = created["UploadId"]
+        self._raise_failed()
+        number = len(self._parts) + 1
+        upload_id = self._upload_id
+
+        def upload() -> dict:
+            try:
+                answer = store._call(f"upload part {number} of {self.key}", store.client.upload_part,
+                                     Bucket=store.bucket, Key=self.key, UploadId=upload_id, PartNumber=number,
+                                     Body=buffer)
+                return {"PartNumber": number, "ETag": answer["ETag"]}
+            finally:
+                if reuse:
+                    self._free.put(buffer)  # type: ignore[arg-type]
+
+        self._parts.append(store._uploading.submit(upload))
+
+    def seal(self, digest: str) -> bool:
+        store = self._store
+        target = store.key(digest)
+        if self._closed:
+            raise ValueError(f"temporary blob {self.key} is sealed or discarded already")
+        try:
+            if self._upload_id is None:  # smaller than a part: one PUT straight to its digest
+                self._closed = True
+                if store._exists(target):
+                    return False
+                body = self._part if self._filled == len(self._part) else bytes(memoryview(self._part)[:self._filled])
+                self._part = bytearray()
+                store._call(f"write {target}", store.client.put_object, Bucket=store.bucket, Key=target, Body=body)
+                return True
+            if self._filled:
+                tail, self._part = self._part, bytearray()
+                del tail[self._filled:]  # the last part: trimmed in place, not copied
+                self._send_part(tail, reuse=False)
+            self._part = bytearray()
+            parts = [future.result() for future in self._parts]
+            self._closed = True
+            store._call(f"complete the upload of {self.key}", store.client.complete_multipart_upload,
+                        Bucket=store.bucket, Key=self.key, UploadId=self._upload_id,
+                        MultipartUpload={"Parts": parts})
+            self._upload_id = None
+        except BaseException:
+            self._closed = False
+            self.discard()
+            raise
+        try:
+            stored = not store._exists(target)
+            if stored:
+                store._copy(self.key, target, self.size)
+        except BaseException:
+            self._drop_completed()
+            raise
+        self._drop_completed()
+        return stored
+
+    def _drop_completed(self) -> None:
+        """Delete the completed temporary object (if that fails, clear_temporary does it later)."""
+        try:
+            self._store._delete(self.key)
+        except StorageUnavailable:
+            pass
+
+    def discard(self) -> None:
+        """Abort the upload (after its parts in flight end) and drop what was written."""
+        if self._closed:
+            return
+        self._closed = True
+        self._part = bytearray()
+        wait(self._parts)
+        self._parts = []
+        store = self._store
+        if self._upload_id is not None:
+            upload_id, self._upload_id = self._upload_id, None
+            try:
+                store._call(f"abort the upload of {self.key}", store.client.abort_multipart_upload,
+                            Bucket=store.bucket, Key=self.key, UploadId=upload_id)
+            except StorageUnavailable:
+                pass  # clear_temporary aborts it later
+
+
+class S3BlobStore:
+    """Blobs in ``s3://BUCKET/PREFIX`` (see the module's docstring for the layout and the costs)."""
+
+    def __init__(self, url: str, *, part_size: int = PART_SIZE, parts_in_flight: int = PARTS_IN_FLIGHT,
+                 range_size: int = RANGE_SIZE, readers: int = 16, uploaders: int = 16,
+                 env: dict[str, str] | None = None) -> None:
+        parsed = urlparse(url)
+        if parsed.scheme != "s3" or not parsed.netloc:
+            raise ValueError(f"not an S3 blob store URL (s3://BUCKET/PREFIX): {url!r}")
+        if part_size < 5 * MiB:
+            raise ValueError(f"part size {part_size} is below S3's minimum of 5 MiB")
+        self.bucket = parsed.netloc
+        prefix = parsed.path.strip("/")
+        self.prefix = f"{prefix}/" if prefix else ""
+        self.url = url
+        self.part_size = part_size
+        self.parts_in_flight = max(1, parts_in_flight)
+        self.range_size = range_size
+        env = dict(os.environ if env is None else env)
+        self.endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or None
+        config = Config(
+            retries={"mode": "standard"}, connect_timeout=5, read_timeout=60,
+            max_pool_connections=readers + uploaders + 4,
+            # Path-style addressing for an endpoint of one's own (SeaweedFS, MinIO: no bucket DNS names).
+            s3={"addressing_style": "path" if self.endpoint else "auto"},
+            # The payloads carry their own SHA-256 and block CRCs, checked on every read.
+            request_checksum_calculation="when_required", response_checksum_validation="when_required",
+        )
+        session = boto3.session.Session(
+            aws_access_key_id=env.get("AWS_ACCESS_KEY_ID"), aws_secret_access_key=env.get("AWS_SECRET_ACCESS_KEY"),
+            aws_session_token=env.get("AWS_SESSION_TOKEN"),
+            region_name=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1")
+        self.client = session.client("s3", endpoint_url=self.endpoint, config=config)
+        self._reading = ThreadPoolExecutor(readers, thread_name_prefix="tannery-s3-read")
+        self._uploading = ThreadPoolExecutor(uploaders, thread_name_prefix="tannery-s3-upload")
+
+    # -- keys ---------------------------------------------------------------------------------
+
+    def key(self, digest: str) -> str:
+        if not _DIGEST.fullmatch(digest):
+            raise ValueError(f"not a SHA-256 hex digest: {digest!r}")
+        return f"{self.prefix}blobs/{digest[:2]}/{digest[2:4]}/{digest}"
+
+    def temp_key(self) -> str:
+        return f"{self.prefix}tmp/{time.time_ns()}-{uuid.uuid4().hex}"
+
+    def where(self) -> str:
+        return f"bucket {self.bucket!r} at {self.endpoint or 'AWS S3'}"
+
+    # -- calls ----------------------------------------------------------------------------------
+
+    def _call(self, action: str, function: Callable[..., _T], *args, not_found: bool = False, **kwargs) -> _T:
+        """``function(*args, **kwargs)`` with botocore's retries; StorageUnavailable naming the
+        store and ``action`` when it still fails (FileNotFoundError for a 404 if ``not_found``)."""
+        try:
+            return function(*args, **kwargs)
+        except (BotoCoreError, ClientError, OSError) as exc:
+            if not_found and _is_missing(exc):
+                raise FileNotFoundError(f"{action}: no such object in {self.where()}") from None
+            raise StorageUnavailable(f"S3 {self.where()}: {action} failed: {_reason(exc)}") from exc
+
+    def _exists(self, key: str) -> bool:
+        try:
+            self._call(f"look up {key}", self.client.head_object, Bucket=self.bucket, Key=key, not_found=True)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def _copy(self, source: str, target: str, size: int) -> None:
+        """Server-side copy: one CopyObject up to 5 GiB, UploadPartCopy parts beyond (s3transfer)."""
+        if size <= _COPY_LIMIT:
+            self._call(f"copy {source} to {target}", self.client.copy_object, Bucket=self.bucket, Key=target,
+                       CopySource={"Bucket": self.bucket, "Key": source})
+            return
+        config = TransferConfig(multipart_threshold=_COPY_LIMIT, multipart_chunksize=1 << 30, max_concurrency=4)
+        self._call(f"copy {source} to {target}", self.client.copy, {"Bucket": self.bucket, "Key": source},
+                   self.bucket, target, Config=config)
+
+    def _delete(self, key: str) -> None:
+        self._call(f"delete {key}", self.client.delete_object, Bucket=self.bucket, Key=key)
+
+    def _list(self, prefix: str) -> Iterator[dict]:
+        paginator = self.client.get_paginator("list_objects_v2")
+        pages = paginator.paginate(Bucket=self.bucket, Prefix=prefix)
+        iterator = iter(pages)
+        while True:
+            page = self._call(f"list {prefix}", next, iterator, None)
+            if page is None:
+                return
+            yield from page.get("Contents", [])
+
+    # -- BlobStore ------------------------------------------------------------------------------
+
+    def create(self) -> S3TempBlob:
+        return S3TempBlob(self)
+
+    def make_durable(self, digests: Iterable[str]) -> None:
+        """Nothing to do: S3 answers a PUT, a completed upload or a copy only once the object is
+        stored durably (AWS; SeaweedFS and MinIO once it is on their volumes)."""
+
+    def open(self, digest: str, size: int | None = None) -> S3Blob:
+        key = self.key(digest)
+        if size is None:
+            head = self._call(f"look up blob {digest}", self.client.head_object, Bucket=self.bucket, Key=key,
+                              not_found=True)
+            size = int(head["ContentLength"])
+        return S3Blob(self, key, size)
+
+    def remove(self, digest: str) -> int:
+        key = self.key(digest)
+        try:
+            head = self._call(f"look up blob {digest}", self.client.head_object, Bucket=self.bucket, Key=key,
+                              not_found=True)
+        except FileNotFoundError:
+            return 0
+        self._delete(key)
+        return int(head["ContentLength"])
+
+    def digests(self) -> Iterator[str]:
+        start = len(self.prefix) + len("blobs/")
+        for item in self._list(f"{self.prefix}blobs/"):
+            name = item["Key"][start:]
+            digest = name[6:]
+            if _DIGEST.fullmatch(digest) and name[:6] == f"{digest[:2]}/{digest[2:4]}/":
+                yield digest
+
+    def clear_temporary(self, older_than_ns: int | None = None) -> int:
+        """Delete temporary objects started before ``older_than_ns`` (by the time in their key)
+        and abort the multipart uploads initiated before it; None: all of them."""
+        tmp = f"{self.prefix}tmp/"
+        count = 0
+        for item in list(self._list(tmp)):
+            started = item["Key"][len(tmp):].split("-", 1)[0]
+            if older_than_ns is not None and (not started.isdigit() or int(started) >= older_than_ns):
+                continue
+            self._delete(item["Key"])
+            count += 1
+        paginator = self.client.get_paginator("list_multipart_uploads")
+        pages = iter(paginator.paginate(Bucket=self.bucket, Prefix=tmp))
+        stale = []
+        while (page := self._call(f"list the uploads under {tmp}", next, pages, None)) is not None:
+            for upload in page.get("Uploads", []):
+                initiated_ns = int(upload["Initiated"].timestamp() * 1e9)
+                if older_than_ns is None or initiated_ns < older_than_ns:
+                    stale.append(upload)
+        for upload in stale:
+            try:
+                self._call(f"abort the upload of {upload['Key']}", self.client.abort_multipart_upload,
+                           Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"], not_found=True)
+            except FileNotFoundError:
+                continue  # completed or aborted meanwhile
+            count += 1
+        return count
+
+    def check(self) -> None:
+        """HeadBucket: StorageUnavailable naming the bucket and the endpoint unless it answers."""
+        try:
+            self._call("check the bucket", self.client.head_bucket, Bucket=self.bucket, not_found=True)
+        except FileNotFoundError:
+            raise StorageUnavailable(f"S3 {self.where()}: no such bucket") from None
+
+    def close(self) -> None:
+        self._reading.shutdown(wait=False)
+        self._uploading.shutdown(wait=False)
