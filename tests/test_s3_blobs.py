@@ -144,6 +144,44 @@ def test_read_into_runs_ranges_in_parallel(store: S3BlobStore):
     assert peak >= 3
 
 
+def test_sequential_small_reads_are_read_ahead_exactly(store: S3BlobStore):
+    """Reads of 300 KiB one after another (as a Fetch makes them) come from ranges fetched
+    ahead, several at once; jumps and re-reads stay exact."""
+    data = os.urandom(5 * MiB + 4321)
+    digest, _ = put(store, data)
+    blob = store.open(digest, size=len(data))
+    requests, in_flight, peak, lock = [], 0, 0, threading.Lock()
+    original = blob._read_range
+
+    def counted(view, offset):
+        nonlocal in_flight, peak
+        with lock:
+            requests.append((offset, view.nbytes))
+            in_flight += 1
+            peak = max(peak, in_flight)
+        try:
+            time.sleep(0.02)
+            return original(view, offset)
+        finally:
+            with lock:
+                in_flight -= 1
+
+    blob._read_range = counted
+    piece = 300 << 10
+    out = bytearray()
+    for offset in range(0, len(data), piece):
+        buffer = bytearray(piece)
+        got = blob.read_into(memoryview(buffer), offset)
+        out += buffer[:got]
+    assert out == data
+    assert peak >= 3  # ranges ahead were in flight together
+    assert len(requests) <= 2 + len(data) // MiB + 1  # one lone read, then whole ranges, no re-reads
+    assert blob.read(10, 20) == data[10:30]  # a jump back: read directly
+    assert blob.read(30, MiB) == data[30:30 + MiB]  # sequential again
+    assert blob.read(4 * MiB, 100) == data[4 * MiB:4 * MiB + 100]  # a jump forward
+    blob.close()
+
+
 def test_missing_blob_is_file_not_found(store: S3BlobStore):
     missing = "ab" * 32
     with pytest.raises(FileNotFoundError):
@@ -205,8 +243,14 @@ def test_check_and_a_missing_bucket(store: S3BlobStore, seaweedfs):
 def test_unreachable_bucket_is_unavailable_then_recovers(store: S3BlobStore, seaweedfs):
     data = os.urandom(2000)
     digest, _ = put(store, data)
+    large = os.urandom(4 * MiB)
+    large_digest, _ = put(store, large)
+    reading = store.open(large_digest)
+    assert reading.read(0, 1000) + reading.read(1000, 1000) == large[:2000]  # read-ahead on
     seaweedfs.stop()
     try:
+        with pytest.raises(StorageUnavailable):
+            reading.read(2000, 3 * MiB)  # past what was read ahead before the stop
         for action in (store.check, lambda: store.open(digest), lambda: put(store, os.urandom(10)),
                        lambda: store.open(digest, size=2000).read(0, 10), lambda: list(store.digests())):
             with pytest.raises(StorageUnavailable) as caught:
@@ -218,6 +262,7 @@ def test_unreachable_bucket_is_unavailable_then_recovers(store: S3BlobStore, sea
         seaweedfs.start()
     store.check()  # the same store object: no restart of tannery needed
     assert store.open(digest).read(0, 2000) == data
+    assert reading.read(2000, 3 * MiB) == large[2000:2000 + 3 * MiB]  # the open blob recovers too
 
 
 def test_wrong_credentials_are_access_denied(s3_url: str, monkeypatch):
