@@ -11,6 +11,8 @@ an unreachable bucket).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import os
 import shutil
@@ -39,6 +41,17 @@ def weed_binary() -> Path | None:
         return beside
     found = shutil.which("weed")
     return Path(found) if found else None
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the thread that started it ends (Linux's
+    PR_SET_PDEATHSIG), so a test run killed with SIGKILL leaves no ``weed`` behind. Start the
+    server from a thread that lives as long as it should (pytest's main thread does)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _free_ports(count: int) -> list[int]:
@@ -134,7 +147,7 @@ class SeaweedFS:
         with open(self.log_path, "ab") as log:
             self._process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
                                              stdin=subprocess.DEVNULL, cwd=self.root, env=env,
-                                             start_new_session=True)
+                                             start_new_session=True, preexec_fn=_die_with_parent)
         try:
             self._wait_ready()
         except BaseException:

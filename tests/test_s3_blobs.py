@@ -49,10 +49,19 @@ def store(s3_url: str):
     blobs.close()
 
 
+def operations(store: S3BlobStore) -> list[str]:
+    """The names of the S3 operations the store's client makes from now on (botocore's events)."""
+    made: list[str] = []
+    store.client.meta.events.register("before-call.s3.*", lambda model, **_: made.append(model.name))
+    return made
+
+
 def test_small_payload_is_one_put_at_its_digest_key(store: S3BlobStore):
     data = os.urandom(100_000)
+    made = operations(store)
     digest, stored = put(store, data, piece=30_000)
     assert stored
+    assert made == ["HeadObject", "PutObject"]  # no temporary object, no multipart upload
     assert keys(store) == [f"tannery/blobs/{digest[:2]}/{digest[2:4]}/{digest}"]  # no temporary, no other key
     assert uploads(store) == []
     blob = store.open(digest)
@@ -74,7 +83,9 @@ def test_large_payload_streams_in_parts_and_reads_back(store: S3BlobStore):
         if at == 2 * PART:  # two parts are in the bucket's hands before seal
             assert temp._upload_id is not None
     digest = digest_of(data)
+    made = operations(store)
     assert temp.seal(digest) is True
+    assert made == ["UploadPart", "CompleteMultipartUpload", "HeadObject", "CopyObject", "DeleteObject"]
     assert keys(store) == [store.key(digest)]  # the temporary object is gone
     assert uploads(store) == []
     blob = store.open(digest)
