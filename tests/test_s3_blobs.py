@@ -44,7 +44,8 @@ def uploads(store: S3BlobStore) -> list[dict]:
 
 @pytest.fixture
 def store(s3_url: str):
-    blobs = S3BlobStore(s3_url, part_size=PART, range_size=MiB)
+    """A store that holds one part before it streams (so a few MiB of test data stream)."""
+    blobs = S3BlobStore(s3_url, part_size=PART, parts_in_flight=1, range_size=MiB)
     yield blobs
     blobs.close()
 
@@ -93,20 +94,37 @@ def test_large_payload_streams_in_parts_and_reads_back(store: S3BlobStore):
     assert blob.read(0, len(data)) == data
 
 
+def test_payload_held_in_memory_goes_straight_to_its_digest_key(s3_url: str):
+    store = S3BlobStore(s3_url, part_size=PART, parts_in_flight=3)
+    data = os.urandom(3 * PART + 777)  # three parts held and the one filling: no temporary, no copy
+    temp = store.create()
+    made = operations(store)
+    for at in range(0, len(data), MiB):
+        temp.write(data[at:at + MiB])
+    assert made == []  # nothing sent before seal
+    digest = digest_of(data)
+    assert temp.seal(digest) is True
+    assert made == ["HeadObject", "CreateMultipartUpload"] + ["UploadPart"] * 4 + ["CompleteMultipartUpload"]
+    assert keys(store) == [store.key(digest)] and uploads(store) == []
+    assert store.open(digest).read(0, len(data)) == data
+
+
 def test_equal_payloads_stored_once(store: S3BlobStore):
-    small, large = os.urandom(1000), os.urandom(PART + 10)
-    for data in (small, large):
+    small, held, streamed = os.urandom(1000), os.urandom(PART + 10), os.urandom(2 * PART + 10)
+    for data in (small, held, streamed):
         digest, first = put(store, data)
         again, second = put(store, data)
         assert (first, second) == (True, False)
-    assert sorted(keys(store)) == sorted(store.key(digest_of(d)) for d in (small, large))
+    assert sorted(keys(store)) == sorted(store.key(digest_of(d)) for d in (small, held, streamed))
     assert uploads(store) == []
 
 
 def test_discard_leaves_nothing(store: S3BlobStore):
-    for size in (1000, 2 * PART + 5):
+    for size in (1000, PART + 5, 3 * PART + 5):
         temp = store.create()
         temp.write(os.urandom(size))
+        if size > 2 * PART:
+            assert len(uploads(store)) == 1  # streaming had begun
         temp.discard()
     assert keys(store) == [] and uploads(store) == []
 
@@ -232,12 +250,13 @@ def test_clear_temporary_respects_the_time_and_aborts_stale_uploads(store: S3Blo
     client.put_object(Bucket=store.bucket, Key=f"tannery/tmp/{old}-a", Body=b"old")
     client.put_object(Bucket=store.bucket, Key=f"tannery/tmp/{new}-b", Body=b"new")
     stale = store.create()
-    stale.write(os.urandom(PART))  # a full part: a multipart upload is open
-    assert len(uploads(store)) == 1
-    cutoff = time.time_ns() + 10**9  # after the upload began, before "new"
+    stale.write(os.urandom(2 * PART))  # past the part held: a multipart upload is open
+    client.create_multipart_upload(Bucket=store.bucket, Key=store.key("cd" * 32))  # a held payload cut short
+    assert len(uploads(store)) == 2
+    cutoff = time.time_ns() + 10**9  # after the uploads began, before "new"
     assert store.clear_temporary(time.time_ns() - 10**11) == 1  # only the old object
-    assert len(uploads(store)) == 1
-    assert store.clear_temporary(cutoff) == 1  # the stale upload ("b" started after the cutoff)
+    assert len(uploads(store)) == 2
+    assert store.clear_temporary(cutoff) == 2  # the stale uploads ("b" started after the cutoff)
     assert uploads(store) == []
     assert keys(store, "tmp/") == [f"tannery/tmp/{new}-b"]
     assert store.clear_temporary() == 1

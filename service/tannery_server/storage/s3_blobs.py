@@ -6,12 +6,15 @@ of the digest spread keys over the bucket's partitions); a payload being written
 endpoint and credentials come from the standard AWS variables (``AWS_ENDPOINT_URL_S3`` or
 ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``).
 
-- **Writing** streams: bytes fill a part buffer; a full part is uploaded by a background
-  thread (a multipart upload) while the next fills, at most :attr:`S3BlobStore.parts_in_flight`
-  at once, so a call holds ``(parts_in_flight + 1) * part_size`` bytes, never the payload. A
-  payload smaller than one part is PUT once, at seal, straight to its digest key. A larger one
-  is completed at its temporary key and copied server-side to its digest key (CopyObject;
-  s3transfer switches to UploadPartCopy past 5 GiB), unless that object exists already.
+- **Writing** streams, holding at most ``(parts_in_flight + 1) * part_size`` bytes per call
+  (80 MiB by default), never the payload. A payload that fits in that is held and uploaded at
+  seal straight to its digest key (one PUT under a part, else a multipart upload of its parts
+  in parallel). A larger one streams as a multipart upload to a temporary key (each part
+  uploaded by a background thread as it fills, ``parts_in_flight`` at once), completed at seal
+  and copied server-side to its digest key (CopyObject; UploadPartCopy past 5 GiB): its digest
+  is known only at its end. Either way nothing is written when the digest's object exists
+  already (equal payloads are stored once). The copy costs about half a PUT on SeaweedFS
+  (docs/benchmarks.md): payloads held in memory skip it.
 - **Reading** uses ranged GETs; a large :meth:`S3Blob.read_into` splits into ranges fetched in
   parallel, each read straight into its slice of the caller's buffer.
 - **Errors**: botocore's retries (``mode: standard``: backoff, idempotent retries) run first;
@@ -228,19 +231,31 @@ class S3Blob:
 
 
 class S3TempBlob:
-    """A payload being written: small ones held for one PUT, larger ones streamed as a multipart upload."""
+    """A payload being written, in parts of ``part_size``.
+
+    Up to ``parts_in_flight`` full parts (and the one filling) are held in memory first: a
+    payload that ends within them is uploaded at seal straight to its digest key (one PUT,
+    or a multipart upload of the held parts in parallel), with no temporary object and no
+    copy. A larger payload streams: a multipart upload to a temporary key starts with the
+    held parts, and each later part is uploaded as it fills, at most ``parts_in_flight`` at
+    once; seal completes it and copies it to its digest key. Either way a call holds at most
+    ``parts_in_flight + 1`` parts.
+    """
 
     def __init__(self, store: "S3BlobStore") -> None:
         self._store = store
         self.key = store.temp_key()
         self.size = 0
         #: The part being filled: grown as bytes arrive (a small payload costs its size, not a
-        #: part's), full-sized once the payload is known to be large.
+        #: part's); later parts are full-sized buffers, reused.
         self._part = bytearray()
         self._filled = 0
+        #: Full parts held while the payload may still end within them.
+        self._held: list[bytearray] = []
+        self._upload_key = self.key
         self._upload_id: str | None = None
         self._parts: list[Future] = []
-        #: Part buffers free for reuse; taking one waits while ``parts_in_flight`` are uploading.
+        #: Part buffers free for reuse; taking one waits while the others are uploading.
         self._free: queue.Queue[bytearray] = queue.Queue()
         self._buffers = 1
         self._closed = False
@@ -255,9 +270,20 @@ class S3TempBlob:
             self.size += n
             view = view[n:]
             if self._filled == part_size:
-                self._send_part(self._part)
-                self._part = self._next_buffer()
-                self._filled = 0
+                self._part_full()
+
+    def _part_full(self) -> None:
+        if self._upload_id is None and len(self._held) < self._store.parts_in_flight:
+            self._held.append(self._part)
+        else:
+            if self._upload_id is None:  # the payload outgrew what is held: stream from now on
+                self._start_upload(self.key)
+                for held in self._held:
+                    self._send_part(held)
+                self._held = []
+            self._send_part(self._part)
+        self._part = self._next_buffer()
+        self._filled = 0
 
     def _next_buffer(self) -> bytearray:
         if self._buffers <= self._store.parts_in_flight:
@@ -272,53 +298,70 @@ class S3TempBlob:
             if future.done() and future.exception() is not None:
                 raise future.exception()
 
-    def _send_part(self, buffer: bytearray | bytes, reuse: bool = True) -> None:
+    def _start_upload(self, key: str) -> None:
         store = self._store
-        if self._upload_id is None:
-            created = store._call(f"start an upload to {self.key}", store.client.create_multipart_upload,
-                                  Bucket=store.bucket, Key=self.key)
-            self._upload_id = created["UploadId"]
+        created = store._call(f"start an upload to {key}", store.client.create_multipart_upload,
+                              Bucket=store.bucket, Key=key)
+        self._upload_key, self._upload_id = key, created["UploadId"]
+
+    def _send_part(self, buffer: bytearray, reuse: bool = True) -> None:
+        store = self._store
         self._raise_failed()
         number = len(self._parts) + 1
-        upload_id = self._upload_id
+        key, upload_id = self._upload_key, self._upload_id
 
         def upload() -> dict:
             try:
-                answer = store._call(f"upload part {number} of {self.key}", store.client.upload_part,
-                                     Bucket=store.bucket, Key=self.key, UploadId=upload_id, PartNumber=number,
-                                     Body=buffer)
+                answer = store._call(f"upload part {number} of {key}", store.client.upload_part,
+                                     Bucket=store.bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=buffer)
                 return {"PartNumber": number, "ETag": answer["ETag"]}
             finally:
                 if reuse:
-                    self._free.put(buffer)  # type: ignore[arg-type]
+                    self._free.put(buffer)
 
         self._parts.append(store._uploading.submit(upload))
+
+    def _tail(self) -> bytearray | None:
+        """The last, partly filled part, trimmed in place (not copied); None if empty."""
+        tail, self._part = self._part, bytearray()
+        if not self._filled:
+            return None
+        del tail[self._filled:]
+        return tail
+
+    def _complete(self) -> None:
+        store = self._store
+        parts = [future.result() for future in self._parts]
+        store._call(f"complete the upload of {self._upload_key}", store.client.complete_multipart_upload,
+                    Bucket=store.bucket, Key=self._upload_key, UploadId=self._upload_id,
+                    MultipartUpload={"Parts": parts})
+        self._upload_id = None
 
     def seal(self, digest: str) -> bool:
         store = self._store
         target = store.key(digest)
         if self._closed:
             raise ValueError(f"temporary blob {self.key} is sealed or discarded already")
+        self._closed = True
         try:
-            if self._upload_id is None:  # smaller than a part: one PUT straight to its digest
-                self._closed = True
+            if self._upload_id is None:  # every byte is held: straight to the digest key
+                parts = self._held + [tail for tail in [self._tail()] if tail is not None]
+                self._held = []
                 if store._exists(target):
                     return False
-                body = self._part if self._filled == len(self._part) else bytes(memoryview(self._part)[:self._filled])
-                self._part = bytearray()
-                store._call(f"write {target}", store.client.put_object, Bucket=store.bucket, Key=target, Body=body)
+                if len(parts) <= 1:
+                    store._call(f"write {target}", store.client.put_object, Bucket=store.bucket, Key=target,
+                                Body=parts[0] if parts else b"")
+                    return True
+                self._start_upload(target)
+                for part in parts:
+                    self._send_part(part, reuse=False)
+                self._complete()
                 return True
-            if self._filled:
-                tail, self._part = self._part, bytearray()
-                del tail[self._filled:]  # the last part: trimmed in place, not copied
+            tail = self._tail()
+            if tail is not None:
                 self._send_part(tail, reuse=False)
-            self._part = bytearray()
-            parts = [future.result() for future in self._parts]
-            self._closed = True
-            store._call(f"complete the upload of {self.key}", store.client.complete_multipart_upload,
-                        Bucket=store.bucket, Key=self.key, UploadId=self._upload_id,
-                        MultipartUpload={"Parts": parts})
-            self._upload_id = None
+            self._complete()
         except BaseException:
             self._closed = False
             self.discard()
@@ -345,15 +388,15 @@ class S3TempBlob:
         if self._closed:
             return
         self._closed = True
-        self._part = bytearray()
+        self._part, self._held = bytearray(), []
         wait(self._parts)
         self._parts = []
         store = self._store
         if self._upload_id is not None:
-            upload_id, self._upload_id = self._upload_id, None
+            key, upload_id, self._upload_id = self._upload_key, self._upload_id, None
             try:
-                store._call(f"abort the upload of {self.key}", store.client.abort_multipart_upload,
-                            Bucket=store.bucket, Key=self.key, UploadId=upload_id)
+                store._call(f"abort the upload of {key}", store.client.abort_multipart_upload,
+                            Bucket=store.bucket, Key=key, UploadId=upload_id)
             except StorageUnavailable:
                 pass  # clear_temporary aborts it later
 
@@ -489,7 +532,7 @@ class S3BlobStore:
 
     def clear_temporary(self, older_than_ns: int | None = None) -> int:
         """Delete temporary objects started before ``older_than_ns`` (by the time in their key)
-        and abort the multipart uploads initiated before it; None: all of them."""
+        and abort the multipart uploads under the prefix initiated before it; None: all of them."""
         tmp = f"{self.prefix}tmp/"
         count = 0
         for item in list(self._list(tmp)):
@@ -498,10 +541,11 @@ class S3BlobStore:
                 continue
             self._delete(item["Key"])
             count += 1
+        # Uploads go to tmp/ (a streamed payload) or straight to blobs/ (one held in memory).
         paginator = self.client.get_paginator("list_multipart_uploads")
-        pages = iter(paginator.paginate(Bucket=self.bucket, Prefix=tmp))
+        pages = iter(paginator.paginate(Bucket=self.bucket, Prefix=self.prefix))
         stale = []
-        while (page := self._call(f"list the uploads under {tmp}", next, pages, None)) is not None:
+        while (page := self._call(f"list the uploads under {self.prefix or '/'}", next, pages, None)) is not None:
             for upload in page.get("Uploads", []):
                 initiated_ns = int(upload["Initiated"].timestamp() * 1e9)
                 if older_than_ns is None or initiated_ns < older_than_ns:
