@@ -58,7 +58,7 @@ PART_SIZE = 16 * MiB
 PARTS_IN_FLIGHT = 4
 #: Size of the ranges a large read_into splits into, and of those read ahead.
 RANGE_SIZE = 8 * MiB
-#: Ranges read ahead of sequential small reads (memory per open blob: this many ranges).
+#: Ranges read ahead of sequential small reads, at most (memory per open blob: this many ranges).
 READAHEAD = 4
 #: S3's largest CopyObject; bigger objects are copied in parts (UploadPartCopy).
 _COPY_LIMIT = 5 << 30
@@ -97,10 +97,13 @@ class S3Blob:
     """An object of the bucket, read with ranged GETs (no local file: no :meth:`fileno`).
 
     Small reads that follow one another (a Fetch reads a blob 1 MiB at a time) turn on a
-    read-ahead: the next :attr:`S3BlobStore.readahead` ranges of ``range_size`` are fetched in
-    parallel while the caller consumes the current one (memory per open blob: that many
-    ranges), so a Fetch is not limited by one request's latency. A lone small read (a row
-    range) reads only its bytes. One reader at a time per open blob.
+    read-ahead, so a Fetch is not limited by one request's latency: ranges past the read are
+    fetched in parallel while the caller consumes the current one. It grows with the run of
+    sequential reads (at most about as many bytes ahead as were read in that run, so a short
+    row range over-reads little), up to ``readahead`` ranges of ``range_size`` (32 MiB by
+    default: the memory of one open blob). A lone read reads only its bytes;
+    :meth:`read_ahead_until` bounds the read-ahead where the caller knows its end. One reader
+    at a time per open blob.
     """
 
     def __init__(self, store: "S3BlobStore", key: str, size: int) -> None:
@@ -109,8 +112,15 @@ class S3Blob:
         self.size = size
         self._lock = threading.Lock()
         self._last_end = -1  # where the previous read ended: the next starting there is sequential
-        #: Ranges fetched ahead, in order and contiguous: (start, future of (buffer, bytes read)).
-        self._ahead: deque[tuple[int, Future]] = deque()
+        self._streak = 0  # bytes read by the current run of sequential reads
+        self._ahead_stop = size
+        #: Ranges fetched ahead, in order and contiguous: (start, size, future of (buffer, bytes read)).
+        self._ahead: deque[tuple[int, int, Future]] = deque()
+
+    def read_ahead_until(self, stop: int) -> None:
+        """Read no byte at or past ``stop`` ahead of the reads (the end of a row range)."""
+        with self._lock:
+            self._ahead_stop = max(0, min(stop, self.size))
 
     def read(self, offset: int, size: int) -> bytes:
         size = max(0, min(size, self.size - offset))
@@ -130,7 +140,9 @@ class S3Blob:
         if size == 0:
             return 0
         with self._lock:
-            sequential, self._last_end = offset == self._last_end, offset + size
+            sequential = offset == self._last_end
+            self._streak = self._streak + size if sequential else size
+            self._last_end = offset + size
             if size < self._store.range_size and self._store.readahead and (sequential or self._ahead):
                 try:
                     got = self._from_ahead(view[:size], offset, sequential)
@@ -155,19 +167,17 @@ class S3Blob:
     def _from_ahead(self, view: memoryview, offset: int, sequential: bool) -> int | None:
         """``view`` filled from the ranges read ahead (started at ``offset`` by a sequential read,
         topped up after); None when ``offset`` is not among them (the caller reads directly)."""
-        while self._ahead and self._ahead[0][0] + self._store.range_size <= offset:
+        while self._ahead and self._ahead[0][0] + self._ahead[0][1] <= offset:
             self._ahead.popleft()  # consumed
-        if not self._ahead:
-            if not sequential:
-                return None
-            self._ahead_from(offset)
-        elif not self._ahead[0][0] <= offset:
+        if self._ahead and self._ahead[0][0] > offset:
+            return None
+        if not self._ahead and not sequential:
             return None
         filled = 0
         while filled < view.nbytes:
-            if not self._ahead:
-                self._ahead_from(offset + filled)
-            start, future = self._ahead[0]
+            if not self._ahead:  # the first range covers this read and a step past it
+                self._fetch(offset + filled, max(view.nbytes - filled, self._step()))
+            start, size, future = self._ahead[0]
             data, got = future.result()  # StorageUnavailable as a direct read would raise
             at = offset + filled - start
             n = min(view.nbytes - filled, got - at)
@@ -175,31 +185,34 @@ class S3Blob:
                 break  # the object ended early
             view[filled:filled + n] = memoryview(data)[at:at + n]
             filled += n
-            if at + n == self._store.range_size:
+            if at + n == size:
                 self._ahead.popleft()
-        self._top_up()
+        self._top_up(offset + filled)
         return filled
 
-    def _ahead_from(self, start: int) -> None:
-        self._ahead.clear()
-        self._ahead.append((start, self._store._reading.submit(self._read_ahead, start)))
-        self._top_up()
+    def _step(self) -> int:
+        """The size of the next range ahead: half the sequential run so far, at most range_size."""
+        return max(1, min(self._store.range_size, self._streak // 2))
 
-    def _top_up(self) -> None:
-        """Keep ``readahead`` ranges fetched or in flight past the current one."""
-        step = self._store.range_size
-        while self._ahead and len(self._ahead) < self._store.readahead:
-            start = self._ahead[-1][0] + step
-            if start >= self.size:
-                break
-            self._ahead.append((start, self._store._reading.submit(self._read_ahead, start)))
+    def _top_up(self, position: int) -> None:
+        """Fetch ranges until about ``streak`` bytes (at most readahead ranges) lie past ``position``."""
+        budget = min(self._store.readahead * self._store.range_size, self._streak)
+        end = self._ahead[-1][0] + self._ahead[-1][1] if self._ahead else position
+        while end - position < budget and end < self._ahead_stop and len(self._ahead) <= 2 * self._store.readahead:
+            self._fetch(end, self._step())
+            end = self._ahead[-1][0] + self._ahead[-1][1]
 
-    def _read_ahead(self, start: int) -> tuple[bytearray, int]:
-        data = bytearray(min(self._store.range_size, self.size - start))
+    def _fetch(self, start: int, size: int) -> None:
+        size = max(0, min(size, self.size - start))
+        if size:
+            self._ahead.append((start, size, self._store._reading.submit(self._read_ahead, start, size)))
+
+    def _read_ahead(self, start: int, size: int) -> tuple[bytearray, int]:
+        data = bytearray(size)
         return data, self._read_range(memoryview(data), start)
 
     def _drop_ahead(self) -> None:
-        for _, future in self._ahead:
+        for _, _, future in self._ahead:
             future.cancel()
         self._ahead.clear()
 
