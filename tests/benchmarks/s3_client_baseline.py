@@ -11,6 +11,8 @@ side against one SeaweedFS (that comparison chose boto3; ``docs/benchmarks.md``,
     python -m tests.benchmarks.s3_client_baseline --sizes 256MiB 1GiB --reps 3 [--compare]
 
 Without ``AWS_ENDPOINT_URL_S3`` it starts its own SeaweedFS (tests/s3_harness.py).
+``--compare`` needs obstore, which no extra installs (``pip install obstore==0.12.1``, the
+version measured): the comparison is run by hand when the choice is revisited.
 """
 
 from __future__ import annotations
