@@ -119,6 +119,39 @@ def test_equal_payloads_stored_once(store: S3BlobStore):
     assert uploads(store) == []
 
 
+def test_equal_payloads_sealed_at_once_are_one_object(store: S3BlobStore):
+    data = os.urandom(2 * PART + 3)  # streamed: both copy to one digest key
+    results: list[bool] = []
+    threads = [threading.Thread(target=lambda: results.append(put(store, data)[1])) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(results) == 3 and True in results
+    assert keys(store) == [store.key(digest_of(data))] and uploads(store) == []
+    assert store.open(digest_of(data)).read(0, len(data)) == data
+
+
+def test_known_size_spares_the_head_request(store: S3BlobStore):
+    data = os.urandom(1000)
+    digest, _ = put(store, data)
+    made = operations(store)
+    blob = store.open(digest, size=len(data))
+    assert made == []
+    assert blob.read(0, 1000) == data and made == ["GetObject"]
+    store.open(digest)
+    assert made == ["GetObject", "HeadObject"]
+
+
+def test_endpoint_from_aws_endpoint_url(s3_url: str, monkeypatch):
+    endpoint = os.environ["AWS_ENDPOINT_URL_S3"]
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    store = S3BlobStore(s3_url)
+    assert store.endpoint == endpoint
+    store.check()
+
+
 def test_discard_leaves_nothing(store: S3BlobStore):
     for size in (1000, PART + 5, 3 * PART + 5):
         temp = store.create()
@@ -383,6 +416,27 @@ def test_cache_evicts_the_least_recently_used(store: S3BlobStore, tmp_path: Path
     cache.open(big)
     cache.wait_for_fills()
     assert big not in cache.cached() and cache.cached_bytes <= 5 * MiB
+
+
+def test_cache_fills_a_blob_once_at_a_time(store: S3BlobStore, tmp_path: Path):
+    cache = CachedBlobStore(store, tmp_path / "cache", max_bytes=10 * MiB)
+    digest, _ = put(cache, os.urandom(2 * MiB))
+    release = threading.Event()
+    fills = []
+    original = cache._fill
+
+    def slow_fill(*args):
+        fills.append(args)
+        release.wait(10)
+        original(*args)
+
+    cache._fill = slow_fill
+    for _ in range(3):  # opened three times while the first copy is still being made
+        assert isinstance(cache.open(digest), S3Blob)
+    release.set()
+    cache.wait_for_fills()
+    assert len(fills) == 1
+    assert isinstance(cache.open(digest), FileBlob)
 
 
 def test_cache_is_rebuilt_from_its_directory(store: S3BlobStore, tmp_path: Path):
