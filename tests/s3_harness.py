@@ -102,7 +102,8 @@ class SeaweedFS:
             f"-volume.port={self.volume}", f"-volume.port.grpc={self.volume_grpc}", "-volume.preStopSeconds=0",
             "-filer", f"-filer.port={self.filer}", f"-filer.port.grpc={self.filer_grpc}",
             f"-filer.localSocket={root / 'filer.sock'}",
-            "-s3", f"-s3.port={self.s3}", f"-s3.port.grpc={self.s3_grpc}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+            # As AWS: writing to a bucket that does not exist fails instead of creating it.
+            "-s3", "-s3.autoCreateBucket=false", f"-s3.port={self.s3}", f"-s3.port.grpc={self.s3_grpc}", "-s3.port.iceberg=0", "-s3.port.lance=0",
             f"-s3.config={root / 's3.json'}", f"-s3.localSocket={root / 's3.sock'}",
         ]
 

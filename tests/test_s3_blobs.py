@@ -326,6 +326,8 @@ def test_check_and_a_missing_bucket(store: S3BlobStore, seaweedfs):
     other = S3BlobStore("s3://no-such-bucket-here/x")
     with pytest.raises(StorageUnavailable, match="no-such-bucket-here.*no such bucket"):
         other.check()
+    with pytest.raises(StorageUnavailable, match="no-such-bucket-here.*write .*no such bucket"):
+        put(other, b"some bytes")
 
 
 def test_unreachable_bucket_is_unavailable_then_recovers(store: S3BlobStore, seaweedfs):

@@ -1,8 +1,9 @@
 """Content-addressed blobs in an S3-compatible bucket (AWS S3, SeaweedFS, MinIO, Ceph RGW, R2).
 
 ``s3://BUCKET/PREFIX`` holds each payload once, at ``PREFIX/blobs/ab/cd/<sha256>`` (two levels
-of the digest spread keys over the bucket's partitions); a payload being written goes to
-``PREFIX/tmp/<time_ns>-<uuid>`` first, because its digest is known only at its end. The
+of the digest spread keys over the bucket's partitions); a payload too large to hold in
+memory while it is written goes to ``PREFIX/tmp/<time_ns>-<uuid>`` first, because its digest
+is known only at its end. The
 endpoint and credentials come from the standard AWS variables (``AWS_ENDPOINT_URL_S3`` or
 ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``).
 
@@ -16,7 +17,8 @@ endpoint and credentials come from the standard AWS variables (``AWS_ENDPOINT_UR
   already (equal payloads are stored once). The copy costs about half a PUT on SeaweedFS
   (docs/benchmarks.md): payloads held in memory skip it.
 - **Reading** uses ranged GETs; a large :meth:`S3Blob.read_into` splits into ranges fetched in
-  parallel, each read straight into its slice of the caller's buffer.
+  parallel, each read straight into its slice of the caller's buffer, and small sequential
+  reads (Fetch's 1 MiB) are served from ranges read ahead in parallel (:class:`S3Blob`).
 - **Errors**: botocore's retries (``mode: standard``: backoff, idempotent retries) run first;
   what still fails is raised as :class:`StorageUnavailable` naming the bucket, the endpoint
   and the failure, and a missing blob as FileNotFoundError, as the file store does.
