@@ -441,6 +441,16 @@ def test_cache_fills_a_blob_once_at_a_time(store: S3BlobStore, tmp_path: Path):
     assert isinstance(cache.open(digest), FileBlob)
 
 
+def test_cache_keeps_no_copy_whose_bytes_are_not_its_digest(store: S3BlobStore, tmp_path: Path):
+    cache = CachedBlobStore(store, tmp_path / "cache", max_bytes=10 * MiB)
+    named = digest_of(b"the bytes the name promises")
+    store.client.put_object(Bucket=store.bucket, Key=store.key(named), Body=b"other bytes")  # rotten in the bucket
+    cache.open(named)
+    cache.wait_for_fills()
+    assert cache.cached() == {} and list((tmp_path / "cache").iterdir()) == []
+    assert isinstance(cache.open(named), S3Blob)  # served from the bucket, where the CRCs find it
+
+
 def test_cache_is_rebuilt_from_its_directory(store: S3BlobStore, tmp_path: Path):
     directory = tmp_path / "cache"
     cache = CachedBlobStore(store, directory, max_bytes=10 * MiB)

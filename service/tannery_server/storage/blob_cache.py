@@ -7,8 +7,9 @@ blob to ``cache_dir/<digest>`` in the background; later opens return a local
 
 - **Bounded**: the least recently used blobs are deleted once the cache would hold more than
   ``max_bytes``; a blob larger than that is never cached.
-- **Never a partial blob**: a copy is written to ``<digest>.part``, fsynced and renamed; a
-  cached file whose size is not the blob's is dropped, not served. Its bytes are checked by
+- **Never a partial or wrong blob**: a copy is hashed as it is written to ``<digest>.part``
+  (kept only if its SHA-256 is its name), fsynced and renamed; a cached file whose size is
+  not the blob's is dropped, not served. Its bytes are checked by
   the block CRCs of every read, as any blob's (fetching.py); :meth:`CachedBlobStore.evict`
   drops a copy found bad.
 - **Rebuilt at start** from the directory (leftover ``.part`` files deleted, the order of use
@@ -17,6 +18,7 @@ blob to ``cache_dir/<digest>`` in the background; later opens return a local
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -152,6 +154,7 @@ class CachedBlobStore:
         kept = False
         try:
             source = self.inner.open(digest, size)
+            hashed = hashlib.sha256()
             try:
                 buffer = bytearray(min(FILL_CHUNK, max(size, 1)))
                 view = memoryview(buffer)
@@ -161,12 +164,15 @@ class CachedBlobStore:
                         got = source.read_into(view[:min(len(view), size - offset)], offset)
                         if not got:
                             raise EOFError(f"blob {digest} ended at byte {offset} of {size}")
+                        hashed.update(view[:got])
                         out.write(view[:got])
                         offset += got
                     out.flush()
                     os.fsync(out.fileno())
             finally:
                 source.close()
+            if hashed.hexdigest() != digest:  # damaged on the way, or in the bucket: not cached
+                raise ValueError(f"its bytes hash to {hashed.hexdigest()}")
             with self._lock:
                 if digest not in self._cancelled:
                     os.rename(part, self.cache_dir / digest)
