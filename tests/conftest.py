@@ -9,6 +9,8 @@ from types import ModuleType
 
 import pytest
 
+from .s3_fixtures import s3_url, seaweedfs  # noqa: F401  (the S3 bucket fixtures, issue 15)
+
 ROOT = Path(__file__).resolve().parents[1]
 #: The atheris targets of ``make fuzz`` are scripts run under libFuzzer, not tests.
 collect_ignore = ["fuzz"]
