@@ -64,5 +64,5 @@ def backend(request, tmp_path) -> dict:
 
 
 def shared_blobs_url(request, tmp_path) -> str:
-    """Where a shared store's blobs go in tests."""
-    return f"file://{tmp_path}/shared-blobs"
+    """Where a shared store's blobs go in tests: a fresh bucket of the session's SeaweedFS."""
+    return request.getfixturevalue("s3_url")

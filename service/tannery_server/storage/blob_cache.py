@@ -231,6 +231,9 @@ class CachedBlobStore:
     def digests(self) -> Iterator[str]:
         return self.inner.digests()
 
+    def temporaries(self) -> list[str]:
+        return self.inner.temporaries()
+
     def clear_temporary(self, older_than_ns: int | None = None) -> int:
         return self.inner.clear_temporary(older_than_ns)
 

@@ -557,6 +557,15 @@ class S3BlobStore:
             if _DIGEST.fullmatch(digest) and name[:6] == f"{digest[:2]}/{digest[2:4]}/":
                 yield digest
 
+    def temporaries(self) -> list[str]:
+        """The temporary objects and the unfinished multipart uploads under the prefix, by key."""
+        found = [item["Key"] for item in self._list(f"{self.prefix}tmp/")]
+        paginator = self.client.get_paginator("list_multipart_uploads")
+        pages = iter(paginator.paginate(Bucket=self.bucket, Prefix=self.prefix))
+        while (page := self._call(f"list the uploads under {self.prefix or '/'}", next, pages, None)) is not None:
+            found += [f"{upload['Key']} (upload {upload['UploadId']})" for upload in page.get("Uploads", [])]
+        return sorted(found)
+
     def clear_temporary(self, older_than_ns: int | None = None) -> int:
         """Delete temporary objects started before ``older_than_ns`` (by the time in their key)
         and abort the multipart uploads under the prefix initiated before it; None: all of them."""
