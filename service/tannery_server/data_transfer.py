@@ -32,7 +32,7 @@ from tannery.datalink import Link, LinkClosed, LinkError, expect, frame
 from tannery.v1.data_pb2 import DataEnd, DataFailure, EntryBytes, MappedEntry
 from tannery.wire import StoreMessage
 
-from .failures import Failure, Malformed, Unavailable
+from .failures import DataLoss, Failure, Malformed, Unavailable
 from .fetching import Plan, open_planned, payload_pieces, read_blocks
 from .storage import BlobInfo, Storage
 from .storage.integrity import check_block
@@ -89,6 +89,9 @@ def send_fetch(link: Link, storage: Storage, plans: Sequence[Plan]) -> int:
         try:
             send = _send_mapped if link.local else _send_bytes
             total += send(link, blob, info, plan, what)
+        except DataLoss:
+            storage.damaged(plan.entry.digest)
+            raise
         finally:
             blob.close()
     link.send(frame(end=DataEnd(entries=len(plans), payload_bytes=total)))

@@ -231,6 +231,9 @@ class FetchStream:
             # Each block is checked as it is read, before any of its bytes reach a message.
             yield from _messages(plan.entry.name, payload_pieces(blob, info, plan, what, self.chunk_size),
                                  self.chunk_size)
+        except DataLoss:
+            self.storage.damaged(plan.entry.digest)
+            raise
         finally:
             blob.close()
 
@@ -322,6 +325,9 @@ def _new_message(framing: bytes, blob: BlobFile, offset: int, size: int) -> tupl
 def read_blocks(blob: BlobFile, info: BlobInfo, start: int, stop: int, what: str) -> Iterator[memoryview]:
     """Bytes [start, stop) of the blob, each covering block checked against its CRC-32 first."""
     size = info.block_size
+    read_ahead_until = getattr(blob, "read_ahead_until", None)
+    if read_ahead_until is not None:  # a bucket's blob reads ahead no further than the range needs
+        read_ahead_until(-(-stop // size) * size)
     for index in range(start // size, -(-stop // size)):
         offset = index * size
         data = blob.read(offset, min(size, info.size - offset))

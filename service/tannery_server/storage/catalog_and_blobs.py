@@ -102,9 +102,16 @@ class Storage:
 
     def close(self) -> None:
         self.catalog.close()
+        self._close_blobs()
         if self._lock is not None:
             self._lock.release()
             self._lock = None
+
+    def _close_blobs(self) -> None:
+        """Stop a blob store's own threads (a bucket's uploads and reads, a cache's fills)."""
+        close = getattr(self.blobs, "close", None)
+        if close is not None:
+            close()
 
     # A full disk ------------------------------------------------------------------------
 
@@ -308,6 +315,13 @@ class Storage:
         """An open blob (FileNotFoundError when missing); ``size`` from the catalog spares a
         remote store a request."""
         return self.blobs.open(digest, size)
+
+    def damaged(self, digest: str) -> None:
+        """A blob's bytes failed their check: a cached copy of it is dropped (the next read goes
+        to the store itself); a stored blob stays, for ``tannery scrub`` to name."""
+        evict = getattr(self.blobs, "evict", None)
+        if evict is not None:
+            evict(digest)
 
     def check(self) -> None:
         """StorageUnavailable naming what does not answer (the health check asks)."""

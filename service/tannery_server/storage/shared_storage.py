@@ -67,6 +67,7 @@ class SharedStorage(Storage):
             self._sweeper.join(timeout=10)
             self._sweeper = None
         self.catalog.close()
+        self._close_blobs()
 
     def check(self) -> None:
         """StorageUnavailable naming the catalog or the bucket when either does not answer."""

@@ -1,0 +1,117 @@
+"""Every transport on a replica of the shared backend (PostgreSQL and a SeaweedFS bucket): the
+gRPC streams, the same-host socket and the direct data connection serve blobs read from the
+bucket, or from the replica's read cache, with the same checks (a damaged object is
+DATA_LOSS naming the entry; a damaged cached copy is dropped and the next read goes to the
+bucket)."""
+
+from __future__ import annotations
+
+import boto3
+import pytest
+import torch
+
+import tannery
+from tannery.errors import DataLoss
+
+from .server_harness import running_server, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_client_environment")]
+TRANSPORTS = ["grpc", "local", "tcp"]
+SHORT = {"lease_seconds": 2.0, "gc_grace_seconds": 0.0, "health_check_seconds": 0.2}
+
+
+def state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(512, 256, generator=g),
+        "big": torch.randn(3, 1 << 19, generator=g),  # 6 MiB: several checksum blocks
+        "mask": torch.rand(1000, generator=g) > 0.5,
+        "step": torch.tensor(7),
+    }
+
+
+def same(archive, tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether a fetched archive holds exactly these tensors, bit for bit."""
+    return sorted(archive.names()) == sorted(tensors) and all(
+        archive.find(k).dtype == v.dtype and torch.equal(archive.find(k), v) for k, v in tensors.items())
+
+
+@pytest.fixture
+def replica(tmp_path, postgres_url, s3_url):
+    with running_server(tmp_path, catalog=postgres_url, blobs=s3_url, **SHORT) as server:
+        yield server
+
+
+@pytest.fixture
+def cached_replica(tmp_path, postgres_url, s3_url):
+    with running_server(tmp_path, catalog=postgres_url, blobs=s3_url, cache_dir=tmp_path / "cache",
+                        cache_size=64 << 20, **SHORT) as server:
+        yield server
+
+
+def bucket_object(server, digest: str) -> tuple[object, str, str]:
+    """The S3 client, bucket and key of a blob of the server's bucket."""
+    store = getattr(server.storage.blobs, "inner", server.storage.blobs)
+    client = boto3.client("s3", endpoint_url=store.endpoint)
+    return client, store.bucket, store.key(digest)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_every_transport_stores_and_fetches_through_the_bucket(replica, transport):
+    tensors = state(1)
+    with tannery.Client(replica.target, transport=transport) as client:
+        client.store("m", tensors)
+        assert same(client.fetch("m"), tensors)
+        part = client.archive("m")
+        assert torch.equal(part.rows("big", 1, 3), tensors["big"][1:3])
+        assert torch.equal(part.float("embed.weight", (512, 256), torch.float16), tensors["embed.weight"].half())
+        assert torch.equal(part.rows("mask", 10, 20), tensors["mask"][10:20])
+    assert set(replica.storage.blobs.digests()) == set(replica.storage.catalog.referenced_digests())
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_damaged_object_in_the_bucket_is_data_loss_naming_the_entry(replica, transport):
+    tensors = state(2)
+    with tannery.Client(replica.target, transport=transport) as client:
+        client.store("m", tensors)
+        digest = {e.name: e.digest for e in client.describe("m").entries}["big"]
+        s3, bucket, key = bucket_object(replica, digest)
+        damaged = bytearray(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+        damaged[len(damaged) // 2] ^= 0x10
+        s3.put_object(Bucket=bucket, Key=key, Body=bytes(damaged))
+        with pytest.raises(DataLoss, match="entry 'big'"):
+            client.fetch("m", ["big"])
+        assert torch.equal(client.fetch("m", ["step"]).find("step"), tensors["step"])
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_cached_checkpoint_is_served_from_local_disk_after_its_first_fetch(cached_replica, transport):
+    tensors = state(3)
+    cache = cached_replica.storage.blobs
+    with tannery.Client(cached_replica.target, transport=transport) as client:
+        client.store("m", tensors)
+        assert same(client.fetch("m"), tensors)  # from the bucket; the cache fills behind it
+        digests = set(cached_replica.storage.catalog.referenced_digests())
+        assert wait_for(lambda: set(cache.cached()) == digests, timeout=20)
+        s3, bucket, key = bucket_object(cached_replica, next(iter(digests)))
+        for digest in digests:  # the bucket's copies gone: only the cache can answer now
+            s3.delete_object(Bucket=bucket, Key=cache.inner.key(digest))
+        assert same(client.fetch("m"), tensors)
+
+
+def test_a_damaged_cached_copy_is_dropped_and_the_bucket_answers_next(cached_replica):
+    tensors = state(4)
+    cache = cached_replica.storage.blobs
+    with tannery.Client(cached_replica.target, transport="tcp") as client:
+        client.store("m", tensors)
+        client.fetch("m")
+        digest = {e.name: e.digest for e in client.describe("m").entries}["big"]
+        assert wait_for(lambda: digest in cache.cached(), timeout=20)
+        path = cache.cache_dir / digest
+        damaged = bytearray(path.read_bytes())
+        damaged[100] ^= 0x01
+        path.write_bytes(bytes(damaged))
+        with pytest.raises(DataLoss, match="entry 'big'"):
+            client.fetch("m", ["big"])
+        assert digest not in cache.cached()
+        assert torch.equal(client.fetch("m", ["big"]).find("big"), tensors["big"])
