@@ -148,48 +148,36 @@ def _health(server) -> int:
     return stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
 
 
-def test_postgres_stopped_during_traffic_answers_unavailable_naming_it_then_recovers(replicas, postgres_server):
+def _outage_then_recovery(replicas, service, named: tuple[str, ...], seed: int) -> None:
+    """``service`` (PostgreSQL or SeaweedFS) stopped: a Fetch and a Store answer UNAVAILABLE naming
+    it, health goes NOT_SERVING; started again: health SERVING, everything works, no restart."""
     a, b = replicas
-    entries = {"w": payload(400)}
+    entries = {"w": payload(seed)}
     store(a, "m", entries)
-    postgres_server.stop()
+    service.stop()
     try:
         with pytest.raises(grpc.RpcError) as down:
             fetch(b, "m")
         assert down.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "catalog" in down.value.details() and "postgresql://" in down.value.details()
+        assert all(word in down.value.details() for word in named), down.value.details()
         with pytest.raises(grpc.RpcError) as store_down:
             store(a, "n", entries)
         assert store_down.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert wait_for(lambda: _health(a) == health_pb2.HealthCheckResponse.NOT_SERVING, timeout=15)
+        assert wait_for(lambda: _health(a) == _health(b) == health_pb2.HealthCheckResponse.NOT_SERVING, timeout=15)
     finally:
-        postgres_server.start()
-    assert wait_for(lambda: _health(a) == health_pb2.HealthCheckResponse.SERVING, timeout=30)
-    assert fetch(b, "m") == entries  # no restart of either replica
-    store(a, "n", entries)
-    assert fetch(b, "n") == entries
-
-
-def test_the_bucket_unreachable_answers_unavailable_naming_it_then_recovers(replicas, seaweedfs):
-    a, b = replicas
-    entries = {"w": payload(500)}
-    store(a, "m", entries)
-    seaweedfs.stop()
-    try:
-        with pytest.raises(grpc.RpcError) as down:
-            fetch(b, "m")
-        assert down.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "bucket" in down.value.details()
-        with pytest.raises(grpc.RpcError) as store_down:
-            store(a, "n", entries)
-        assert store_down.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert wait_for(lambda: _health(b) == health_pb2.HealthCheckResponse.NOT_SERVING, timeout=15)
-    finally:
-        seaweedfs.start()
-    assert wait_for(lambda: _health(b) == health_pb2.HealthCheckResponse.SERVING, timeout=60)
+        service.start()
+    assert wait_for(lambda: _health(a) == _health(b) == health_pb2.HealthCheckResponse.SERVING, timeout=60)
     assert fetch(b, "m") == entries
     store(a, "n", entries)
     assert fetch(b, "n") == entries
+
+
+def test_postgres_stopped_during_traffic_answers_unavailable_naming_it_then_recovers(replicas, postgres_server):
+    _outage_then_recovery(replicas, postgres_server, ("catalog", "postgresql://"), 400)
+
+
+def test_the_bucket_unreachable_answers_unavailable_naming_it_then_recovers(replicas, seaweedfs):
+    _outage_then_recovery(replicas, seaweedfs, ("bucket",), 500)
 
 
 def test_a_replica_killed_mid_store_leaves_no_archive_the_other_serves_and_the_upload_is_collected(
