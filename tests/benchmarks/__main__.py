@@ -24,6 +24,7 @@ CASES = {
     "memory": "bench_memory",
     "scale": "bench_scale",
     "latency": "bench_latency",
+    "replicas": "bench_replicas",
 }
 
 

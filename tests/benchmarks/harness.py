@@ -316,7 +316,7 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def tannery_server(data_dir: Path, **flags: Any) -> Subprocess:
+def tannery_server(data_dir: Path, env: Mapping[str, str] | None = None, **flags: Any) -> Subprocess:
     """``python -m tannery_server serve`` on a free port with its own data directory, as
     configured by default (metrics on, on a free port too; no tokens, no TLS), with both
     data paths: its same-host socket (``DATA_DIR/tannery.sock``, the default) and a data
@@ -326,7 +326,7 @@ def tannery_server(data_dir: Path, **flags: Any) -> Subprocess:
             "--log-format", "json"]
     for key, value in flags.items():
         args += ["--" + key.replace("_", "-"), str(value)]
-    return Subprocess(*args, env={"TANNERY_METRICS_PORT": "0"})
+    return Subprocess(*args, env={"TANNERY_METRICS_PORT": "0", **(env or {})})
 
 
 @contextmanager
