@@ -176,7 +176,11 @@ class Relay:
         """
         self.put_bytes += nbytes
         if self.outbound is not None:
-            await self.outbound.send(message, nbytes, self.put_bytes >= self.size)
+            try:
+                await self.outbound.send(message, nbytes, self.put_bytes >= self.size)
+            except BaseException:
+                self.abandon()  # here too: no one may take a payload short of this piece for whole
+                raise
         self.recipients = [s for s in self.recipients if not s.ended]
         waiting = []
         for subscription in self.recipients:
