@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup serve test postgresql bench fuzz proto clean
+.PHONY: setup serve test postgresql nats-server bench fuzz proto clean
 
 setup: $(STAMP)
 
@@ -35,7 +35,7 @@ $(STAMP): pyproject.toml constraints.txt
 serve: $(STAMP)
 	$(VENV)/bin/tannery serve
 
-test: $(STAMP) postgresql
+test: $(STAMP) postgresql nats-server
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The shared-catalog tests start a private PostgreSQL (tests/postgres_harness.py) from Debian's
@@ -48,6 +48,17 @@ postgresql:
 	  $$sudo apt-get update -qq && \
 	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends postgresql >/dev/null \
 	  || echo "could not install postgresql: the PostgreSQL tests will skip (and fail under CI)"; \
+	fi
+
+# The channel tests across replicas start a private NATS (tests/nats_harness.py) from Debian's
+# nats-server package: installed here when absent, left alone when present.
+nats-server:
+	@if ! command -v nats-server >/dev/null 2>&1 && [ ! -x /usr/sbin/nats-server ]; then \
+	  echo "installing Debian's nats-server package (the cross-replica channel tests run a private NATS)"; \
+	  sudo=; [ "$$(id -u)" -eq 0 ] || sudo=sudo; \
+	  $$sudo apt-get update -qq && \
+	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nats-server >/dev/null \
+	  || echo "could not install nats-server: the NATS tests will skip (and fail under CI)"; \
 	fi
 
 bench: $(STAMP)

@@ -66,3 +66,32 @@ def backend(request, tmp_path) -> dict:
 def shared_blobs_url(request, tmp_path) -> str:
     """Where a shared store's blobs go in tests: a fresh bucket of the session's SeaweedFS."""
     return request.getfixturevalue("s3_url")
+
+
+@pytest.fixture(scope="session")
+def nats_server():
+    """A :class:`tests.nats_harness.NatsServer`, started once for the session (skips without
+    Debian's nats-server, except in CI, where it fails). A test that stops it starts it again."""
+    from .nats_harness import NatsServer, nats_server_bin
+
+    if nats_server_bin() is None:
+        reason = "nats-server is not installed: install Debian's nats-server package (make test does)"
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    server = NatsServer()
+    try:
+        server.start()
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def nats_url(nats_server) -> str:
+    """The URL of the session's NATS server, running (started again if a test left it stopped)."""
+    if not nats_server.running:
+        nats_server.start()
+    yield nats_server.url
+    if not nats_server.running:
+        nats_server.start()

@@ -206,9 +206,11 @@ async def start(config: Config) -> RunningServer:
         services = [ARCHIVES]
         channels_servicer = _register_channels(server, config, enders, data_paths)
         if channels_servicer is not None:
+            await channels_servicer.start()  # with --nats: connected, or OSError naming NATS
             services.append(CHANNELS)
             if metrics is not None:
                 metrics.watch_hub(channels_servicer.hub)
+                metrics.watch_fabric(channels_servicer.fabric)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         if config.reflection:

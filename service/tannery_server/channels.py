@@ -22,7 +22,8 @@ and the start of the next is sliced), at most ``chunk_size`` bytes each. Each pi
 becomes a ``SubscribeResponse`` once, at the publisher, and every subscriber writes that
 same message (gRPC serializes it once per subscriber: pre-serializing it once for all did
 not pay, see docs/benchmarks.md, "Measurements behind the code"). The buffering and
-ordering rules live in :mod:`tannery_server.hub`.
+ordering rules live in :mod:`tannery_server.hub`; what joins the channels of several
+replicas (nothing, or NATS) in :mod:`tannery_server.fabric`.
 
 Every refusal is a :class:`~.failures.Failure`, turned into its status in one place
 (:func:`~.handling.answering_failures`). Requests are decoded by deserializers that never
@@ -50,6 +51,7 @@ from .handling import Undecodable, add_service, answering_failures
 from .channel_links import SharedPayload, publish_over, serve_subscriber
 from .data_paths import DataPathOff, DataPaths, requested_transport
 from .data_transfer import fail
+from .fabric import open_fabric
 from .hub import Channel, FellBehind, Hub, HubClosed, Piece, Relay, SubscriptionEnded
 
 #: Longest channel name, in bytes of UTF-8.
@@ -108,6 +110,13 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
         if self.chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, not {self.chunk_size}")
         self.hub = Hub(buffer_bytes=config.channel_buffer_bytes, timeout=self.timeout, abandoned=ABANDONED)
+        #: What joins this server's channels with other replicas' (:func:`~.fabric.open_fabric`).
+        self.fabric = open_fabric(config, self.hub, self.pieces, _data_of)
+        self.hub.exporter = self.fabric.exporter
+
+    async def start(self) -> None:
+        """Connect the fabric (a no-op without replicas)."""
+        await self.fabric.start()
 
     def pieces(self, data: Buffer) -> list[Piece]:
         """The messages a subscriber sends for ``data``, with the payload bytes each carries."""
@@ -116,6 +125,7 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
     async def close(self) -> None:
         """End every subscription (UNAVAILABLE: shutting down) and refuse new calls."""
         await self.hub.close(timeout=max(self.timeout, 1.0))
+        await self.fabric.close()
         self._links.shutdown(wait=False)
 
     @staticmethod
@@ -150,9 +160,14 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
     ) -> None:
         """Send every piece queued for this subscriber until it leaves, falls behind or the server closes."""
         self._check_name(request.channel)
+        if self.hub.closed:
+            raise Unavailable("the server is shutting down")
+        # Interest first: payloads published anywhere once it returns reach this server.
+        await self.fabric.join(request.channel)
         try:
             subscription = self.hub.subscribe(request.channel)
         except HubClosed as closed:
+            self.fabric.leave(request.channel)
             raise Unavailable(str(closed)) from None
         try:
             if self._transport(context) is not None:
@@ -172,6 +187,7 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
                         raise asyncio.CancelledError() from None
         finally:
             self.hub.unsubscribe(subscription)
+            self.fabric.leave(request.channel)
 
     # -- the same-host data path ----------------------------------------------------------
 
@@ -246,6 +262,7 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
     def attach(self, name: str) -> Channel:
         """The channel ``name`` for a publisher (Malformed for a bad name, Unavailable when closing)."""
         self._check_name(name)
+        self.fabric.check()
         try:
             return self.hub.attach_publisher(name)
         except HubClosed as closed:
@@ -346,6 +363,11 @@ class _Publication:
             self.relay = None
         if self.channel is not None:
             self.servicer.hub.detach_publisher(self.channel)
+
+
+def _data_of(message: object) -> Buffer:
+    """The payload bytes a relayed message carries (a gRPC chunk, or a same-host payload's mapping)."""
+    return message.mapped if isinstance(message, SharedPayload) else message.chunk  # type: ignore[attr-defined]
 
 
 async def _relay_last(relay: Relay, piece: Piece, timeout: float) -> int:

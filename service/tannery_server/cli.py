@@ -51,6 +51,13 @@ _FLAGS = [
                    "duration, peer"),
     ("channel_buffer_bytes", "bytes a channel subscriber may have queued before publishers wait for it"),
     ("channel_timeout_seconds", "seconds a publisher waits for a full subscriber before dropping it"),
+    ("nats", "NATS server URLs, comma-separated (nats://[USER:PASS@]HOST:PORT, tls:// for TLS): channels "
+             "across replicas, a payload published on any replica reaching subscribers on every replica; "
+             "empty for channels within this server"),
+    ("nats_creds", "a NATS credentials file (JWT and NKey seed), when the NATS server asks for one"),
+    ("nats_channel_bytes", "with --nats: most bytes of payloads from other replicas one channel holds here "
+                           "(being reassembled or waiting for subscribers), so the largest cross-replica payload; "
+                           "subscribers here that fall that far behind are dropped (RESOURCE_EXHAUSTED)"),
     ("io_threads", "threads reading and writing blob files"),
     ("tls_cert", "PEM file of the server's TLS certificate (and its chain): TLS when set, with --tls-key"),
     ("tls_key", "PEM file of the TLS certificate's private key (unencrypted)"),

@@ -69,6 +69,14 @@ class Config:
     channel_buffer_bytes: int = 64 * MiB
     #: Seconds a publisher waits for a full subscriber before that subscriber is dropped.
     channel_timeout_seconds: float = 10.0
+    #: NATS server URLs, comma-separated (``nats://[USER:PASS@]HOST:PORT``, ``tls://`` for TLS):
+    #: channels across replicas (:mod:`.nats_fabric`); empty for channels in this server only.
+    nats: str = field(default="", repr=False)
+    #: A NATS credentials file (JWT and NKey seed), when NATS asks for one.
+    nats_creds: Path | None = None
+    #: Bytes of payloads from other replicas one channel may hold here (being reassembled, or
+    #: whole and waiting for the subscribers' buffers): also the largest cross-replica payload.
+    nats_channel_bytes: int = 256 * MiB
     #: Threads that read and write blob files (many Fetch calls proceed in parallel).
     io_threads: int = 16
     #: PEM files of the server's certificate (with its chain) and private key: TLS when set.
@@ -114,7 +122,7 @@ class Config:
         if not 4096 <= self.chunk_size <= 3 * MiB:
             problems.append(f"chunk_size {self.chunk_size} is not in 4096..{3 * MiB} (gRPC messages stay under 4 MiB)")
         for name in ("max_payload_bytes", "max_rank", "max_name_bytes", "max_entries", "channel_buffer_bytes",
-                     "io_threads"):
+                     "io_threads", "nats_channel_bytes"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} {getattr(self, name)} must be at least 1")
         if self.max_rank > 255:
@@ -123,6 +131,9 @@ class Config:
             problems.append(f"catalog {without_password(self.catalog)!r} is not a sqlite: or postgresql:// URL")
         if self.blobs and self.blobs.split(":", 1)[0] not in BLOB_SCHEMES:
             problems.append(f"blobs {self.blobs!r} is not a file: or s3:// URL")
+        for url in filter(None, (u.strip() for u in self.nats.split(","))):
+            if url.split(":", 1)[0] not in NATS_SCHEMES or "://" not in url:
+                problems.append(f"nats {without_password(url)!r} is not a nats:// or tls:// URL")
         if self.cache_size < 0:
             problems.append(f"cache_size {self.cache_size} is negative")
         if self.health_check_seconds <= 0:
@@ -156,6 +167,8 @@ class Config:
 #: The schemes of ``catalog`` and ``blobs`` URLs (:mod:`.storage.factory` opens them).
 CATALOG_SCHEMES = ("sqlite", "postgresql", "postgres")
 BLOB_SCHEMES = ("file", "s3")
+#: The schemes of ``nats`` URLs (:mod:`.fabric` opens them).
+NATS_SCHEMES = ("nats", "tls")
 
 
 def without_password(url: str) -> str:
@@ -168,7 +181,7 @@ def without_password(url: str) -> str:
 
 
 #: Settings that name a file; unset (None) by default.
-_PATH_FIELDS = ("tls_cert", "tls_key", "tls_client_ca", "tokens_file", "cache_dir")
+_PATH_FIELDS = ("tls_cert", "tls_key", "tls_client_ca", "tokens_file", "cache_dir", "nats_creds")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 

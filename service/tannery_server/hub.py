@@ -18,16 +18,35 @@ catch up, then the subscriber is dropped: its next read raises :class:`FellBehin
 the others carry on. A relay cut off before its last piece (:meth:`Relay.abandon`)
 removes its pieces still queued and queues the hub's *abandoned* marker for each
 subscriber that has already taken some, so no one mistakes a torn payload for a whole one.
+
+A hub may export what its publishers relay (``exporter``: the channel fabric between
+replicas, :mod:`.fabric`): each relay begun by a publisher of this server then also hands
+its pieces to an :class:`Outbound`; payloads that come from other replicas are relayed with
+``begin(size, export=False)`` and reach only this server's subscribers.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 #: A piece of a payload as queued: the message to send and the payload bytes it carries.
 Piece = tuple[object, int]
+
+
+class Outbound(Protocol):
+    """Where a relay's pieces go beyond this server (one payload, :mod:`.fabric`)."""
+
+    async def send(self, message: object, nbytes: int, last: bool) -> None:
+        """Carry one piece on; raises (a Failure) when it cannot, which abandons the payload."""
+
+    def abandon(self) -> None:
+        """The payload is cut off: tell the receivers to forget what they got of it."""
+
+
+#: Makes the Outbound of a relay: (channel name, payload number, payload size).
+Exporter = Callable[[str, int, int], Outbound]
 
 
 class SubscriptionEnded(Exception):
@@ -132,7 +151,8 @@ class Relay:
     synchronous so that a cancelled publisher frees the channel without awaiting.
     """
 
-    def __init__(self, channel: Channel, number: int, size: int, recipients: list[Subscription]) -> None:
+    def __init__(self, channel: Channel, number: int, size: int, recipients: list[Subscription],
+                 outbound: Outbound | None = None, origin: str = "") -> None:
         self.channel = channel
         #: The payload's number on its channel (1 for the first payload ever relayed there).
         self.number = number
@@ -140,13 +160,27 @@ class Relay:
         self.size = size
         self.recipients = recipients
         self.open = True
+        #: Where the pieces also go (other replicas), None when nowhere.
+        self.outbound = outbound
+        #: Appended to the message of a subscriber dropped while it waited (where the payload came from).
+        self.origin = origin
+        #: Payload bytes put so far.
+        self.put_bytes = 0
 
     async def put(self, message: object, nbytes: int, timeout: float) -> int:
         """Queue one piece for every recipient; returns how many were dropped for falling behind.
 
         Recipients with room get it at once; the others are waited for together, up to
-        ``timeout`` seconds from now, and those still full then are dropped.
+        ``timeout`` seconds from now, and those still full then are dropped. The piece goes
+        to the outbound first: when it cannot, the error is raised before anyone here got it.
         """
+        self.put_bytes += nbytes
+        if self.outbound is not None:
+            try:
+                await self.outbound.send(message, nbytes, self.put_bytes >= self.size)
+            except BaseException:
+                self.abandon()  # here too: no one may take a payload short of this piece for whole
+                raise
         self.recipients = [s for s in self.recipients if not s.ended]
         waiting = []
         for subscription in self.recipients:
@@ -168,7 +202,7 @@ class Relay:
                         f"subscriber fell behind on channel {self.channel.name!r} and was dropped: "
                         f"{subscription.buffered} bytes buffered, the bound is {subscription.bound} bytes, "
                         f"and a piece of {nbytes} bytes of a {self.size}-byte payload found no room "
-                        f"within {timeout:g} s"
+                        f"within {timeout:g} s{self.origin}"
                     ),
                 )
                 dropped += 1
@@ -183,6 +217,8 @@ class Relay:
     def abandon(self) -> None:
         """The payload is cut off: recipients forget it (see :meth:`Subscription.abandon`), the channel is free."""
         if self.open:
+            if self.outbound is not None:
+                self.outbound.abandon()
             for subscription in self.recipients:
                 subscription.abandon(self.number, self.channel.marker)
             self.recipients = []
@@ -192,7 +228,8 @@ class Relay:
 class Channel:
     """The subscribers of one channel name and the lock that orders its payloads."""
 
-    def __init__(self, name: str, marker: object, on_drop: Callable[[], None] | None = None) -> None:
+    def __init__(self, name: str, marker: object, on_drop: Callable[[], None] | None = None,
+                 exporter: Exporter | None = None) -> None:
         self.name = name
         #: The message telling a subscriber that the payload it was receiving was abandoned.
         self.marker = marker
@@ -204,17 +241,25 @@ class Channel:
         self._lock = asyncio.Lock()
         #: Called once for each subscriber dropped for falling behind (the hub counts them).
         self._on_drop = on_drop
+        self._exporter = exporter
 
     @property
     def busy(self) -> bool:
         """True while a publisher holds the channel for a payload."""
         return self._lock.locked()
 
-    async def begin(self, size: int) -> Relay:
-        """Wait for the channel, then hold it for one payload of ``size`` bytes, to today's subscribers."""
+    async def begin(self, size: int, export: bool = True, origin: str = "") -> Relay:
+        """Wait for the channel, then hold it for one payload of ``size`` bytes, to today's subscribers
+        (and to other replicas when the hub exports and ``export`` is true; ``origin`` says where a
+        payload from elsewhere came from, for messages)."""
         await self._lock.acquire()
         self.payloads += 1
-        return Relay(self, self.payloads, size, list(self.subscriptions))
+        try:
+            outbound = self._exporter(self.name, self.payloads, size) if export and self._exporter else None
+        except BaseException:
+            self._lock.release()
+            raise
+        return Relay(self, self.payloads, size, list(self.subscriptions), outbound, origin)
 
     def release(self) -> None:
         self._lock.release()
@@ -234,10 +279,13 @@ class Hub:
     cut off by its publisher.
     """
 
-    def __init__(self, buffer_bytes: int, timeout: float, abandoned: object = "abandoned") -> None:
+    def __init__(self, buffer_bytes: int, timeout: float, abandoned: object = "abandoned",
+                 exporter: Exporter | None = None) -> None:
         self.buffer_bytes = buffer_bytes
         self.timeout = timeout
         self.abandoned = abandoned
+        #: What publishers' relays are also handed to (None: this server only).
+        self.exporter = exporter
         self.channels: dict[str, Channel] = {}
         self.closed = False
         #: Subscribers dropped for falling behind since the hub was made (for the metrics).
@@ -257,7 +305,7 @@ class Hub:
     def _channel(self, name: str) -> Channel:
         channel = self.channels.get(name)
         if channel is None:
-            channel = self.channels[name] = Channel(name, self.abandoned, self._count_drop)
+            channel = self.channels[name] = Channel(name, self.abandoned, self._count_drop, self.exporter)
         return channel
 
     def _forget_if_unused(self, channel: Channel) -> None:
@@ -296,6 +344,13 @@ class Hub:
     def detach_publisher(self, channel: Channel) -> None:
         channel.publishers -= 1
         self._forget_if_unused(channel)
+
+    def end_all(self, reason: SubscriptionEnded) -> int:
+        """End every subscription now with ``reason`` (their calls then leave); how many there were."""
+        ended = list(self._all_subscriptions())
+        for subscription in ended:
+            subscription.end(reason)
+        return len(ended)
 
     async def close(self, timeout: float) -> None:
         """End every subscription and wait up to ``timeout`` seconds for their calls to finish."""

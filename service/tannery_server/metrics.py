@@ -10,6 +10,10 @@ Each server has its own registry (so servers in one process do not mix their num
   thread of its own so the scrape never waits for the event loop);
 - ``tannery_channel_subscribers``, ``tannery_channels`` and
   ``tannery_channel_dropped_subscribers_total``, read from the channel hub;
+- with ``--nats``: ``tannery_nats_connected``, ``tannery_nats_payloads_total{direction}`` and
+  ``tannery_nats_bytes_total{direction}`` (out: published here, in: from other replicas,
+  relayed here), ``tannery_nats_incomplete_payloads_total`` and
+  ``tannery_nats_dropped_subscribers_total``, read from the channel fabric;
 - the process and Python collectors of ``prometheus_client`` (CPU, memory, file descriptors, GC).
 """
 
@@ -81,6 +85,32 @@ class _HubCollector:
                                   value=getattr(self.hub, "dropped_subscribers", 0))
 
 
+class _FabricCollector:
+    """The NATS fabric's connection state and traffic (:mod:`.nats_fabric`)."""
+
+    def __init__(self, fabric: object) -> None:
+        self.fabric = fabric
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.fabric.stats()  # type: ignore[attr-defined]
+        yield GaugeMetricFamily("tannery_nats_connected", "1 while this replica is connected to NATS, else 0.",
+                                value=1 if stats["connected"] else 0)
+        payloads = CounterMetricFamily("tannery_nats_payloads", "Channel payloads through NATS: out, published "
+                                       "on this replica; in, from other replicas, relayed here.", labels=["direction"])
+        nbytes = CounterMetricFamily("tannery_nats_bytes", "Payload bytes of those payloads.", labels=["direction"])
+        for direction in ("out", "in"):
+            payloads.add_metric([direction], stats[f"payloads_{direction}"])
+            nbytes.add_metric([direction], stats[f"bytes_{direction}"])
+        yield payloads
+        yield nbytes
+        yield CounterMetricFamily("tannery_nats_incomplete_payloads", "Payloads from other replicas dropped "
+                                  "incomplete (their replica died, lost NATS or abandoned them).",
+                                  value=stats["incomplete"])
+        yield CounterMetricFamily("tannery_nats_dropped_subscribers", "Subscribers ended for a cross-replica "
+                                  "reason: NATS lost, chunks lost, or payloads from other replicas arriving faster "
+                                  "than they took them.", value=stats["dropped"])
+
+
 class ServerMetrics:
     """The metrics of one server and, once :meth:`serve` is called, their HTTP endpoint."""
 
@@ -122,6 +152,11 @@ class ServerMetrics:
 
     def watch_hub(self, hub: object) -> None:
         self.registry.register(_HubCollector(hub))
+
+    def watch_fabric(self, fabric: object) -> None:
+        """The channel fabric's numbers, when it has any (NATS)."""
+        if fabric.stats():  # type: ignore[attr-defined]
+            self.registry.register(_FabricCollector(fabric))
 
     def serve(self, host: str, port: int) -> int:
         """Start the HTTP endpoint (``/metrics``) on ``host:port``; returns the port (``port`` 0 picks one)."""

@@ -133,12 +133,13 @@ def payload_stream(total: int) -> list[bytes]:
     return [stream[i : i + CHUNK] for i in range(0, len(stream), CHUNK)]
 
 
-async def throughput(kind: type, target: str, subscribers: int, chunks: list[bytes]) -> float:
-    """Seconds from the first published byte to the last one received by every subscriber."""
+async def throughput(kind: type, target: str, subscribers: int, chunks: list[bytes], sub_target: str = "") -> float:
+    """Seconds from the first published byte to the last one received by every subscriber
+    (subscribed on ``sub_target``, another replica, when given)."""
     total = sum(map(len, chunks))
-    async with grpc.aio.insecure_channel(target) as channel:
-        client = kind(channel)
-        calls = [client.subscribe("bench") for _ in range(subscribers)]
+    async with grpc.aio.insecure_channel(target) as channel, grpc.aio.insecure_channel(sub_target or target) as sub:
+        client, sub_client = kind(channel), kind(sub)
+        calls = [sub_client.subscribe("bench") for _ in range(subscribers)]
         for call in calls:
             await call.initial_metadata()
 
@@ -161,12 +162,13 @@ async def throughput(kind: type, target: str, subscribers: int, chunks: list[byt
         return elapsed
 
 
-async def latency(kind: type, target: str, rounds: int) -> list[float]:
-    """Seconds from writing one 4 KiB payload to reading it back, ``rounds`` times."""
+async def latency(kind: type, target: str, rounds: int, sub_target: str = "") -> list[float]:
+    """Seconds from writing one 4 KiB payload to reading it back, ``rounds`` times (subscribed on
+    ``sub_target``, another replica, when given)."""
     payload = codec.encode_numpy(np.zeros(4096 - codec.FIXED_PREFIX - codec.DIM.size, dtype=np.uint8))
-    async with grpc.aio.insecure_channel(target) as channel:
+    async with grpc.aio.insecure_channel(target) as channel, grpc.aio.insecure_channel(sub_target or target) as sub:
         client = kind(channel)
-        call = client.subscribe("latency")
+        call = kind(sub).subscribe("latency")
         await call.initial_metadata()
         publisher = client.publisher("latency")
         times = []
@@ -300,6 +302,70 @@ def same_host(options: Options, target: str, pid: int) -> Table:
     return table
 
 
+CROSS_PAYLOAD = 64 * MiB
+#: The NATS server's max_payload in the cross-replica rows (what docs/scale-out.md recommends).
+NATS_MAX_PAYLOAD = 4 * MiB
+
+
+def cross_replica(options: Options) -> list[Table]:
+    """64 MiB payloads and 4 KiB latency from a publisher on replica A to a subscriber on replica
+    B through NATS, next to both on replica A, in the same run (no tables without nats-server)."""
+    from tests.nats_harness import NatsServer, nats_server_bin
+
+    if nats_server_bin() is None:
+        print("channels: nats-server is not installed, no cross-replica rows", flush=True)
+        return []
+    count = 4 if options.quick else 8
+    payload = codec.encode_numpy(np.random.default_rng(2).standard_normal(CROSS_PAYLOAD // 4 - 64, dtype=np.float32))
+    stream = payload * count
+    chunks = [stream[i : i + CHUNK] for i in range(0, len(stream), CHUNK)]
+    nats_server = NatsServer(max_payload=NATS_MAX_PAYLOAD).start()
+    try:
+        with (
+            tempfile.TemporaryDirectory(dir=options.tmp) as tmp,
+            tannery_server(Path(tmp) / "a", data_port=0, nats=nats_server.url) as a,
+            tannery_server(Path(tmp) / "b", data_port=0, nats=nats_server.url) as b,
+        ):
+            where = {"one replica": "", "A to B through NATS": b.target}
+
+            def round_of(sub_target: str):
+                return lambda: asyncio.run(throughput(Tannery, a.target, 1, chunks, sub_target))
+
+            timings = alternate({k: round_of(v) for k, v in where.items()}, options.repetitions())
+            total = sum(map(len, chunks))
+            table = Table(f"Across replicas: {count} payloads of {fmt_size(CROSS_PAYLOAD)}, one publisher on replica "
+                          "A, one subscriber", ["subscriber on", "median MiB/s", "spread", "vs one replica"],
+                          note=f"Both replicas and nats-server (max_payload {fmt_size(NATS_MAX_PAYLOAD)}) on this "
+                               "machine, as subprocesses; raw gRPC stubs in this process.")
+            base = timings["one replica"]["time"].median
+            for name in where:
+                samples = timings[name]["time"]
+                table.add(name, f"{total / samples.median / MiB:.0f}",
+                          f"{total / samples.high / MiB:.0f} – {total / samples.low / MiB:.0f}",
+                          fmt_ratio(base / samples.median))
+            rounds = 300 if options.quick else 1000
+            times: dict[str, list[float]] = {k: [] for k in where}
+
+            def latency_round(name: str):
+                def one() -> float:
+                    got = asyncio.run(latency(Tannery, a.target, rounds, where[name]))
+                    times[name].extend(got)
+                    return statistics.median(got)
+                return one
+
+            alternate({k: latency_round(k) for k in where}, options.repetitions())
+            lat = Table(f"Across replicas: latency of one {fmt_size(LATENCY_PAYLOAD)} payload",
+                        ["subscriber on", "p50", "p90", "p99", "p50 vs one replica"],
+                        note=f"{rounds} round trips per repetition; percentiles over all of them.")
+            base50 = percentile(times["one replica"], 50)
+            for name, values in times.items():
+                lat.add(name, *(fmt_time(percentile(values, q)) for q in (50, 90, 99)),
+                        fmt_ratio(percentile(values, 50) / base50))
+            return [table, lat]
+    finally:
+        nats_server.close()
+
+
 def run(options: Options) -> CaseResult:
     mib = 64 if options.quick else 256
     rounds = 500 if options.quick else 2000
@@ -313,7 +379,8 @@ def run(options: Options) -> CaseResult:
         result = measure(options, servers, mib, rounds)
         table = same_host(options, app.target, app.pid)
         result.tables.append(table)
-        return result
+    result.tables += cross_replica(options)
+    return result
 
 
 def main() -> None:
