@@ -27,7 +27,6 @@ import asyncio
 import errno
 import os
 import re
-import resource
 import signal
 import subprocess
 import sys
@@ -179,11 +178,15 @@ class ServerProcess:
                 "--data-dir", str(self.data_dir)]
         for key, value in self.config.items():
             args += ["--" + key.replace("_", "-"), str(value)]
-        return args
-
-    def _limits(self) -> None:
         if self.fsize_limit is not None:
-            resource.setrlimit(resource.RLIMIT_FSIZE, (self.fsize_limit, self.fsize_limit))
+            # The limit set by a small Python that then becomes the server (exec), not by a
+            # preexec_fn: that makes Popen fork, and a fork while another thread of the test
+            # process is in gRPC can kill the child before exec ("epoll_wait error: Bad file
+            # descriptor", grpc/grpc#43055).
+            limit = (f"import os, resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, "
+                     f"({self.fsize_limit}, {self.fsize_limit})); os.execv(sys.executable, sys.argv[1:])")
+            args = [sys.executable, "-c", limit, *args]
+        return args
 
     def start(self, timeout: float = 60) -> "ServerProcess":
         pick = "data_port" not in self.config and "TANNERY_DATA_PORT" not in (self.env or {})
@@ -204,13 +207,8 @@ class ServerProcess:
             env["TANNERY_DATA_PORT"] = str(data_port)
         self.log_lines = []
         ready = threading.Event()
-        # A preexec_fn makes Popen fork (not vfork): gRPC's fork handlers then restart its poller
-        # in the child, whose epoll fd close_fds has closed, and the child can die before exec
-        # ("epoll_wait error: Bad file descriptor", grpc/grpc#43055). Only when a limit needs it.
-        self.process = subprocess.Popen(
-            self.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
-            preexec_fn=self._limits if self.fsize_limit is not None else None,
-        )
+        self.process = subprocess.Popen(self.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                        text=True)
 
         def read(stream) -> None:
             for line in stream:
