@@ -5,12 +5,33 @@ from __future__ import annotations
 
 import itertools
 import os
+from contextlib import contextmanager
 
 import pytest
 
 from .postgres_harness import PostgresServer, postgres_bin
 
 _databases = itertools.count(1)
+
+
+def require(installed: bool, reason: str) -> None:
+    """Skip the test when a server it needs is not installed, except in CI (``CI`` set), where
+    that fails it: CI must run every test."""
+    if installed:
+        return
+    if os.environ.get("CI"):
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
+@contextmanager
+def started(server):
+    """``server`` started, and closed (stopped, its files removed) at the end."""
+    try:
+        server.start()
+        yield server
+    finally:
+        server.close()
 
 
 @pytest.fixture(scope="session")
@@ -20,18 +41,11 @@ def postgres_server():
     Without PostgreSQL's binaries the tests that need it skip, except in CI (``CI`` set),
     where they fail: CI must run them.
     """
-    if postgres_bin() is None:
-        reason = ("PostgreSQL is not installed (no initdb on PATH, in /usr/lib/postgresql/*/bin or "
-                  "$TANNERY_POSTGRES_BIN): install Debian's postgresql package (make test does)")
-        if os.environ.get("CI"):
-            pytest.fail(reason)
-        pytest.skip(reason)
-    server = PostgresServer()
-    try:
-        server.start()
+    require(postgres_bin() is not None,
+            "PostgreSQL is not installed (no initdb on PATH, in /usr/lib/postgresql/*/bin or "
+            "$TANNERY_POSTGRES_BIN): install Debian's postgresql package (make test does)")
+    with started(PostgresServer()) as server:
         yield server
-    finally:
-        server.close()
 
 
 @pytest.fixture
@@ -74,17 +88,10 @@ def nats_server():
     Debian's nats-server, except in CI, where it fails). A test that stops it starts it again."""
     from .nats_harness import NatsServer, nats_server_bin
 
-    if nats_server_bin() is None:
-        reason = "nats-server is not installed: install Debian's nats-server package (make test does)"
-        if os.environ.get("CI"):
-            pytest.fail(reason)
-        pytest.skip(reason)
-    server = NatsServer()
-    try:
-        server.start()
+    require(nats_server_bin() is not None,
+            "nats-server is not installed: install Debian's nats-server package (make test does)")
+    with started(NatsServer()) as server:
         yield server
-    finally:
-        server.close()
 
 
 @pytest.fixture
