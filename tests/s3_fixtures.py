@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from .backends import require
+from .needs import require
 from .s3_harness import SeaweedFS, weed_binary
 
 
