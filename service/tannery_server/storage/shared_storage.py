@@ -85,7 +85,11 @@ class SharedStorage(Storage):
         lock before it has removed the old bytes by the time the lease is taken."""
         blob = writer.finish()
         holder = holder or uuid.uuid4().hex
-        self.catalog.lease(blob, self.replica, holder, time.time_ns() + self.lease_ns)
+        try:
+            self.catalog.lease(blob, self.replica, holder, time.time_ns() + self.lease_ns)
+        except BaseException:
+            writer.temp.discard()  # the upload goes now, not after the grace period
+            raise
         try:
             writer.temp.seal(blob.digest)
         except BaseException:
