@@ -12,6 +12,7 @@ from typing import Any
 
 from pathlib import Path
 
+from ..codec import WRITER_CODES
 from ..names import did_you_mean
 from .connection import connect
 from .errors import CommandError
@@ -277,7 +278,7 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
     which = pull.add_mutually_exclusive_group()
     which.add_argument("--prefix", metavar="P", help="only the entries under P (P itself and P.*)")
     which.add_argument("--names", metavar="A,B", help="only these entries, comma-separated")
-    pull.add_argument("--codes", choices=("seed", "cpp"), default="seed",
+    pull.add_argument("--codes", choices=WRITER_CODES, default="seed",
                       help="dtype codes of a .tannic pair: 'seed' (default; pytannic's, complex64/128 as 37/38) "
                            "or 'cpp' (Tannic C++'s, complex64/128 as 35/36, what a C++ Tannic program reads)")
 
