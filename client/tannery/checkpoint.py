@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from .atomic import Replacement
-from .codec import CHECKSUM, HEADER, MAGIC, VERSION, Buffer, DType, FormatError, byte_buffer, dtype_of_code
+from .codec import (CHECKSUM, HEADER, MAGIC, VERSION, Buffer, DType, FormatError, byte_buffer, check_codes,
+                    dtype_of_code, wire_code)
 
 ENTRY = struct.Struct("<BQQI")
 DATA_SUFFIX = ".tannic"
@@ -139,12 +140,13 @@ def _check_no_overlap(entries: Sequence[PairEntry], what: str) -> None:
             )
 
 
-def encode_metadata(entries: Sequence[PairEntry]) -> bytes:
-    """A metadata file's bytes for ``entries``."""
+def encode_metadata(entries: Sequence[PairEntry], codes: str = "seed") -> bytes:
+    """A metadata file's bytes for ``entries``, dtype codes by ``codes`` (:func:`tannery.codec.wire_code`)."""
+    check_codes(codes)
     body = bytearray()
     for entry in entries:
         name = entry.name.encode("utf-8")
-        body += ENTRY.pack(entry.dtype.code, entry.offset, entry.nbytes, len(name))
+        body += ENTRY.pack(wire_code(entry.dtype, codes), entry.offset, entry.nbytes, len(name))
         body += name
     return file_header(len(body)) + bytes(body)
 
@@ -179,12 +181,15 @@ def open_pair(path: str | os.PathLike[str]) -> OpenPair:
     return OpenPair(entries, data)
 
 
-def write_pair(path: str | os.PathLike[str], items: Iterable[tuple[str, DType, Sequence[Buffer]]]) -> tuple[Path, Path]:
+def write_pair(
+    path: str | os.PathLike[str], items: Iterable[tuple[str, DType, Sequence[Buffer]]], codes: str = "seed"
+) -> tuple[Path, Path]:
     """Write ``(name, dtype, buffer pieces)`` items as a pair; returns the two paths.
 
     Each file is written under a temporary name and renamed into place, so a reader
-    never sees half of one.
+    never sees half of one. ``codes`` picks the dtype codes (:func:`tannery.codec.wire_code`).
     """
+    check_codes(codes)
     data_path, metadata_path = pair_paths(path)
     items = [(name, dtype, [memoryview(p).cast("B") for p in pieces]) for name, dtype, pieces in items]
     entries, offset, seen = [], 0, set()
@@ -203,7 +208,7 @@ def write_pair(path: str | os.PathLike[str], items: Iterable[tuple[str, DType, S
             for piece in pieces:
                 f.write(piece)
     with Replacement(metadata_path) as tmp, open(tmp, "wb") as f:
-        f.write(encode_metadata(entries))
+        f.write(encode_metadata(entries, codes))
     return data_path, metadata_path
 
 

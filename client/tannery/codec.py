@@ -117,9 +117,28 @@ DTYPES: dict[str, DType] = {
     )
 }
 FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64")
-#: Codes read but never written: Tannic C++ writes complex64 and complex128 as 35 and 36.
-_CODE_ALIASES = {35: DTYPES["complex64"], 36: DTYPES["complex128"]}
+#: The code sets a writer can use (``codes=``): ``"seed"``, the codes of :data:`DTYPES`
+#: (pytannic's: complex64 and complex128 as 37 and 38), and ``"cpp"``, Tannic C++'s (35 and
+#: 36). They differ only there; readers accept both.
+WRITER_CODES = ("seed", "cpp")
+_CPP_CODES = {"complex64": 35, "complex128": 36}
+_CODE_ALIASES = {code: DTYPES[name] for name, code in _CPP_CODES.items()}
 _BY_CODE: dict[int, DType] = {d.code: d for d in DTYPES.values()} | _CODE_ALIASES
+
+
+def check_codes(codes: str) -> str:
+    """``codes`` itself if it is one of :data:`WRITER_CODES`; ValueError naming them otherwise."""
+    if not isinstance(codes, str) or codes not in WRITER_CODES:
+        raise ValueError(f"codes={codes!r}: use one of {', '.join(map(repr, WRITER_CODES))}")
+    return codes
+
+
+def wire_code(dtype: DType, codes: str = "seed") -> int:
+    """The code a writer puts on ``dtype``'s payloads and pair entries under ``codes``
+    (:data:`WRITER_CODES`): every writer of the format asks here."""
+    if check_codes(codes) == "cpp":
+        return _CPP_CODES.get(dtype.name, dtype.code)
+    return dtype.code
 
 
 @cache
@@ -296,8 +315,10 @@ def parse(data: Buffer, limits: Limits = DEFAULT_LIMITS) -> PayloadInfo:
     return info
 
 
-def encode_prefix(dtype: DType, shape: Sequence[int]) -> bytes:
-    """Header, metadata and shape of a payload of ``dtype`` and ``shape``; the buffer follows."""
+def encode_prefix(dtype: DType, shape: Sequence[int], codes: str = "seed") -> bytes:
+    """Header, metadata and shape of a payload of ``dtype`` and ``shape``; the buffer follows.
+    ``codes`` picks the dtype code (:func:`wire_code`)."""
+    code = wire_code(dtype, codes)
     shape = tuple(int(d) for d in shape)
     if len(shape) > 255:
         raise ValueError(f"rank {len(shape)} is over 255, the most a payload can carry")
@@ -306,7 +327,7 @@ def encode_prefix(dtype: DType, shape: Sequence[int]) -> bytes:
     return b"".join(
         (
             HEADER.pack(MAGIC, VERSION, CHECKSUM, after_header),
-            METADATA.pack(dtype.code, 0, nbytes, len(shape)),
+            METADATA.pack(code, 0, nbytes, len(shape)),
             struct.pack(f"<{len(shape)}Q", *shape),
         )
     )

@@ -4,7 +4,9 @@ Mirrors pytannic's modules (``dcodeof``, ``dtypeof``, ``serialize``, ``deseriali
 ``write``, ``read``) so its users feel at home, with three differences: float16 is
 written with code 23 (pytannic 0.1.5 writes 231, the code of bfloat16, a bug in its
 ``dcodeof``), every dtype of :data:`tannery.codec.DTYPES` is supported, and no tensor
-data is copied that can be viewed.
+data is copied that can be viewed. The writers take ``codes="cpp"`` for a Tannic C++
+reader: complex64 and complex128 under its codes 35 and 36 instead of pytannic's 37
+and 38 (``"seed"``, the default); every other dtype's bytes are the same.
 """
 
 from __future__ import annotations
@@ -96,18 +98,21 @@ def buffer_of(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
-def serialize_parts(tensor: torch.Tensor) -> list[Buffer]:
-    """A payload as pieces whose concatenation is ``serialize(tensor)``.
+def serialize_parts(tensor: torch.Tensor, *, codes: str = "seed") -> list[Buffer]:
+    """A payload as pieces whose concatenation is ``serialize(tensor, codes=codes)``.
 
     The second piece shares the tensor's memory when it is a contiguous CPU tensor,
-    so a sender can write it without a copy.
+    so a sender can write it without a copy. ``codes`` is ``"seed"`` or ``"cpp"``
+    (:func:`tannery.codec.wire_code`).
     """
-    return [codec.encode_prefix(codec_dtype(tensor.dtype), tensor.shape), buffer_of(tensor)]
+    prefix = codec.encode_prefix(codec_dtype(tensor.dtype), tensor.shape, codes)
+    return [prefix, buffer_of(tensor)]
 
 
-def serialize(tensor: torch.Tensor) -> bytes:
-    """A tensor as one payload: any device, any strides, every dtype of the format."""
-    return b"".join(serialize_parts(tensor))
+def serialize(tensor: torch.Tensor, *, codes: str = "seed") -> bytes:
+    """A tensor as one payload: any device, any strides, every dtype of the format.
+    ``codes="cpp"`` writes complex64/complex128 under Tannic C++'s codes 35/36."""
+    return b"".join(serialize_parts(tensor, codes=codes))
 
 
 def from_buffer(buffer: Buffer, dtype: DType, shape: Sequence[int]) -> torch.Tensor:
@@ -143,12 +148,19 @@ def deserialize(data: Buffer) -> torch.Tensor:
     return from_buffer(codec.byte_buffer(data)[info.data_offset :], info.dtype, info.shape)
 
 
-def write(module_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor], path: str | os.PathLike[str]) -> None:
+def write(
+    module_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor],
+    path: str | os.PathLike[str],
+    *,
+    codes: str = "seed",
+) -> None:
     """Write a module's state_dict (or a state_dict) as the pair ``<path>.tannic`` and ``<path>.metadata.tannic``.
 
     Entries are written in state_dict order, in the directory of ``path``; a
-    ``.tannic`` suffix on ``path`` is optional.
+    ``.tannic`` suffix on ``path`` is optional. ``codes="cpp"`` writes complex64/complex128
+    under Tannic C++'s codes 35/36 (default ``"seed"``: pytannic's 37/38).
     """
+    codec.check_codes(codes)
     state = module_or_state_dict
     if isinstance(state, torch.nn.Module):
         state = state.state_dict()
@@ -157,7 +169,7 @@ def write(module_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor], pa
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"write: {name}: {type(tensor).__name__} is not a tensor")
         items.append((name, codec_dtype(tensor.dtype), [buffer_of(tensor)]))
-    checkpoint.write_pair(path, items)
+    checkpoint.write_pair(path, items, codes)
 
 
 def read(path: str | os.PathLike[str], like: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:

@@ -12,6 +12,7 @@ from typing import Any
 
 from pathlib import Path
 
+from ..codec import WRITER_CODES
 from ..names import did_you_mean
 from .connection import connect
 from .errors import CommandError
@@ -32,10 +33,13 @@ def cmd_push(args: argparse.Namespace, out: Output) -> int:
 def cmd_pull(args: argparse.Namespace, out: Output) -> int:
     from ..names import owns
     from .checkpoint_writer import CheckpointWriter
-    from .tensorfiles import check_writable, refuse_existing
+    from .tensorfiles import check_writable, checkpoint_kind, refuse_existing
 
     names = _split_names(args.names) if args.names is not None else None
     output = Path(args.output)
+    if args.codes != "seed" and checkpoint_kind(output, writing=True) != "tannic":
+        raise CommandError(f"--codes {args.codes}: only a .tannic pair has dtype codes",
+                           hint="pull into a .tannic pair (-o NAME.tannic), or leave out --codes")
     refuse_existing([output], args.force)  # before the call: nothing to wait for
     with connect(args) as client:
         described = {entry.name: entry for entry in entries_of(client.describe(args.name))}
@@ -54,7 +58,7 @@ def cmd_pull(args: argparse.Namespace, out: Output) -> int:
         total = sum(described[name].payload_bytes for name in selected)
         # The file is laid out from the description, then written piece by piece as the
         # messages arrive (one held at a time), and renamed into place when whole.
-        with CheckpointWriter(args.output, [described[name] for name in selected]) as writer, \
+        with CheckpointWriter(args.output, [described[name] for name in selected], args.codes) as writer, \
                 out.transfer(f"pull {args.name}", total) as progress:
             for piece in client.fetch_pieces(args.name, names=names, prefix=args.prefix or None, progress=progress):
                 writer.write(piece)
@@ -274,6 +278,9 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
     which = pull.add_mutually_exclusive_group()
     which.add_argument("--prefix", metavar="P", help="only the entries under P (P itself and P.*)")
     which.add_argument("--names", metavar="A,B", help="only these entries, comma-separated")
+    pull.add_argument("--codes", choices=WRITER_CODES, default="seed",
+                      help="dtype codes of a .tannic pair: 'seed' (default; pytannic's, complex64/128 as 37/38) "
+                           "or 'cpp' (Tannic C++'s, complex64/128 as 35/36, what a C++ Tannic program reads)")
 
     ls = command(
         "ls", "list archives",

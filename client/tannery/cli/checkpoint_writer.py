@@ -82,10 +82,12 @@ class CheckpointWriter:
     leaving it without :meth:`finish` (an error, Ctrl-C) removes the temporary files.
 
     Safetensors files come out as the safetensors package writes them (same layout, same
-    bytes); a pair's entries are laid out in the order given.
+    bytes); a pair's entries are laid out in the order given, their dtype codes by ``codes``
+    (:func:`tannery.codec.wire_code`; a safetensors file has no codes).
     """
 
-    def __init__(self, path: str | os.PathLike[str], entries: Sequence[Any]) -> None:
+    def __init__(self, path: str | os.PathLike[str], entries: Sequence[Any], codes: str = "seed") -> None:
+        self._codes = codec.check_codes(codes)
         self._files: list[_TempFile] = []
         self._slots: dict[str, _Slot] = {}
         self._written: set[str] = set()
@@ -122,7 +124,7 @@ class CheckpointWriter:
         data.write_at(header, 0)
         os.ftruncate(data.fd, len(header) + sum(sizes))
         metadata = encode_metadata([PairEntry(e.name, codec.dtype_named(e.dtype), offset, n)
-                                    for e, offset, n in zip(entries, offsets, sizes)])
+                                    for e, offset, n in zip(entries, offsets, sizes)], self._codes)
         self._open(metadata_path).write_at(metadata, 0)
 
     def _open(self, path: Path) -> _TempFile:
