@@ -156,3 +156,21 @@ def test_pull_codes_refused(cli: Cli, tmp_path: Path, capsys: pytest.CaptureFixt
     assert "invalid choice: 'rust' (choose from" in capsys.readouterr().err
     assert not list(tmp_path.glob("c*.tannic"))
 
+
+
+def test_numpy_payloads_and_saved_pairs_take_codes_too(tmp_path):
+    import numpy as np
+
+    from tannery import codec
+    from tannery.archive import MemoryArchive
+    from tannery.files import save_tannic
+
+    array = np.arange(6, dtype=np.complex64)
+    assert codec.encode_numpy(array, codes="cpp") != codec.encode_numpy(array)
+    assert codec.parse(codec.encode_numpy(array, codes="cpp")).dtype.name == "complex64"
+    save_tannic(tmp_path / "c", MemoryArchive({"z": torch.from_numpy(np.arange(4, dtype=np.complex128))}), codes="cpp")
+    save_tannic(tmp_path / "s", MemoryArchive({"z": torch.from_numpy(np.arange(4, dtype=np.complex128))}))
+    cpp, seed = (tmp_path / "c.metadata.tannic").read_bytes(), (tmp_path / "s.metadata.tannic").read_bytes()
+    assert cpp != seed and len(cpp) == len(seed)
+    with pytest.raises(ValueError, match="use one of 'seed', 'cpp'"):
+        codec.encode_numpy(array, codes="c++")

@@ -338,11 +338,12 @@ def byte_view(array: np.ndarray) -> memoryview:
     return memoryview(array.reshape(-1).view(np.uint8))
 
 
-def numpy_parts(array: np.ndarray) -> list[Buffer]:
+def numpy_parts(array: np.ndarray, codes: str = "seed") -> list[Buffer]:
     """A payload of ``array`` as pieces to write one after the other.
 
     The buffer piece views the array's memory when it is C-contiguous; booleans are
-    bit-packed, which needs a new (eight times smaller) buffer.
+    bit-packed, which needs a new (eight times smaller) buffer. ``codes`` picks the dtype
+    code (:func:`wire_code`: ``"cpp"`` for a Tannic C++ reader).
     """
     dtype = dtype_of_numpy(array.dtype)
     array = np.asarray(array, order="C")  # not ascontiguousarray: it turns a 0-d array into shape [1]
@@ -350,12 +351,12 @@ def numpy_parts(array: np.ndarray) -> list[Buffer]:
         buffer = memoryview(np.packbits(array.reshape(-1), bitorder="little"))
     else:
         buffer = byte_view(array)
-    return [encode_prefix(dtype, array.shape), buffer]
+    return [encode_prefix(dtype, array.shape, codes), buffer]
 
 
-def encode_numpy(array: np.ndarray) -> bytes:
-    """A payload of ``array`` as one bytes object."""
-    return b"".join(numpy_parts(array))
+def encode_numpy(array: np.ndarray, codes: str = "seed") -> bytes:
+    """A payload of ``array`` as one bytes object (``codes``: see :func:`numpy_parts`)."""
+    return b"".join(numpy_parts(array, codes))
 
 
 def to_numpy(data: Buffer, limits: Limits = DEFAULT_LIMITS) -> np.ndarray:

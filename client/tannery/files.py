@@ -137,18 +137,19 @@ def save_safetensors(path: PathLike, archive: Archive) -> None:
     del host
 
 
-def save_tannic(path: PathLike, archive: Archive) -> None:
+def save_tannic(path: PathLike, archive: Archive, codes: str = "seed") -> None:
     """Write every entry of ``archive`` as the .tannic pair ``<path>.tannic`` and ``<path>.metadata.tannic``.
 
     The pair stores no shapes (see :func:`load_tannic`). Entries are written in name
-    order, each from its own memory when it is contiguous and on the CPU.
+    order, each from its own memory when it is contiguous and on the CPU. ``codes="cpp"``
+    writes complex entries under Tannic C++'s codes (:func:`tannery.codec.wire_code`).
     """
     names = archive.names()
     items = [
         (name, tensors.codec_dtype(t.dtype), [tensors.buffer_of(t)])
         for name, t in zip(names, archive._fetch(names) if names else [])
     ]
-    checkpoint.write_pair(path, items)
+    checkpoint.write_pair(path, items, codes)
 
 
 def load_tannic(path: PathLike, like: Any = None, prefix: str = "") -> MappedArchive:
