@@ -75,3 +75,161 @@ def test_save_refuses_an_existing_archive_unless_replace(client):
     got = {"w": torch.zeros(2)}
     dcp.load(got, storage_reader=tannery.dcp.Reader(client.target, "ckpt/again"))
     assert torch.equal(got["w"], torch.full((2,), 2.0))
+
+
+# -- several processes (gloo on the CPU, DTensors sharded on dim 0) ------------------------
+
+SHAPES = {"layer1.weight": (96, 64), "layer1.bias": (96,), "layer2.weight": (48, 96), "emb.weight": (120, 64)}
+TIMEOUT = 60
+
+
+def _full() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(17)
+    return {name: torch.randn(shape, generator=generator) for name, shape in SHAPES.items()}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _init(rank: int, world: int, port: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=20))
+    return init_device_mesh("cpu", (world,))
+
+
+def _sharded(tensors: dict[str, torch.Tensor], mesh) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    return {name: distribute_tensor(tensor, mesh, [Shard(0)]) for name, tensor in tensors.items()}
+
+
+class _KillingWriter(tannery.dcp.Writer):
+    """A Writer whose rank ``victim`` is killed (SIGKILL) once it has stored its part."""
+
+    def __init__(self, *args, victim: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.victim = victim
+
+    def write_data(self, plan, planner):
+        future = super().write_data(plan, planner)
+        if self.rank == self.victim:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return future
+
+
+def _save_worker(rank: int, world: int, port: int, target: str, archive: str, victim: int | None, results) -> None:
+    try:
+        mesh = _init(rank, world, port)
+        state = {"model": _sharded(_full(), mesh), "step": 7}
+        if victim is None:
+            writer = tannery.dcp.Writer(target, archive)
+        else:
+            writer = _KillingWriter(target, archive, victim=victim)
+        dcp.save(state, storage_writer=writer)
+        results.put((rank, "ok", None))
+    except BaseException as exc:  # CheckpointException is a BaseException
+        results.put((rank, "failed", repr(exc)[:300]))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _load_worker(rank: int, world: int, port: int, target: str, archive: str, results) -> None:
+    try:
+        mesh = _init(rank, world, port)
+        full = _full()
+        state = {"model": _sharded({name: torch.zeros_like(t) for name, t in full.items()}, mesh), "step": 0}
+        fetched = [0]
+
+        def progress(nbytes: int) -> None:
+            fetched[0] += nbytes
+
+        dcp.load(state, storage_reader=tannery.dcp.Reader(target, archive, progress=progress))
+        wrong = []
+        for name, expected in full.items():
+            got = state["model"][name]
+            if not torch.equal(got.full_tensor(), expected):
+                wrong.append(name)
+        results.put((rank, "ok", {"fetched": fetched[0], "wrong": wrong, "step": state["step"]}))
+    except BaseException as exc:
+        results.put((rank, "failed", repr(exc)[:300]))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run(worker, world: int, *args) -> dict[int, tuple[str, object]]:
+    """``worker(rank, world, port, *args, results)`` in ``world`` spawned processes: each
+    rank's (status, answer); a rank that put nothing (killed) is absent."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=worker, args=(rank, world, port, *args, results), daemon=True) for rank in range(world)]
+    for proc in procs:
+        proc.start()
+    answers: dict[int, tuple[str, object]] = {}
+    try:
+        for proc in procs:
+            proc.join(TIMEOUT)
+        while len(answers) < world:
+            try:
+                rank, status, answer = results.get(timeout=1)
+            except Exception:
+                break
+            answers[rank] = (status, answer)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+    return answers
+
+
+def test_sharded_save_on_two_ranks_loads_into_three_and_into_one(server, client):
+    archive = "ckpt/sharded"
+    saved = _run(_save_worker, 2, server.target, archive, None)
+    assert saved == {0: ("ok", None), 1: ("ok", None)}
+
+    names = client.archive(archive).names()
+    assert "layer1.weight" not in names and "model.layer1.weight[0:48,0:64]" in names
+    assert "model.layer1.weight[48:96,0:64]" in names and "step" in names
+    assert not [info.name for info in client.list(archive + ".")]  # the ranks' parts are gone
+
+    loaded = _run(_load_worker, 3, server.target, archive)
+    assert sorted(loaded) == [0, 1, 2], loaded
+    for rank, (status, answer) in loaded.items():
+        assert status == "ok", (rank, answer)
+        assert answer["wrong"] == [] and answer["step"] == 7, (rank, answer)
+
+    # Each rank fetched its third of the tensors (plus the metadata, the bytes items and each
+    # payload's header, some 50 bytes), not all of them.
+    total = sum(t.numel() * t.element_size() for t in _full().values())
+    extra = client.describe(archive)
+    small = sum(e.nbytes for e in extra.entries if e.name in (tannery.dcp.METADATA_ENTRY, "step"))
+    for rank, (_, answer) in loaded.items():
+        assert total / 3 <= answer["fetched"] <= total / 3 + small + 1024, (rank, answer["fetched"], total, small)
+        assert answer["fetched"] < total / 2
+
+    # Into one process, as plain tensors.
+    full = _full()
+    state = {"model": {name: torch.zeros_like(t) for name, t in full.items()}, "step": 0}
+    dcp.load(state, storage_reader=tannery.dcp.Reader(client, archive))
+    for name, expected in full.items():
+        assert torch.equal(state["model"][name], expected), name
+    assert state["step"] == 7
+
+
+def test_a_rank_killed_during_save_leaves_no_checkpoint(server, client):
+    archive = "ckpt/killed"
+    answers = _run(_save_worker, 2, server.target, archive, 1)
+    assert 1 not in answers  # killed
+    assert answers.get(0, ("failed",))[0] == "failed", answers
+    assert not [info.name for info in client.list(archive) if info.name == archive]
+    # The victim had stored its part before it died: only the final archive is missing.
+    assert [info.name for info in client.list(archive + ".rank-1.")]
