@@ -103,10 +103,12 @@ def _init(rank: int, world: int, port: int):
     return init_device_mesh("cpu", (world,))
 
 
-def _sharded(tensors: dict[str, torch.Tensor], mesh) -> dict[str, torch.Tensor]:
+def _sharded(tensors: dict[str, torch.Tensor], mesh, dim: int = 0) -> dict[str, torch.Tensor]:
+    """Each tensor sharded on ``dim`` (on dim 0 when it has fewer dims)."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    return {name: distribute_tensor(tensor, mesh, [Shard(0)]) for name, tensor in tensors.items()}
+    return {name: distribute_tensor(tensor, mesh, [Shard(min(dim, tensor.dim() - 1))])
+            for name, tensor in tensors.items()}
 
 
 class _KillingWriter(tannery.dcp.Writer):
@@ -140,11 +142,11 @@ def _save_worker(rank: int, world: int, port: int, target: str, archive: str, vi
             dist.destroy_process_group()
 
 
-def _load_worker(rank: int, world: int, port: int, target: str, archive: str, results) -> None:
+def _load_worker(rank: int, world: int, port: int, target: str, archive: str, dim: int, results) -> None:
     try:
         mesh = _init(rank, world, port)
         full = _full()
-        state = {"model": _sharded({name: torch.zeros_like(t) for name, t in full.items()}, mesh), "step": 0}
+        state = {"model": _sharded({name: torch.zeros_like(t) for name, t in full.items()}, mesh, dim), "step": 0}
         fetched = [0]
 
         def progress(nbytes: int) -> None:
@@ -201,7 +203,7 @@ def test_sharded_save_on_two_ranks_loads_into_three_and_into_one(server, client)
     assert "model.layer1.weight[48:96,0:64]" in names and "step" in names
     assert not [info.name for info in client.list(archive + ".")]  # the ranks' parts are gone
 
-    loaded = _run(_load_worker, 3, server.target, archive)
+    loaded = _run(_load_worker, 3, server.target, archive, 0)
     assert sorted(loaded) == [0, 1, 2], loaded
     for rank, (status, answer) in loaded.items():
         assert status == "ok", (rank, answer)
@@ -215,6 +217,14 @@ def test_sharded_save_on_two_ranks_loads_into_three_and_into_one(server, client)
     for rank, (_, answer) in loaded.items():
         assert total / 3 <= answer["fetched"] <= total / 3 + small + 1024, (rank, answer["fetched"], total, small)
         assert answer["fetched"] < total / 2
+
+    # Into 2 ranks sharded on dim 1: no request covers whole rows, so entries are fetched
+    # whole and narrowed.
+    loaded = _run(_load_worker, 2, server.target, archive, 1)
+    assert sorted(loaded) == [0, 1], loaded
+    for rank, (status, answer) in loaded.items():
+        assert status == "ok", (rank, answer)
+        assert answer["wrong"] == [] and answer["step"] == 7, (rank, answer)
 
     # Into one process, as plain tensors.
     full = _full()

@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 
 from .archive import MemoryArchive
 from .client import Client
+from .errors import NotFound
 from .requests import entry_ask
 
 __all__ = ["METADATA_ENTRY", "Reader", "StoredItem", "Writer", "entry_name"]
@@ -161,7 +162,11 @@ class Writer(_Base, StorageWriter):
         return [dataclasses.replace(plan, storage_data=_RankPart(part)) for plan, part in zip(plans, self._parts)]
 
     def _exists(self, name: str) -> bool:
-        return any(info.name == name for info in self._client.list(name))
+        try:
+            self._client.describe(name)
+        except NotFound:
+            return False
+        return True
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         part: _RankPart = plan.storage_data
