@@ -47,7 +47,7 @@ _EXPORTS = {
 _DEPRECATED = {"EntryInfo": ("TensorInfo", "tannery.archive")}
 
 #: Submodules reachable as attributes without importing them first (``tannery.aio.Client``).
-_SUBMODULES = {"aio"}
+_SUBMODULES = {"aio", "dcp"}
 
 
 def __getattr__(name: str) -> Any:
