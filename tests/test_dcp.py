@@ -168,7 +168,17 @@ def _load_worker(rank: int, world: int, port: int, target: str, archive: str, di
 
 def _run(worker, world: int, *args) -> dict[int, tuple[str, object]]:
     """``worker(rank, world, port, *args, results)`` in ``world`` spawned processes: each
-    rank's (status, answer); a rank that put nothing (killed) is absent."""
+    rank's (status, answer); a rank that put nothing (killed) is absent. Run again on another
+    port when the free port picked for the process group was taken meanwhile."""
+    for _ in range(3):
+        answers = _run_once(worker, world, *args)
+        if not any(status == "failed" and "address already in use" in str(answer).lower()
+                   for status, answer in answers.values()):
+            break
+    return answers
+
+
+def _run_once(worker, world: int, *args) -> dict[int, tuple[str, object]]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
