@@ -193,3 +193,23 @@ def test_metadata_through_store_describe_show_union_and_single_file_push_pull(cl
         with pytest.raises(TypeError, match="metadata maps str to str"):
             client.store("big", {"w": torch.zeros(2)}, metadata={"k": 1})
         assert "big" not in [a.name for a in client.list()]
+
+
+@pytest.mark.parametrize("transport", ["grpc", "local", "tcp"])
+def test_metadata_is_stored_on_every_transport_and_by_the_asyncio_client(server, transport):
+    import asyncio
+
+    import tannery.aio
+
+    with Client(server.target, transport=transport) as client:
+        assert client.transport == transport
+        client.store("t", {"w": torch.ones(2)}, metadata={"format": "pt"})
+        assert client.describe("t").metadata == {"format": "pt"}
+
+    async def main():
+        async with tannery.aio.Client(server.target, transport=transport) as client:
+            await client.store("a", {"w": torch.ones(2)}, metadata={"k": "v"})
+            await client.union("au", ["a"], metadata={"u": "1"})
+            return (await client.describe("a")).metadata, (await client.describe("au")).metadata
+
+    assert asyncio.run(main()) == ({"k": "v"}, {"u": "1"})
