@@ -153,7 +153,7 @@ def test_an_old_catalog_is_migrated_at_open_and_keeps_its_zlib_crcs(tmp_path):
     finally:
         catalog.close()
     version, columns, objects = schema(path)
-    assert version == sqlite_catalog.SCHEMA_VERSION == 1
+    assert version == sqlite_catalog.SCHEMA_VERSION == 2
     column = {c[1]: c for c in columns}["checksum"]
     assert (column[2], column[3], column[4]) == ("TEXT", 1, "'crc32'")  # type, NOT NULL, default
     assert checksum_column(path) == {sha(table): "crc32", "1" * 64: "crc32c"}
@@ -204,7 +204,7 @@ def test_a_catalog_of_a_newer_schema_is_refused(tmp_path, capsys):
     conn = sqlite3.connect(data_dir / "catalog.sqlite3")
     conn.execute("PRAGMA user_version = 99")
     conn.close()
-    with pytest.raises(CatalogTooNew, match="catalog schema version 99 is newer than this tannery's \\(1\\)"):
+    with pytest.raises(CatalogTooNew, match="catalog schema version 99 is newer than this tannery's \\(2\\)"):
         SqliteCatalog(data_dir / "catalog.sqlite3")
     assert cli.main(["scrub", "--data-dir", str(data_dir)]) == 1
     assert "tannery scrub: " in capsys.readouterr().err
@@ -329,3 +329,45 @@ def test_the_data_paths_check_old_and_new_blobs_with_their_own_algorithm(tmp_pat
                 with pytest.raises(tannery.DataLoss, match="its checksum in block 2 differs"):
                     client.archive(archive).rows("emb", 2500, 2600)
                 assert torch.equal(client.archive(archive).rows("emb", 10, 900), (TABLE * scale)[10:900])
+
+
+# Version 2: archives.metadata --------------------------------------------------------------
+
+
+def test_an_old_catalog_gets_the_metadata_column_and_its_archives_have_none(tmp_path):
+    table = serialize(TABLE)
+    write_old_data_dir(tmp_path, {"old": {"emb": table}})
+    path = tmp_path / "catalog.sqlite3"
+    catalog = SqliteCatalog(path)
+    try:
+        assert catalog.archive("old").metadata == {}
+        blob = BlobInfo("2" * 64, 5, MiB, struct.pack("<I", crc32c.crc32c(b"hello")))
+        entry = EntryRecord("w", "uint8", (5,), 5, 5, 0, blob.digest)
+        record, _ = catalog.commit_archive("new", [entry], [blob], False, 2, {"format": "pt", "ü": "ß"})
+        assert record.metadata == {"format": "pt", "ü": "ß"}
+        union, _ = catalog.union("both", [("old", "a"), ("new", "b")], False, 3,
+                                 sqlite_catalog.ArchiveLimits(100, 100), {"k": "v"})
+        assert union.metadata == {"k": "v"}
+        assert [a.metadata for a in catalog.list_archives("", "", 10)] == [{"k": "v"}, {"format": "pt", "ü": "ß"}, {}]
+    finally:
+        catalog.close()
+    conn = sqlite3.connect(path)
+    try:
+        columns = {c[1]: c for c in conn.execute("PRAGMA table_info(archives)")}
+        assert (columns["metadata"][2], columns["metadata"][3], columns["metadata"][4]) == ("TEXT", 1, "'{}'")
+    finally:
+        conn.close()
+    # A catalog at version 1 (the checksum column, no metadata) gets only the new column.
+    conn = sqlite3.connect(tmp_path / "v1.sqlite3")
+    conn.executescript(OLD_SCHEMA)
+    conn.execute("ALTER TABLE blobs ADD COLUMN checksum TEXT NOT NULL DEFAULT 'crc32'")
+    conn.execute("INSERT INTO archives (name, created_ns, entries, nbytes, payload_bytes) VALUES ('a', 1, 0, 0, 0)")
+    conn.execute("PRAGMA user_version = 1")
+    conn.commit()
+    conn.close()
+    catalog = SqliteCatalog(tmp_path / "v1.sqlite3")
+    try:
+        assert catalog.archive("a").metadata == {}
+    finally:
+        catalog.close()
+    assert schema(tmp_path / "v1.sqlite3")[0] == 2

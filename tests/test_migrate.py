@@ -114,3 +114,19 @@ def test_scrub_checks_a_shared_store(source, target, tmp_path, capsys):
     args = ["scrub", "--catalog", target["catalog"], "--blobs", target["blobs"]]
     assert server_main(args) == 0
     assert "checked 4 blobs: all match" in capsys.readouterr().out
+
+
+def test_migrate_keeps_each_archives_metadata(target, tmp_path, capsys):
+    import torch
+
+    from tannery import Client
+
+    data_dir = tmp_path / "embedded"
+    with running_server(tmp_path, data_dir=data_dir) as server, Client(server.target) as client:
+        client.store("m", {"w": torch.ones(2)}, metadata={"format": "pt"})
+        client.store("plain", {"w": torch.ones(3)})
+    code, out = migrate(data_dir, target, capsys)
+    assert code == 0, out
+    with running_server(tmp_path / "replica", **target) as replica, Client(replica.target) as client:
+        assert client.describe("m").metadata == {"format": "pt"}
+        assert client.describe("plain").metadata == {}

@@ -337,3 +337,34 @@ def test_a_closed_catalog_says_so(catalog):
     catalog.close()
     with pytest.raises(StorageUnavailable, match="catalog postgresql://.* is closed"):
         catalog.archive("a")
+
+
+# Schema version 2: archives.metadata ---------------------------------------------------------
+
+
+def test_a_version_1_catalog_gets_the_metadata_column(postgres_url):
+    from tannery_server.storage import postgres_catalog
+
+    with psycopg.connect(postgres_url) as conn:  # the schema as version 1 left it, with an archive
+        with conn.cursor() as cur:
+            postgres_catalog._to_version_1(cur)
+            cur.execute("CREATE TABLE schema_version (version integer NOT NULL)")
+            cur.execute("INSERT INTO schema_version (version) VALUES (1)")
+            cur.execute("INSERT INTO archives (name, created_ns, entries, nbytes, payload_bytes) "
+                        "VALUES ('old', 1, 0, 0, 0)")
+    assert SCHEMA_VERSION == 2
+    catalog = PostgresCatalog(postgres_url)
+    try:
+        assert catalog.archive("old").metadata == {}
+        record, _ = catalog.commit_archive("new", [_entry("w", _blob(1))], [_blob(1)], False, 2, {"format": "pt"})
+        assert record.metadata == {"format": "pt"}
+        union, _ = catalog.union("both", [("old", ""), ("new", "")], False, 3, LIMITS, {"k": "ü"})
+        assert catalog.archive("both").metadata == union.metadata == {"k": "ü"}
+        assert catalog.lease(_blob(2), REPLICA, HOLDER, time.time_ns() + 60 * SECOND) is False
+        catalog.commit_leased("leased", [_entry("w", _blob(2))], False, 4, REPLICA, HOLDER, time.time_ns(),
+                              {"a": "b"})
+        assert [a.metadata for a in catalog.list_archives("", "", 10)] == [{"k": "ü"}, {"a": "b"}, {"format": "pt"}, {}]
+    finally:
+        catalog.close()
+    with psycopg.connect(postgres_url) as conn:
+        assert conn.execute("SELECT version FROM schema_version").fetchall() == [(2,)]

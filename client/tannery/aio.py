@@ -34,7 +34,7 @@ from .readers import EntryReader, PayloadReader, PieceReader, TensorPiece, check
 from .records import ArchiveDescription, ArchiveInfo, Deleted, Published
 from .requests import (
     Methods, Progress, archive_to_store, check_tensors, fetch_request, list_request, publish_messages, store_entries,
-    store_messages, union_request,
+    store_begin, store_messages, union_request,
 )
 from .state_dict import plan_state_dict
 from . import errors
@@ -259,19 +259,19 @@ class Client:
     # -- archives ------------------------------------------------------------------------
 
     async def store(self, name: str, value: Any, *, prefix: str = "", replace: bool = False,
-                    progress: Progress = None) -> ArchiveInfo:
+                    progress: Progress = None, metadata: Mapping[str, str] | None = None) -> ArchiveInfo:
         """As :meth:`tannery.Client.store`."""
         archive, rest = archive_to_store(name, value, prefix)
         route = await self._data_route()
         if route is not None:
-            return await self._store_over(route, name, archive, rest, replace, progress)
-        messages = store_messages(name, archive, rest, replace, self._connection.chunk_size, progress)
+            return await self._store_over(route, name, archive, rest, replace, progress, metadata)
+        messages = store_messages(name, archive, rest, replace, self._connection.chunk_size, progress, metadata)
         return ArchiveInfo.of(await self._send(self._methods.store, messages))
 
     async def _store_over(self, route: Route, name: str, archive: Archive, prefix: str, replace: bool,
-                          progress: Progress) -> ArchiveInfo:
+                          progress: Progress, metadata: Mapping[str, str] | None = None) -> ArchiveInfo:
         """A Store whose call carries begin and commit, its payloads sent on the data path."""
-        begin = archives_pb2.StoreBegin(archive=name, replace=replace).SerializeToString()
+        begin = store_begin(name, replace, metadata)
         answer = await self._upload_over(
             route, self._methods.store, encode_store_request(begin=begin),
             lambda link: send_store(link, store_entries(archive, prefix), progress),
@@ -340,9 +340,9 @@ class Client:
         return self._entries(fetch_request(name, names, prefix), PieceReader(progress))
 
     async def union(self, target: str, sources: Mapping[str, str] | Sequence[str], *,
-                    replace: bool = False) -> ArchiveInfo:
+                    replace: bool = False, metadata: Mapping[str, str] | None = None) -> ArchiveInfo:
         """As :meth:`tannery.Client.union`."""
-        return ArchiveInfo.of(await self._unary(self._methods.union, union_request(target, sources, replace)))
+        return ArchiveInfo.of(await self._unary(self._methods.union, union_request(target, sources, replace, metadata)))
 
     async def describe(self, name: str) -> ArchiveDescription:
         """As :meth:`tannery.Client.describe`."""

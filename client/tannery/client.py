@@ -30,7 +30,7 @@ from ._lazy import lazy_module
 from .records import ArchiveDescription, ArchiveInfo, Deleted, Published
 from .requests import (
     Methods, Progress, archive_to_store, check_tensors, fetch_request, list_request, publish_messages, store_entries,
-    store_messages, union_request,
+    store_begin, store_messages, union_request,
 )
 from .connection import Connection, TLSLike, check_transport, rpc_error
 from .v1 import archives_pb2, channels_pb2
@@ -229,7 +229,7 @@ class Client:
     # -- archives ------------------------------------------------------------------------
 
     def store(self, name: str, value: Any, *, prefix: str = "", replace: bool = False,
-              progress: Progress = None) -> ArchiveInfo:
+              progress: Progress = None, metadata: Mapping[str, str] | None = None) -> ArchiveInfo:
         """Store ``value`` as archive ``name``: an Archive, a mapping of names to tensors, an
         ``nn.Module`` (its state_dict) or a structure ``Archive.of_value`` takes, each entry
         named under ``prefix``.
@@ -237,19 +237,22 @@ class Client:
         Entries stream one at a time, each tensor's bytes copied once, into its messages.
         AlreadyExists unless ``replace``; the archive appears whole or not at all.
         ``progress`` is called with the tensor bytes (payload bytes) of each message sent.
+        ``metadata``, a small mapping of str to str (safetensors' ``__metadata__``), is kept
+        with the archive and returned by :meth:`describe`.
         """
         archive, rest = archive_to_store(name, value, prefix)
         route = self._data_route()
         if route is not None:
-            return self._store_over(route, name, archive, rest, replace, progress)
-        messages = _Guarded(store_messages(name, archive, rest, replace, self._connection.chunk_size, progress))
+            return self._store_over(route, name, archive, rest, replace, progress, metadata)
+        messages = _Guarded(store_messages(name, archive, rest, replace, self._connection.chunk_size, progress,
+                                           metadata))
         with self._errors(messages):
             return ArchiveInfo.of(self._methods.store(messages, **self._options()))
 
     def _store_over(self, route: Route, name: str, archive: Archive, prefix: str, replace: bool,
-                    progress: Progress) -> ArchiveInfo:
+                    progress: Progress, metadata: Mapping[str, str] | None = None) -> ArchiveInfo:
         """A Store whose call carries begin and commit, its payloads sent on the data path."""
-        begin = archives_pb2.StoreBegin(archive=name, replace=replace).SerializeToString()
+        begin = store_begin(name, replace, metadata)
         answer = self._upload_over(
             route, self._methods.store, encode_store_request(begin=begin),
             lambda link: _transports.send_store(link, store_entries(archive, prefix), progress),
@@ -333,10 +336,11 @@ class Client:
         """
         return self._entries(fetch_request(name, names, prefix), _readers.PieceReader(progress))
 
-    def union(self, target: str, sources: Mapping[str, str] | Sequence[str], *, replace: bool = False) -> ArchiveInfo:
+    def union(self, target: str, sources: Mapping[str, str] | Sequence[str], *, replace: bool = False,
+              metadata: Mapping[str, str] | None = None) -> ArchiveInfo:
         """A new archive ``target`` of the entries of ``sources``: a mapping of prefix to archive
         name, or a list of names. No tensor bytes are copied (on the server either)."""
-        return ArchiveInfo.of(self._unary(self._methods.union, union_request(target, sources, replace)))
+        return ArchiveInfo.of(self._unary(self._methods.union, union_request(target, sources, replace, metadata)))
 
     def describe(self, name: str) -> ArchiveDescription:
         """The archive's info and every entry's name, dtype, shape, sizes and digest."""

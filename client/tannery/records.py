@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .codec import format_shape
@@ -63,6 +63,8 @@ class ArchiveDescription:
 
     info: ArchiveInfo
     entries: tuple[EntryDescription, ...]
+    #: The archive's string-to-string metadata (safetensors' ``__metadata__``), as stored.
+    metadata: dict[str, str] = field(default_factory=dict, hash=False)
 
     @staticmethod
     def of(message: archives_pb2.ArchiveDescription) -> "ArchiveDescription":
@@ -70,7 +72,7 @@ class ArchiveDescription:
             EntryDescription(e.name, e.dtype, tuple(e.shape), e.nbytes, e.payload_bytes, e.digest)
             for e in message.entries
         )
-        return ArchiveDescription(ArchiveInfo.of(message.info), entries)
+        return ArchiveDescription(ArchiveInfo.of(message.info), entries, dict(message.metadata))
 
     @property
     def name(self) -> str:

@@ -105,13 +105,13 @@ def archive_to_store(name: str, value: Any, prefix: str = "") -> tuple[Archive, 
 
 
 def store_messages(
-    name: str, archive: Archive, prefix: str, replace: bool, chunk_size: int, progress: Progress = None
+    name: str, archive: Archive, prefix: str, replace: bool, chunk_size: int, progress: Progress = None,
+    metadata: Mapping[str, str] | None = None,
 ) -> Iterator[bytes]:
     """The serialized ``StoreRequest``s of an archive: begin, then each entry in name order,
     its name in the first of its messages, then commit with the counts sent (the server
     stores nothing without it). Entries are read one at a time, as sent."""
-    begin = archives_pb2.StoreBegin(archive=name, replace=replace).SerializeToString()
-    yield wire.encode_store_request(begin=begin)
+    yield wire.encode_store_request(begin=store_begin(name, replace, metadata))
     entries = sent = 0
     for entry in archive.names():
         tensor = archive.find(entry)
@@ -183,7 +183,26 @@ def fetch_request(archive: str, names: Iterable[str] | None = None, prefix: str 
     return request
 
 
-def union_request(target: str, sources: Mapping[str, str] | Sequence[str], replace: bool) -> archives_pb2.UnionRequest:
+def store_begin(name: str, replace: bool, metadata: Mapping[str, str] | None) -> bytes:
+    """A serialized ``StoreBegin``; TypeError for metadata that is not a mapping of str to str."""
+    return archives_pb2.StoreBegin(archive=name, replace=replace,
+                                   metadata=check_metadata("Client.store", metadata)).SerializeToString()
+
+
+def check_metadata(what: str, metadata: Mapping[str, str] | None) -> dict[str, str]:
+    """An archive's metadata as the request carries it (the server checks its bounds)."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise TypeError(f"{what}: metadata is a mapping of str to str, not {type(metadata).__name__}")
+    for key, value in metadata.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise TypeError(f"{what}: metadata maps str to str; {key!r}: {value!r} is not")
+    return dict(metadata)
+
+
+def union_request(target: str, sources: Mapping[str, str] | Sequence[str], replace: bool,
+                  metadata: Mapping[str, str] | None = None) -> archives_pb2.UnionRequest:
     """Sources as a mapping of prefix to archive name, or a list of archive names (no prefixes)."""
     if isinstance(sources, str):
         raise TypeError("Client.union: sources is a list of archive names or a mapping of prefix to name, not a str")
@@ -194,7 +213,7 @@ def union_request(target: str, sources: Mapping[str, str] | Sequence[str], repla
     if not pairs:
         raise ValueError("Client.union: no sources")
     return archives_pb2.UnionRequest(
-        target=target, replace=replace,
+        target=target, replace=replace, metadata=check_metadata("Client.union", metadata),
         sources=[archives_pb2.UnionSource(archive=a, prefix=p) for a, p in pairs],
     )
 

@@ -29,7 +29,7 @@ from .fetching import FetchStream, check_request, digests, resolve
 from .handling import add_service, answering_failures
 from .storage import ArchiveLimits, ArchiveRecord, Storage
 from .store_session import StoreSession
-from .validation import check_archive_name, check_prefix
+from .validation import check_archive_name, check_metadata, check_prefix
 from tannery.wire import parse_store_request, serialize_response
 
 T = TypeVar("T")
@@ -79,7 +79,8 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
         if first is None or first.begin is None:
             raise Malformed("the first message of Store must carry begin (the archive name)")
         name = self._archive_name(first.begin.archive)
-        session = StoreSession(self.storage, self.config, name, first.begin.replace)
+        metadata = check_metadata(first.begin.metadata)
+        session = StoreSession(self.storage, self.config, name, first.begin.replace, metadata)
         pending: asyncio.Future | None = None
         transport = self._transport(context)
         try:
@@ -129,7 +130,8 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
         for source in request.sources:
             check_archive_name(source.archive, self.config.max_name_bytes)
             sources.append((source.archive, check_prefix(source.prefix, self.config.max_name_bytes)))
-        record = await self._run(self.storage.union, target, sources, request.replace, self._limits)
+        metadata = check_metadata(request.metadata)
+        record = await self._run(self.storage.union, target, sources, request.replace, self._limits, metadata)
         return archive_info(record)
 
     def _transport(self, context) -> str | None:
@@ -243,6 +245,7 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
         record, entries = await self._run(read)
         return archives_pb2.ArchiveDescription(
             info=archive_info(record),
+            metadata=record.metadata,
             entries=[
                 archives_pb2.EntryInfo(name=e.name, dtype=e.dtype, shape=e.shape, nbytes=e.nbytes,
                                        payload_bytes=e.payload_bytes, digest=e.digest)

@@ -68,7 +68,9 @@ def _migrate_archive(source: Storage, target: SharedStorage, name: str, done: Mi
         for entry in entries:
             if entry.digest not in blobs:
                 blobs[entry.digest] = _copy_blob(source, target, name, entry, holder, done)
-        target.commit_archive(name, entries, list(blobs.values()), False, holder)
+        record = source.catalog.archive(name)
+        target.commit_archive(name, entries, list(blobs.values()), False, holder,
+                              record.metadata if record is not None else None)
     finally:
         target.release(blobs, holder=holder)
     done.archives += 1

@@ -12,6 +12,7 @@ was written.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 
 
 from tannery.codec import FormatError, Limits, OverLimit
@@ -31,11 +32,13 @@ _ANY_SIZE = 1 << 64
 
 
 class StoreSession:
-    def __init__(self, storage: Storage, config: Config, archive: str, replace: bool) -> None:
+    def __init__(self, storage: Storage, config: Config, archive: str, replace: bool,
+                 metadata: Mapping[str, str] | None = None) -> None:
         self.storage = storage
         self.config = config
         self.archive = archive
         self.replace = replace
+        self.metadata = dict(metadata or {})
         self.bytes_received = 0
         self._deframer = Deframer(Limits(max_payload=_ANY_SIZE, max_rank=config.max_rank))
         self._names: set[str] = set()
@@ -163,7 +166,8 @@ class StoreSession:
                 f"({self.bytes_received} payload bytes): nothing was stored (a client that sent everything "
                 "sends commit as its last message)"
             )
-        record = self.storage.commit_archive(self.archive, self._entries, self._blobs, self.replace, self._holder)
+        record = self.storage.commit_archive(self.archive, self._entries, self._blobs, self.replace, self._holder,
+                                             self.metadata)
         self._closed = True
         self.storage.release((b.digest for b in self._blobs), holder=self._holder)
         return record

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import unicodedata
+from collections.abc import Mapping
 
 from .failures import Malformed
 
-__all__ = ["check_archive_name", "check_entry_name", "check_prefix"]
+__all__ = ["check_archive_name", "check_entry_name", "check_metadata", "check_prefix"]
+
+#: Bounds of an archive's metadata (StoreBegin.metadata, UnionRequest.metadata): it is a small
+#: map kept in the catalog's archive row and returned whole by every Describe.
+MAX_METADATA_KEYS = 64
+MAX_METADATA_KEY_BYTES = 256
+MAX_METADATA_BYTES = 64 << 10
 
 
 def _control_character(name: str) -> str | None:
@@ -55,3 +62,21 @@ def check_prefix(prefix: str, max_bytes: int) -> str:
     if prefix:
         _check_common("prefix", prefix, max_bytes)
     return prefix
+
+
+def check_metadata(metadata: Mapping[str, str]) -> dict[str, str]:
+    """An archive's metadata: at most :data:`MAX_METADATA_KEYS` keys, each non-empty, at most
+    :data:`MAX_METADATA_KEY_BYTES` of UTF-8 and free of control characters, and at most
+    :data:`MAX_METADATA_BYTES` of keys and values in all. Malformed naming the key otherwise."""
+    items = dict(metadata)
+    if len(items) > MAX_METADATA_KEYS:
+        raise Malformed(f"metadata: {len(items)} keys, over the limit of {MAX_METADATA_KEYS} "
+                        "(keep the archive's metadata small: a few keys like format)")
+    total = 0
+    for key in sorted(items):
+        _check_common("metadata key", key, MAX_METADATA_KEY_BYTES)
+        total += len(key.encode("utf-8")) + len(items[key].encode("utf-8"))
+        if total > MAX_METADATA_BYTES:
+            raise Malformed(f"metadata: keys and values over the limit of {MAX_METADATA_BYTES} bytes in all "
+                            f"(at key {key[:64]!r}; keep large values in entries or elsewhere)")
+    return items

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 from typing import Any
 
 from pathlib import Path
@@ -20,29 +21,60 @@ from .output import Output, human_size, iso_time, local_time
 
 
 def cmd_push(args: argparse.Namespace, out: Output) -> int:
-    from .tensorfiles import payload_total, read_checkpoint
+    from .tensorfiles import checkpoint_kind, payload_total, read_checkpoint
 
-    archive = read_checkpoint(args.file)
+    metadata: dict[str, str] = {}
+    what = args.file
+    if Path(args.file).is_dir():
+        from .hf import read_folder
+
+        folder = read_folder(args.file)  # checked against its index before the call
+        archive, metadata = folder.archive, folder.metadata
+        if len(folder.shards) > 1:
+            what = f"{args.file} ({len(folder.shards)} shards)"
+    elif checkpoint_kind(args.file) == "safetensors":
+        from .hf import read_shard
+
+        archive, metadata = read_shard(Path(args.file))
+    else:
+        archive = read_checkpoint(args.file)
     total = payload_total(archive)
     with connect(args) as client, out.transfer(f"push {args.name}", total) as progress:
-        info = client.store(args.name, archive, prefix=args.prefix, replace=args.replace, progress=progress)
-    out.result(f"pushed {args.file} as {info.name}: {_entries(info.entries)}, {human_size(info.nbytes)}")
+        info = client.store(args.name, archive, prefix=args.prefix, replace=args.replace, progress=progress,
+                            metadata=metadata)
+    out.result(f"pushed {what} as {info.name}: {_entries(info.entries)}, {human_size(info.nbytes)}")
     return 0
+
+
+def _is_folder(output: str) -> bool:
+    """Whether ``-o`` names a folder to write shards into: a trailing slash, or a directory."""
+    return output.endswith(("/", os.sep)) or Path(output).is_dir()
 
 
 def cmd_pull(args: argparse.Namespace, out: Output) -> int:
     from ..names import owns
     from .checkpoint_writer import CheckpointWriter
-    from .tensorfiles import check_writable, checkpoint_kind, refuse_existing
+    from .tensorfiles import check_writable, checkpoint_kind, output_directory, refuse_existing
 
     names = _split_names(args.names) if args.names is not None else None
     output = Path(args.output)
-    if args.codes != "seed" and checkpoint_kind(output, writing=True) != "tannic":
+    folder = _is_folder(args.output)
+    if args.codes != "seed" and (folder or checkpoint_kind(output, writing=True) != "tannic"):
         raise CommandError(f"--codes {args.codes}: only a .tannic pair has dtype codes",
                            hint="pull into a .tannic pair (-o NAME.tannic), or leave out --codes")
-    refuse_existing([output], args.force)  # before the call: nothing to wait for
+    if folder:
+        from .hf import DEFAULT_MAX_SHARD, parse_size
+
+        max_shard = parse_size(args.max_shard_size or DEFAULT_MAX_SHARD)
+    elif args.max_shard_size is not None:
+        raise CommandError("--max-shard-size: only for a folder of shards (-o DIR/)",
+                           hint="end -o with a slash to write a Hugging Face checkpoint folder")
+    else:
+        refuse_existing([output], args.force)  # before the call: nothing to wait for
     with connect(args) as client:
-        described = {entry.name: entry for entry in entries_of(client.describe(args.name))}
+        description = client.describe(args.name)
+        metadata = dict(getattr(description, "metadata", {}) or {})
+        described = {entry.name: entry for entry in entries_of(description)}
         if names is not None:
             missing = [name for name in names if name not in described]
             if missing:
@@ -54,17 +86,34 @@ def cmd_pull(args: argparse.Namespace, out: Output) -> int:
             if not selected:
                 raise CommandError(f"{args.name}: no entry under the prefix {args.prefix!r}",
                                    hint=_SHOW_HINT.format(args.name))
-        check_writable(output, sorted({described[name].dtype for name in selected}), args.force)
+        dtypes = sorted({described[name].dtype for name in selected})
+        if folder:
+            from .hf import ShardedWriter, check_dtypes, folder_outputs, plan_shards
+
+            check_dtypes(output, dtypes)
+            plan = plan_shards([described[name] for name in selected], max_shard)
+            refuse_existing(folder_outputs(output, len(plan)), args.force)
+            output_directory(output)
+            make_writer = lambda: ShardedWriter(output, plan, metadata)  # noqa: E731
+        else:
+            check_writable(output, dtypes, args.force)
+            make_writer = lambda: CheckpointWriter(  # noqa: E731
+                args.output, [described[name] for name in selected], args.codes, metadata=metadata)
         total = sum(described[name].payload_bytes for name in selected)
         # The file is laid out from the description, then written piece by piece as the
         # messages arrive (one held at a time), and renamed into place when whole.
-        with CheckpointWriter(args.output, [described[name] for name in selected], args.codes) as writer, \
-                out.transfer(f"pull {args.name}", total) as progress:
+        with make_writer() as writer, out.transfer(f"pull {args.name}", total) as progress:
             for piece in client.fetch_pieces(args.name, names=names, prefix=args.prefix or None, progress=progress):
                 writer.write(piece)
             paths = writer.finish()
     nbytes = sum(described[name].nbytes for name in selected)
-    out.result(f"pulled {args.name} into {' and '.join(map(str, paths))}: {_entries(len(selected))}, {human_size(nbytes)}")
+    if folder:
+        shards = [p for p in paths if p.name.endswith(".safetensors")]
+        index = " and the index" if len(paths) > len(shards) else ""
+        into = f"{output} ({len(shards)} shard{'s' if len(shards) > 1 else ''}{index})"
+    else:
+        into = " and ".join(map(str, paths))
+    out.result(f"pulled {args.name} into {into}: {_entries(len(selected))}, {human_size(nbytes)}")
     return 0
 
 
@@ -83,13 +132,17 @@ def cmd_ls(args: argparse.Namespace, out: Output) -> int:
 
 def cmd_show(args: argparse.Namespace, out: Output) -> int:
     with connect(args) as client:
-        entries = entries_of(client.describe(args.name))
+        description = client.describe(args.name)
+    entries = entries_of(description)
+    metadata = dict(getattr(description, "metadata", {}) or {})
     nbytes = sum(e.nbytes for e in entries)
     payload = sum(e.payload_bytes for e in entries)
     if args.json:
         out.json({"name": args.name, "entries": [entry_json(e) for e in entries], "nbytes": nbytes,
-                  "payload_bytes": payload})
+                  "payload_bytes": payload, "metadata": metadata})
         return 0
+    if metadata:
+        out.line("metadata: " + ", ".join(f"{key}={value}" for key, value in sorted(metadata.items())))
     from ..codec import format_shape
 
     rows = [(e.name, e.dtype, format_shape(e.shape), human_size(e.nbytes)) for e in entries]
@@ -226,7 +279,8 @@ def _entries(count: int) -> str:
 
 JSON_LS = "ls --json prints a list of {name, entries, nbytes, payload_bytes, created (ISO 8601 UTC)}."
 JSON_SHOW = ("show --json prints {name, entries: [{name, dtype, shape, nbytes, payload_bytes, digest}], "
-             "nbytes, payload_bytes} (sizes in bytes: nbytes of tensor data, payload_bytes with headers).")
+             "nbytes, payload_bytes, metadata: {key: value}} (sizes in bytes: nbytes of tensor data, "
+             "payload_bytes with headers; metadata is the archive's string map, as safetensors' __metadata__).")
 JSON_GET = ("get --json prints {archive, entry, dtype, shape, nbytes, stats: {count, of, min, max, mean, std, "
             "nan, inf}, preview}; statistics cover finite elements (of: 'values', or 'abs' for complex), std is "
             "the population std, nan/inf are null for dtypes without them.")
@@ -248,16 +302,20 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
 
     push = command(
         "push", "store a checkpoint file as an archive",
-        "Store a checkpoint file on the server as an archive of named tensors. FILE is a .safetensors file, "
+        "Store a checkpoint file on the server as an archive of named tensors. FILE is a Hugging Face "
+        "checkpoint folder (model.safetensors.index.json and the shards it names, checked against each other, "
+        "or a model.safetensors), a .safetensors file, "
         "a .tannic pair (model.tannic with model.metadata.tannic beside it; it stores no shapes, so its "
         "entries are stored 1-D) or a torch checkpoint (.pt, .pth, .bin) read with "
         "torch.load(weights_only=True): every tensor of its dicts and lists becomes an entry named by its "
-        "path (model.layers.0.weight). A progress bar shows bytes, rate and time left.",
+        "path (model.layers.0.weight). A safetensors file's __metadata__ (a folder's: its first shard's) is "
+        "kept as the archive's metadata. A progress bar shows bytes, rate and time left.",
         "  tannery push model.safetensors --as resnet50\n"
+        "  tannery push ./llama-3-8b/ --as llama3\n"
         "  tannery push encoder.pt --as bert --prefix encoder --replace\n",
         cmd_push,
     )
-    push.add_argument("file", metavar="FILE", help="the checkpoint file")
+    push.add_argument("file", metavar="FILE", help="the checkpoint file, or a Hugging Face checkpoint folder")
     push.add_argument("--as", dest="name", metavar="NAME", type=name_arg, required=True, help="the archive's name")
     push.add_argument("--prefix", metavar="P", default="", help="store every entry under P (w becomes P.w)")
     push.add_argument("--replace", action="store_true", help="replace an archive of that name (default: refuse)")
@@ -265,16 +323,24 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
     pull = command(
         "pull", "write an archive (or part of it) to a file",
         "Fetch an archive's entries and write them to FILE: a .safetensors file, or a .tannic pair "
-        "(FILE.tannic and FILE.metadata.tannic), by the extension. Entries keep their full names.",
+        "(FILE.tannic and FILE.metadata.tannic), by the extension; or, when FILE ends with a slash or is a "
+        "directory, a Hugging Face checkpoint folder: shards model-00001-of-0000N.safetensors of at most "
+        "--max-shard-size (whole entries in name order; an entry over it gets a shard of its own) and "
+        "model.safetensors.index.json, or a single model.safetensors when everything fits in one, as "
+        "save_pretrained writes them. Entries keep their full names; safetensors files get the archive's "
+        "metadata as their __metadata__.",
         "  tannery pull resnet50 -o resnet50.safetensors\n"
         "  tannery pull bert -o encoder.safetensors --prefix encoder\n"
-        "  tannery pull bert -o two.tannic --names encoder.w,encoder.b\n",
+        "  tannery pull bert -o two.tannic --names encoder.w,encoder.b\n"
+        "  tannery pull llama3 -o ./llama-3-8b/ --max-shard-size 5GB\n",
         cmd_pull,
     )
     pull.add_argument("name", metavar="NAME", type=name_arg, help="the archive")
     pull.add_argument("-o", "--output", metavar="FILE", required=True,
                       help="the file to write (.safetensors or .tannic); missing directories are created")
     pull.add_argument("-f", "--force", action="store_true", help="replace FILE if it exists (default: refuse)")
+    pull.add_argument("--max-shard-size", metavar="SIZE",
+                      help="a folder's largest shard, as 5GB (the default), 500MB or 2GiB")
     which = pull.add_mutually_exclusive_group()
     which.add_argument("--prefix", metavar="P", help="only the entries under P (P itself and P.*)")
     which.add_argument("--names", metavar="A,B", help="only these entries, comma-separated")
@@ -294,7 +360,7 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
 
     show = command(
         "show", "list an archive's entries",
-        "Show every entry of an archive (name, dtype, shape, size) and the totals. " + JSON_SHOW,
+        "Show the archive's metadata, every entry (name, dtype, shape, size) and the totals. " + JSON_SHOW,
         "  tannery show resnet50\n  tannery show resnet50 --json | jq '.entries[].name'\n",
         cmd_show,
     )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,11 +82,13 @@ class CheckpointWriter:
     leaving it without :meth:`finish` (an error, Ctrl-C) removes the temporary files.
 
     Safetensors files come out as the safetensors package writes them (same layout, same
-    bytes); a pair's entries are laid out in the order given, their dtype codes by ``codes``
+    bytes), with ``metadata`` as their ``__metadata__`` (a pair has none); a pair's entries
+    are laid out in the order given, their dtype codes by ``codes``
     (:func:`tannery.codec.wire_code`; a safetensors file has no codes).
     """
 
-    def __init__(self, path: str | os.PathLike[str], entries: Sequence[Any], codes: str = "seed") -> None:
+    def __init__(self, path: str | os.PathLike[str], entries: Sequence[Any], codes: str = "seed",
+                 metadata: Mapping[str, str] | None = None) -> None:
         self._codes = codec.check_codes(codes)
         self._files: list[_TempFile] = []
         self._slots: dict[str, _Slot] = {}
@@ -95,19 +97,20 @@ class CheckpointWriter:
         self._names = [entry.name for entry in entries]
         try:
             if checkpoint_kind(path, writing=True) == "safetensors":
-                self._lay_out_safetensors(Path(path), entries)
+                self._lay_out_safetensors(Path(path), entries, metadata)
             else:
                 self._lay_out_pair(Path(path), entries)
         except BaseException:
             self.abort()
             raise
 
-    def _lay_out_safetensors(self, path: Path, entries: Sequence[Any]) -> None:
+    def _lay_out_safetensors(self, path: Path, entries: Sequence[Any], metadata: Mapping[str, str] | None) -> None:
         self._packed_bools = False
         rank = {code: index for index, code in enumerate(SAFETENSORS_ORDER)}
         order = sorted(entries, key=lambda e: (rank[CODES[e.dtype]], e.name))
         sizes = [math.prod(e.shape) * codec.dtype_named(e.dtype).itemsize for e in order]  # a bool is a byte
-        header = encode_header([(e.name, CODES[e.dtype], tuple(e.shape), n) for e, n in zip(order, sizes)])
+        header = encode_header([(e.name, CODES[e.dtype], tuple(e.shape), n) for e, n in zip(order, sizes)],
+                               dict(metadata) if metadata else None)
         data = self._open(path)
         self._place(order, sizes, start=len(header))
         data.write_at(header, 0)
@@ -175,13 +178,17 @@ class CheckpointWriter:
 
     def finish(self) -> list[Path]:
         """Check that every entry came, and rename the files into place; the paths written."""
+        self.check_complete()
+        for file in self._files:
+            file.commit()
+        return self.paths
+
+    def check_complete(self) -> None:
+        """CommandError unless every entry came whole."""
         missing = [name for name in self._names if name not in self._written]
         if missing:
             shown = ", ".join(map(repr, missing[:5])) + (f", ... ({len(missing)} in all)" if len(missing) > 5 else "")
             raise CommandError(f"the server sent no {shown} ({_REPLACED})")
-        for file in self._files:
-            file.commit()
-        return self.paths
 
     def abort(self) -> None:
         """Remove the temporary files (the outputs are left as they were)."""

@@ -26,12 +26,21 @@ class DataPathsResponse(_message.Message):
     def __init__(self, socket_path: _Optional[str] = ..., data_port: _Optional[int] = ..., data_tls: _Optional[bool] = ..., server_id: _Optional[str] = ...) -> None: ...
 
 class StoreBegin(_message.Message):
-    __slots__ = ("archive", "replace")
+    __slots__ = ("archive", "replace", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     ARCHIVE_FIELD_NUMBER: _ClassVar[int]
     REPLACE_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
     archive: str
     replace: bool
-    def __init__(self, archive: _Optional[str] = ..., replace: _Optional[bool] = ...) -> None: ...
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, archive: _Optional[str] = ..., replace: _Optional[bool] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class StoreCommit(_message.Message):
     __slots__ = ("entries", "payload_bytes")
@@ -76,14 +85,23 @@ class UnionSource(_message.Message):
     def __init__(self, archive: _Optional[str] = ..., prefix: _Optional[str] = ...) -> None: ...
 
 class UnionRequest(_message.Message):
-    __slots__ = ("target", "sources", "replace")
+    __slots__ = ("target", "sources", "replace", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     TARGET_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     REPLACE_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
     target: str
     sources: _containers.RepeatedCompositeFieldContainer[UnionSource]
     replace: bool
-    def __init__(self, target: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[UnionSource, _Mapping]]] = ..., replace: _Optional[bool] = ...) -> None: ...
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, target: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[UnionSource, _Mapping]]] = ..., replace: _Optional[bool] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Shape(_message.Message):
     __slots__ = ("dims",)
@@ -154,12 +172,21 @@ class EntryInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class ArchiveDescription(_message.Message):
-    __slots__ = ("info", "entries")
+    __slots__ = ("info", "entries", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     INFO_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
     info: ArchiveInfo
     entries: _containers.RepeatedCompositeFieldContainer[EntryInfo]
-    def __init__(self, info: _Optional[_Union[ArchiveInfo, _Mapping]] = ..., entries: _Optional[_Iterable[_Union[EntryInfo, _Mapping]]] = ...) -> None: ...
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, info: _Optional[_Union[ArchiveInfo, _Mapping]] = ..., entries: _Optional[_Iterable[_Union[EntryInfo, _Mapping]]] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ListRequest(_message.Message):
     __slots__ = ("prefix", "page_size", "page_token")

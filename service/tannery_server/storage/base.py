@@ -9,8 +9,8 @@ server calls them from worker threads.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Protocol, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator, Mapping, Protocol, Sequence
 
 from tannery.names import join
 
@@ -63,6 +63,8 @@ class ArchiveRecord:
     nbytes: int
     payload_bytes: int
     created_ns: int
+    #: The archive's string-to-string metadata (safetensors' ``__metadata__``), set on Store or Union.
+    metadata: Mapping[str, str] = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True)
@@ -105,9 +107,10 @@ class Catalog(Protocol):
     def blob(self, digest: str) -> BlobInfo | None: ...
 
     def commit_archive(
-        self, name: str, entries: Sequence[EntryRecord], blobs: Sequence[BlobInfo], replace: bool, created_ns: int
+        self, name: str, entries: Sequence[EntryRecord], blobs: Sequence[BlobInfo], replace: bool, created_ns: int,
+        metadata: Mapping[str, str] | None = None,
     ) -> tuple[ArchiveRecord, list[str]]:
-        """Create (or replace) an archive whose blobs are already durable.
+        """Create (or replace) an archive whose blobs are already durable, with ``metadata``.
 
         Returns the archive and the digests the replaced archive referenced (candidates
         for collection). Raises NameTaken when it exists and ``replace`` is false.
@@ -115,9 +118,12 @@ class Catalog(Protocol):
         ...
 
     def union(
-        self, target: str, sources: Sequence[tuple[str, str]], replace: bool, created_ns: int, limits: ArchiveLimits
+        self, target: str, sources: Sequence[tuple[str, str]], replace: bool, created_ns: int, limits: ArchiveLimits,
+        metadata: Mapping[str, str] | None = None,
     ) -> tuple[ArchiveRecord, list[str]]:
-        """Create ``target`` from the entries of ``(archive, prefix)`` sources, without blob writes.
+        """Create ``target`` from the entries of ``(archive, prefix)`` sources, without blob writes;
+        its metadata is ``metadata`` (not the sources').
+
 
         Missing for a missing source, Malformed for a name in two sources or too
         long, LimitExceeded for too many entries, NameTaken unless ``replace``.
@@ -267,7 +273,7 @@ class SharedCatalog(Catalog, Protocol):
 
     def commit_leased(
         self, name: str, entries: Sequence[EntryRecord], replace: bool, created_ns: int, replica: str, holder: str,
-        now_ns: int,
+        now_ns: int, metadata: Mapping[str, str] | None = None,
     ) -> tuple[ArchiveRecord, list[str]]:
         """:meth:`Catalog.commit_archive` for blobs leased by ``(replica, holder)``: in one
         transaction, check that every entry's blob has a live lease of that holder at

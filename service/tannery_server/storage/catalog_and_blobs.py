@@ -18,7 +18,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Sequence, TypeVar
+from typing import Callable, Iterable, Mapping, Sequence, TypeVar
 
 from ..failures import LimitExceeded
 from .base import ArchiveLimits, ArchiveRecord, BlobFile, BlobInfo, BlobStore, Catalog, EntryRecord
@@ -275,7 +275,7 @@ class Storage:
 
     def commit_archive(
         self, name: str, entries: Sequence[EntryRecord], blobs: Sequence[BlobInfo], replace: bool,
-        holder: str | None = None,
+        holder: str | None = None, metadata: Mapping[str, str] | None = None,
     ) -> ArchiveRecord:
         """Record an archive whose (pinned) blobs are all sealed, once they are durable."""
         self._ensure_room()
@@ -284,14 +284,15 @@ class Storage:
         except OSError as exc:
             raise self.full_error(exc) from exc
         record, released = self._write_catalog(
-            lambda: self.catalog.commit_archive(name, entries, blobs, replace, time.time_ns()))
+            lambda: self.catalog.commit_archive(name, entries, blobs, replace, time.time_ns(), metadata))
         self.collect(released)
         return record
 
-    def union(self, target: str, sources: Sequence[tuple[str, str]], replace: bool, limits: ArchiveLimits) -> ArchiveRecord:
+    def union(self, target: str, sources: Sequence[tuple[str, str]], replace: bool, limits: ArchiveLimits,
+              metadata: Mapping[str, str] | None = None) -> ArchiveRecord:
         self._ensure_room()
         record, released = self._write_catalog(
-            lambda: self.catalog.union(target, sources, replace, time.time_ns(), limits))
+            lambda: self.catalog.union(target, sources, replace, time.time_ns(), limits, metadata))
         self.collect(released)
         return record
 

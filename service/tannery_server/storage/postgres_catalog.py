@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Iterable, Sequence, TypeVar
+from typing import Callable, Iterable, Mapping, Sequence, TypeVar
 
 try:
     import psycopg
@@ -51,7 +51,7 @@ from ..failures import Malformed, Missing, NameTaken
 from .base import ArchiveLimits, ArchiveRecord, BlobInfo, CatalogTotals, EntryRecord
 from .errors import StorageUnavailable
 from .sqlite_catalog import (CatalogTooNew, archive_from_row, check_union_limits, duplicate_error, entry_from_row,
-                             entry_values)
+                             entry_values, metadata_text)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -104,13 +104,19 @@ def _to_version_1(cur: psycopg.Cursor) -> None:
         cur.execute(statement)
 
 
+def _to_version_2(cur: psycopg.Cursor) -> None:
+    """``archives.metadata``: an archive's string-to-string metadata as a JSON object in text
+    (the rows already there get ``'{}'``, none)."""
+    cur.execute("ALTER TABLE archives ADD COLUMN IF NOT EXISTS metadata text NOT NULL DEFAULT '{}'")
+
+
 #: ``MIGRATIONS[n]`` brings schema version ``n`` to ``n + 1`` (0: an empty database).
-MIGRATIONS: tuple[Callable[[psycopg.Cursor], None], ...] = (_to_version_1,)
+MIGRATIONS: tuple[Callable[[psycopg.Cursor], None], ...] = (_to_version_1, _to_version_2)
 SCHEMA_VERSION = len(MIGRATIONS)
 #: The advisory lock (two-key form, apart from the names' one-key locks) of schema changes.
 _SCHEMA_LOCK = (0x7A77, 1)
 
-_ARCHIVE_COLUMNS = "name, entries, nbytes, payload_bytes, created_ns"
+_ARCHIVE_COLUMNS = "name, entries, nbytes, payload_bytes, created_ns, metadata"
 _BLOB_COLUMNS = "digest, size, block_size, block_crcs, checksum"
 _ENTRY_COLUMNS = "e.name, e.dtype, e.shape, e.nbytes, e.payload_bytes, e.data_offset, e.digest"
 _ENTRY_INSERT = "archive_id, name, dtype, shape, nbytes, payload_bytes, data_offset, digest"
@@ -348,13 +354,14 @@ class PostgresCatalog:
         cur.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (name,))
 
     @staticmethod
-    def _begin_archive(cur: psycopg.Cursor, name: str, replace: bool, created_ns: int) -> int:
+    def _begin_archive(cur: psycopg.Cursor, name: str, replace: bool, created_ns: int,
+                       metadata: Mapping[str, str] | None = None) -> int:
         """NameTaken unless the name is free or may be replaced; the new archive, nameless."""
         if not replace and cur.execute("SELECT 1 FROM archives WHERE name = %s", (name,)).fetchone():
             raise NameTaken(f"archive {name!r} already exists")
         return cur.execute(
-            "INSERT INTO archives (name, created_ns, entries, nbytes, payload_bytes) VALUES (NULL, %s, 0, 0, 0) "
-            "RETURNING id", (created_ns,)).fetchone()[0]
+            "INSERT INTO archives (name, created_ns, entries, nbytes, payload_bytes, metadata) "
+            "VALUES (NULL, %s, 0, 0, 0, %s) RETURNING id", (created_ns, metadata_text(metadata))).fetchone()[0]
 
     def _finish_archive(self, cur: psycopg.Cursor, archive_id: int, name: str,
                         now_ns: int) -> tuple[ArchiveRecord, list[str]]:
@@ -393,13 +400,14 @@ class PostgresCatalog:
                 copy.write_row(entry_values(archive_id, entry))
 
     def commit_archive(
-        self, name: str, entries: Sequence[EntryRecord], blobs: Sequence[BlobInfo], replace: bool, created_ns: int
+        self, name: str, entries: Sequence[EntryRecord], blobs: Sequence[BlobInfo], replace: bool, created_ns: int,
+        metadata: Mapping[str, str] | None = None,
     ) -> tuple[ArchiveRecord, list[str]]:
         """For one process that owns the blob store (and ``tannery migrate``): the blob rows are
         upserted (touched) here; replicas use :meth:`lease` and :meth:`commit_leased`."""
         def work(cur: psycopg.Cursor) -> tuple[ArchiveRecord, list[str]]:
             self._lock_name(cur, name)
-            archive_id = self._begin_archive(cur, name, replace, created_ns)
+            archive_id = self._begin_archive(cur, name, replace, created_ns, metadata)
             now = time.time_ns()
             unique = sorted({b.digest: b for b in blobs}.values(), key=lambda b: b.digest)  # one lock order
             cur.executemany(
@@ -412,12 +420,13 @@ class PostgresCatalog:
         return self._write(f"committing archive {name!r}", work)
 
     def union(
-        self, target: str, sources: Sequence[tuple[str, str]], replace: bool, created_ns: int, limits: ArchiveLimits
+        self, target: str, sources: Sequence[tuple[str, str]], replace: bool, created_ns: int, limits: ArchiveLimits,
+        metadata: Mapping[str, str] | None = None,
     ) -> tuple[ArchiveRecord, list[str]]:
         def work(cur: psycopg.Cursor) -> tuple[ArchiveRecord, list[str]]:
             self._lock_name(cur, target)
             ids = [self._source_id(cur, archive) for archive, _prefix in sources]
-            archive_id = self._begin_archive(cur, target, replace, created_ns)
+            archive_id = self._begin_archive(cur, target, replace, created_ns, metadata)
             for index, (prefix, source_id) in enumerate((prefix, i) for (_a, prefix), i in zip(sources, ids)):
                 try:
                     with cur.connection.transaction():  # a savepoint: the duplicate is looked up after
@@ -519,11 +528,11 @@ class PostgresCatalog:
 
     def commit_leased(
         self, name: str, entries: Sequence[EntryRecord], replace: bool, created_ns: int, replica: str, holder: str,
-        now_ns: int,
+        now_ns: int, metadata: Mapping[str, str] | None = None,
     ) -> tuple[ArchiveRecord, list[str]]:
         def work(cur: psycopg.Cursor) -> tuple[ArchiveRecord, list[str]]:
             self._lock_name(cur, name)
-            archive_id = self._begin_archive(cur, name, replace, created_ns)  # NameTaken first
+            archive_id = self._begin_archive(cur, name, replace, created_ns, metadata)  # NameTaken first
             self._hold_leased(cur, sorted({e.digest for e in entries}), name, replica, holder, now_ns)
             self._insert_entries(cur, archive_id, entries)
             result = self._finish_archive(cur, archive_id, name, now_ns)

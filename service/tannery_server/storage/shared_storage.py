@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 import uuid
-from typing import Callable, Iterable, Sequence, TypeVar
+from typing import Callable, Iterable, Mapping, Sequence, TypeVar
 
 from .base import ArchiveLimits, ArchiveRecord, BlobInfo, BlobStore, EntryRecord, SharedCatalog
 from .catalog_and_blobs import Collected, Storage
@@ -110,13 +110,14 @@ class SharedStorage(Storage):
         return True
 
     def commit_archive(self, name: str, entries: Sequence[EntryRecord], blobs: Sequence[BlobInfo], replace: bool,
-                       holder: str | None = None) -> ArchiveRecord:
+                       holder: str | None = None, metadata: Mapping[str, str] | None = None) -> ArchiveRecord:
         """Commit an archive whose blobs ``holder`` leased (the catalog checks the leases are live)."""
         if holder is None:
             raise ValueError("a shared store commits leased blobs only: pass the holder that sealed them")
         self.blobs.make_durable(b.digest for b in blobs)
         now = time.time_ns()
-        record, _released = self.catalog.commit_leased(name, entries, replace, now, self.replica, holder, now)
+        record, _released = self.catalog.commit_leased(name, entries, replace, now, self.replica, holder, now,
+                                                        metadata)
         return record  # what the replaced archive released is collected after the grace period
 
     def release(self, digests: Iterable[str], collect: bool = False, holder: str | None = None) -> Collected:
@@ -177,8 +178,9 @@ class SharedStorage(Storage):
 
     # Unions and deletes answer at once; the catalog touches what they release ---------------
 
-    def union(self, target: str, sources: Sequence[tuple[str, str]], replace: bool, limits: ArchiveLimits) -> ArchiveRecord:
-        record, _released = self.catalog.union(target, sources, replace, time.time_ns(), limits)
+    def union(self, target: str, sources: Sequence[tuple[str, str]], replace: bool, limits: ArchiveLimits,
+              metadata: Mapping[str, str] | None = None) -> ArchiveRecord:
+        record, _released = self.catalog.union(target, sources, replace, time.time_ns(), limits, metadata)
         return record
 
     def delete(self, name: str) -> tuple[ArchiveRecord | None, Collected]:

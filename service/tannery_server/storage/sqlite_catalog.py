@@ -13,7 +13,7 @@ import json
 import sqlite3
 import threading
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from ..failures import LimitExceeded, Malformed, Missing, NameTaken
 from .base import ArchiveRecord, BlobInfo, CatalogTotals, EntryRecord, ArchiveLimits
@@ -61,9 +61,17 @@ def _to_version_1(conn: sqlite3.Connection) -> None:
         conn.execute("ALTER TABLE blobs ADD COLUMN checksum TEXT NOT NULL DEFAULT 'crc32'")
 
 
+def _to_version_2(conn: sqlite3.Connection) -> None:
+    """``archives.metadata``: an archive's string-to-string metadata as a JSON object (the rows
+    already there get ``'{}'``, none)."""
+    columns = {row[1] for row in conn.execute("PRAGMA table_info(archives)")}
+    if "metadata" not in columns:
+        conn.execute("ALTER TABLE archives ADD COLUMN metadata TEXT NOT NULL DEFAULT '{}'")
+
+
 #: The steps of the schema, in order: ``MIGRATIONS[n]`` brings version ``n`` to ``n + 1``. Each
 #: may be run again on a catalog it has already changed.
-MIGRATIONS = (_to_version_1,)
+MIGRATIONS = (_to_version_1, _to_version_2)
 #: The schema's version (``PRAGMA user_version``) this code reads and writes.
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -104,7 +112,7 @@ def _migrate(conn: sqlite3.Connection, path: Path) -> None:
 
 
 _ENTRY_COLUMNS = "e.name, e.dtype, e.shape, e.nbytes, e.payload_bytes, e.data_offset, e.digest"
-_ARCHIVE_COLUMNS = "name, entries, nbytes, payload_bytes, created_ns"
+_ARCHIVE_COLUMNS = "name, entries, nbytes, payload_bytes, created_ns, metadata"
 _BLOB_COLUMNS = "digest, size, block_size, block_crcs, checksum"
 #: Archives being built carry this prefix until their transaction renames them (a user's
 #: name never starts with a control character).
@@ -129,7 +137,14 @@ def entry_values(archive_id: int, e: EntryRecord) -> tuple:
 
 
 def archive_from_row(row: tuple) -> ArchiveRecord:
-    return ArchiveRecord(*row)
+    """An archive from its columns (:data:`_ARCHIVE_COLUMNS`; the metadata as JSON text)."""
+    *fields, metadata = row
+    return ArchiveRecord(*fields, metadata=json.loads(metadata) if metadata else {})
+
+
+def metadata_text(metadata: Mapping[str, str] | None) -> str:
+    """An archive's metadata as its column holds it: a JSON object, keys sorted."""
+    return json.dumps(dict(metadata or {}), sort_keys=True, ensure_ascii=False)
 
 
 def check_union_limits(target: str, count: int, longest: int, longest_name: Callable[[], str],
@@ -298,14 +313,16 @@ class SqliteCatalog:
     def _transaction(self):
         return _Transaction(self._writer, self._write_lock)
 
-    def _begin_archive(self, conn: sqlite3.Connection, name: str, replace: bool, created_ns: int) -> int:
+    def _begin_archive(self, conn: sqlite3.Connection, name: str, replace: bool, created_ns: int,
+                       metadata: Mapping[str, str] | None = None) -> int:
         """Check the name is free (or may be replaced) and create the archive under a
         temporary name, so that its sources may include the archive it replaces."""
         if not replace and conn.execute("SELECT 1 FROM archives WHERE name = ?", (name,)).fetchone():
             raise NameTaken(f"archive {name!r} already exists")
         cursor = conn.execute(
-            "INSERT INTO archives (name, created_ns, entries, nbytes, payload_bytes) VALUES (?, ?, 0, 0, 0)",
-            (_BUILDING + name, created_ns),
+            "INSERT INTO archives (name, created_ns, entries, nbytes, payload_bytes, metadata) "
+            "VALUES (?, ?, 0, 0, 0, ?)",
+            (_BUILDING + name, created_ns, metadata_text(metadata)),
         )
         return int(cursor.lastrowid)
 
@@ -331,10 +348,11 @@ class SqliteCatalog:
         return released
 
     def commit_archive(
-        self, name: str, entries: Sequence[EntryRecord], blobs: Sequence[BlobInfo], replace: bool, created_ns: int
+        self, name: str, entries: Sequence[EntryRecord], blobs: Sequence[BlobInfo], replace: bool, created_ns: int,
+        metadata: Mapping[str, str] | None = None,
     ) -> tuple[ArchiveRecord, list[str]]:
         with self._transaction() as conn:
-            archive_id = self._begin_archive(conn, name, replace, created_ns)
+            archive_id = self._begin_archive(conn, name, replace, created_ns, metadata)
             conn.executemany(
                 f"INSERT OR IGNORE INTO blobs ({_BLOB_COLUMNS}) VALUES (?, ?, ?, ?, ?)",
                 ((b.digest, b.size, b.block_size, b.block_crcs, b.checksum) for b in blobs),
@@ -347,7 +365,8 @@ class SqliteCatalog:
             return self._finish_archive(conn, archive_id, name)
 
     def union(
-        self, target: str, sources: Sequence[tuple[str, str]], replace: bool, created_ns: int, limits: ArchiveLimits
+        self, target: str, sources: Sequence[tuple[str, str]], replace: bool, created_ns: int, limits: ArchiveLimits,
+        metadata: Mapping[str, str] | None = None,
     ) -> tuple[ArchiveRecord, list[str]]:
         with self._transaction() as conn:
             ids = []
@@ -356,7 +375,7 @@ class SqliteCatalog:
                 if row is None:
                     raise Missing(f"archive {archive!r} not found (a source of the union)")
                 ids.append(row[0])
-            archive_id = self._begin_archive(conn, target, replace, created_ns)
+            archive_id = self._begin_archive(conn, target, replace, created_ns, metadata)
             for index, ((archive, prefix), source_id) in enumerate(zip(sources, ids)):
                 try:
                     conn.execute(
