@@ -25,6 +25,7 @@ CASES = {
     "scale": "bench_scale",
     "latency": "bench_latency",
     "replicas": "bench_replicas",
+    "dcp": "bench_dcp",
 }
 
 
