@@ -198,3 +198,23 @@ def test_health_follows_the_storage_not_serving_while_it_is_away_then_serving_ag
             (tmp_path / "elsewhere").rename(blobs)
         assert wait_for(lambda: status() == health_pb2.HealthCheckResponse.SERVING, timeout=10)
         assert status("tannery.v1.Archives") == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_storage_urls_of_an_unknown_kind_are_refused_naming_them_without_their_password(tmp_path):
+    with pytest.raises(ValueError, match=r"catalog 'mysql://u@h/db' is not a sqlite: or postgresql:// URL") as bad:
+        Config(catalog="mysql://u:secret@h/db")
+    assert "secret" not in str(bad.value)
+    with pytest.raises(ValueError, match=r"blobs 'gs://bucket' is not a file: or s3:// URL"):
+        Config(blobs="gs://bucket")
+
+
+def test_an_embedded_catalog_or_blob_directory_outside_the_data_directory_is_refused(tmp_path):
+    from tannery_server.storage.factory import open_storage
+
+    config = Config(data_dir=tmp_path / "data", catalog=f"sqlite://{tmp_path}/elsewhere/catalog.sqlite3")
+    with pytest.raises(ValueError, match="keeps its catalog and blobs in the data directory"):
+        open_storage(config)
+    with pytest.raises(ValueError, match="set --data-dir instead"):
+        open_storage(Config(data_dir=tmp_path / "data", blobs=f"file://{tmp_path}/elsewhere"))
+    same = open_storage(Config(data_dir=tmp_path / "data", blobs=f"file://{tmp_path}/data"))
+    same.close()

@@ -53,7 +53,8 @@ class StorageHealth:
             problem = str(exc) or f"storage check timed out after {max(self.interval, 5.0):.0f} s"
             if problem != self.problem:
                 log.warning("storage unavailable, health NOT_SERVING: %s", problem)
-            await self._set(NOT_SERVING if self.problem is None else None)
+            if self.problem is None:
+                await self._set(NOT_SERVING)
             self.problem = problem
             return
         if self.problem is not None:
@@ -62,8 +63,6 @@ class StorageHealth:
             await self._set(SERVING)
 
     async def _set(self, status) -> None:
-        if status is None:
-            return
         for name in self.services:
             await self.servicer.set(name, status)
 
