@@ -100,7 +100,9 @@ class Client:
         self._channel = self._connection.aio_channel()
         self._methods = Methods(self._channel)
         self._route: Route | None = None
-        self._route_known = self._transport == "grpc"
+        self._route_known = False
+        self._offered: archives_pb2.DataPathsResponse | None = None
+        self._offered_known = False
         self._route_lock: asyncio.Lock | None = None
 
     @property
@@ -159,24 +161,40 @@ class Client:
         route = await self._data_route()
         return route.kind if route is not None else "grpc"
 
-    async def _data_route(self) -> Route | None:
-        """As :meth:`tannery.Client._data_route`: the data path, chosen once."""
-        if self._route_known:
-            return self._route
+    async def _data_paths(self) -> archives_pb2.DataPathsResponse | None:
+        """As :meth:`tannery.Client._data_paths`: what the server offers, asked once."""
+        if self._offered_known:
+            return self._offered
         if self._route_lock is None:
             self._route_lock = asyncio.Lock()
         async with self._route_lock:
-            if not self._route_known:
+            if not self._offered_known:
                 try:
-                    offered = await self._methods.data_paths(archives_pb2.DataPathsRequest(), **self._options())
+                    self._offered = await self._methods.data_paths(archives_pb2.DataPathsRequest(),
+                                                                   **self._options())
                 except grpc.RpcError as error:
                     if error.code() is not grpc.StatusCode.UNIMPLEMENTED:
                         raise self._error(error) from None
-                    offered = None
-                self._route = await asyncio.to_thread(choose, self._transport, offered, self.target,
-                                                      self._connection.tls)
-                self._route_known = True
+                self._offered_known = True
+        return self._offered
+
+    async def _data_route(self) -> Route | None:
+        """As :meth:`tannery.Client._data_route`: the data path, chosen once."""
+        if self._transport == "grpc":
+            return None
+        if not self._route_known:
+            offered = await self._data_paths()
+            async with self._route_lock:
+                if not self._route_known:
+                    self._route = await asyncio.to_thread(choose, self._transport, offered, self.target,
+                                                          self._connection.tls)
+                    self._route_known = True
         return self._route
+
+    async def _wants_digests(self) -> bool:
+        """As :meth:`tannery.Client._wants_digests`."""
+        offered = await self._data_paths()
+        return offered is not None and offered.wants_digests
 
     def _over(self, route: Route) -> dict[str, Any]:
         return {"metadata": (*self._connection.metadata, (TRANSPORT_KEY, route.kind)),
@@ -265,16 +283,18 @@ class Client:
         route = await self._data_route()
         if route is not None:
             return await self._store_over(route, name, archive, rest, replace, progress, metadata)
-        messages = store_messages(name, archive, rest, replace, self._connection.chunk_size, progress, metadata)
+        messages = store_messages(name, archive, rest, replace, self._connection.chunk_size, progress, metadata,
+                                  await self._wants_digests())
         return ArchiveInfo.of(await self._send(self._methods.store, messages))
 
     async def _store_over(self, route: Route, name: str, archive: Archive, prefix: str, replace: bool,
                           progress: Progress, metadata: Mapping[str, str] | None = None) -> ArchiveInfo:
         """A Store whose call carries begin and commit, its payloads sent on the data path."""
         begin = store_begin(name, replace, metadata)
+        digests = await self._wants_digests()
         answer = await self._upload_over(
             route, self._methods.store, encode_store_request(begin=begin),
-            lambda link: send_store(link, store_entries(archive, prefix), progress),
+            lambda link: send_store(link, store_entries(archive, prefix, digests), progress),
             lambda sent: encode_store_commit(*sent))
         return ArchiveInfo.of(answer)
 

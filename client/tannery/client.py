@@ -95,7 +95,9 @@ class Client:
         self._channel = self._connection.channel()
         self._methods = Methods(self._channel)
         self._route: Route | None = None
-        self._route_known = self._transport == "grpc"
+        self._route_known = False
+        self._offered: archives_pb2.DataPathsResponse | None = None
+        self._offered_known = False
         self._route_lock = threading.Lock()
 
     @property
@@ -148,19 +150,34 @@ class Client:
         route = self._data_route()
         return route.kind if route is not None else "grpc"
 
-    def _data_route(self) -> Route | None:
-        """The data path of this client's Store and Fetch calls (None: the gRPC streams), chosen once."""
+    def _data_paths(self) -> archives_pb2.DataPathsResponse | None:
+        """What the server offers beside gRPC (its data paths, whether it wants digests), asked
+        once; None from a server from before data paths."""
         with self._route_lock:
-            if not self._route_known:
+            if not self._offered_known:
                 try:
-                    offered = self._methods.data_paths(archives_pb2.DataPathsRequest(), **self._options())
+                    self._offered = self._methods.data_paths(archives_pb2.DataPathsRequest(), **self._options())
                 except grpc.RpcError as error:
                     if error.code() is not grpc.StatusCode.UNIMPLEMENTED:
                         raise rpc_error(error, self.target) from None
-                    offered = None  # a server from before data paths
+                self._offered_known = True
+            return self._offered
+
+    def _data_route(self) -> Route | None:
+        """The data path of this client's Store and Fetch calls (None: the gRPC streams), chosen once."""
+        if self._transport == "grpc":
+            return None
+        offered = self._data_paths()
+        with self._route_lock:
+            if not self._route_known:
                 self._route = _transports.choose(self._transport, offered, self.target, self._connection.tls)
                 self._route_known = True
             return self._route
+
+    def _wants_digests(self) -> bool:
+        """Whether Store sends each payload's SHA-256 ahead (the server said it spares it a copy)."""
+        offered = self._data_paths()
+        return offered is not None and offered.wants_digests
 
     def _over(self, route: Route) -> dict[str, Any]:
         return {"metadata": (*self._connection.metadata, (_transports.TRANSPORT_KEY, route.kind)),
@@ -245,7 +262,7 @@ class Client:
         if route is not None:
             return self._store_over(route, name, archive, rest, replace, progress, metadata)
         messages = _Guarded(store_messages(name, archive, rest, replace, self._connection.chunk_size, progress,
-                                           metadata))
+                                           metadata, self._wants_digests()))
         with self._errors(messages):
             return ArchiveInfo.of(self._methods.store(messages, **self._options()))
 
@@ -255,7 +272,8 @@ class Client:
         begin = store_begin(name, replace, metadata)
         answer = self._upload_over(
             route, self._methods.store, encode_store_request(begin=begin),
-            lambda link: _transports.send_store(link, store_entries(archive, prefix), progress),
+            lambda link: _transports.send_store(link, store_entries(archive, prefix, self._wants_digests()),
+                                                progress),
             lambda sent: encode_store_commit(*sent))
         return ArchiveInfo.of(answer)
 

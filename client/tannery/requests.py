@@ -8,7 +8,9 @@ Publish (each tensor's bytes copied once, into its message, from
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -106,18 +108,19 @@ def archive_to_store(name: str, value: Any, prefix: str = "") -> tuple[Archive, 
 
 def store_messages(
     name: str, archive: Archive, prefix: str, replace: bool, chunk_size: int, progress: Progress = None,
-    metadata: Mapping[str, str] | None = None,
+    metadata: Mapping[str, str] | None = None, digests: bool = False,
 ) -> Iterator[bytes]:
     """The serialized ``StoreRequest``s of an archive: begin, then each entry in name order,
-    its name in the first of its messages, then commit with the counts sent (the server
-    stores nothing without it). Entries are read one at a time, as sent."""
+    its name (and with ``digests`` its payload's SHA-256) in the first of its messages, then
+    commit with the counts sent (the server stores nothing without it). Entries are read one
+    at a time, as sent."""
     yield wire.encode_store_request(begin=store_begin(name, replace, metadata))
     entries = sent = 0
-    for entry in archive.names():
-        tensor = archive.find(entry)
+    for entry, parts, sha256 in store_entries(archive, prefix, digests):
         first = True
-        for chunk in wire.split_parts(torch_codec.serialize_parts(tensor), chunk_size):
-            yield wire.encode_store_request(entry=join(prefix, entry) if first else None, parts=chunk)
+        for chunk in wire.split_parts(parts, chunk_size):
+            yield wire.encode_store_request(entry=entry if first else None, parts=chunk,
+                                            sha256=sha256 if first else b"")
             first = False
             size = sum(piece.nbytes for piece in chunk)
             sent += size
@@ -127,11 +130,36 @@ def store_messages(
     yield wire.encode_store_commit(entries, sent)
 
 
-def store_entries(archive: Archive, prefix: str) -> Iterator[tuple[str, list]]:
-    """Each entry of an archive as its name under ``prefix`` and its payload's parts (a header,
-    and a view of the tensor's memory), in name order: what a data path sends."""
-    for entry in archive.names():
-        yield join(prefix, entry), torch_codec.serialize_parts(archive.find(entry))
+def store_entries(archive: Archive, prefix: str, digests: bool = False) -> Iterator[tuple[str, list, bytes]]:
+    """Each entry of an archive as its name under ``prefix``, its payload's parts (a header,
+    and a view of the tensor's memory) and, with ``digests``, the payload's SHA-256 (else
+    empty), in name order.
+
+    The server asks for digests when they spare it work (``wants_digests``: a bucket takes
+    a payload whose digest it knows straight to its final key). Entry ``i + 1`` is hashed on
+    another thread while entry ``i`` is sent (hashlib releases the GIL), so the hash pass
+    delays a Store by about one entry's hash, not the whole archive's."""
+    named = ((join(prefix, entry), torch_codec.serialize_parts(archive.find(entry))) for entry in archive.names())
+    if not digests:
+        for entry, parts in named:
+            yield entry, parts, b""
+        return
+    with ThreadPoolExecutor(1, thread_name_prefix="tannery-digest") as hashing:
+        ahead: tuple[str, list, Future[bytes]] | None = None
+        for entry, parts in named:
+            hashed = hashing.submit(_sha256, parts)
+            if ahead is not None:
+                yield ahead[0], ahead[1], ahead[2].result()
+            ahead = (entry, parts, hashed)
+        if ahead is not None:
+            yield ahead[0], ahead[1], ahead[2].result()
+
+
+def _sha256(parts: Sequence[Any]) -> bytes:
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(memoryview(part).cast("B"))
+    return digest.digest()
 
 
 def check_tensors(tensors: Any) -> None:

@@ -319,14 +319,15 @@ def _received_pieces(link: Link, entry: EntryBytes) -> Iterator[object]:
 # -- Store ------------------------------------------------------------------------------------
 
 
-def send_store(link: Link, entries: Iterable[tuple[str, list]], progress: "Progress" = None) -> tuple[int, int]:
-    """Send each ``(name, payload parts)`` on ``link``, then ``end``, and wait for the server's
-    ``end``; returns the entries and payload bytes sent."""
+def send_store(link: Link, entries: Iterable[tuple[str, list, bytes]], progress: "Progress" = None
+               ) -> tuple[int, int]:
+    """Send each ``(name, payload parts, SHA-256 or empty)`` on ``link``, then ``end``, and wait
+    for the server's ``end``; returns the entries and payload bytes sent."""
     count = total = 0
-    for name, parts in entries:
+    for name, parts, sha256 in entries:
         views = [memoryview(part).cast("B") for part in parts]
         size = sum(view.nbytes for view in views)
-        link.send(frame(entry=EntryBytes(name=name, payload_bytes=size)))
+        link.send(frame(entry=EntryBytes(name=name, payload_bytes=size, sha256=sha256)))
         if link.local:
             for piece in _pieces(views, STORE_PIECE):
                 _send_sealed(link, piece, name, progress)

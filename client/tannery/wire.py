@@ -98,6 +98,8 @@ class StoreMessage:
     size: int
     #: The client's final word (the last message only), else None.
     commit: archives_pb2.StoreCommit | None = None
+    #: The SHA-256 the client sent ahead of ``entry``'s payload (empty: none).
+    sha256: bytes = b""
 
 
 _EMPTY = memoryview(b"")
@@ -127,6 +129,7 @@ def parse_store_request(data: bytes) -> StoreMessage:
     commit: archives_pb2.StoreCommit | None = None
     entry = ""
     chunk = _EMPTY
+    sha256 = b""
     for number, wire_type, value in _fields(view):
         if wire_type != _LEN:
             continue  # no known field of StoreRequest has another wire type
@@ -138,7 +141,9 @@ def parse_store_request(data: bytes) -> StoreMessage:
             chunk = value
         elif number == 4:
             commit = _merge(commit or archives_pb2.StoreCommit(), "commit", value)
-    return StoreMessage(begin, entry, chunk, len(view), commit)
+        elif number == 5:
+            sha256 = bytes(value)
+    return StoreMessage(begin, entry, chunk, len(view), commit, sha256)
 
 
 def _length_delimited(pieces: list[Piece], number: int, parts: Sequence[Piece]) -> None:
@@ -162,14 +167,17 @@ def encode_fetch_response(entry: str | None, parts: Sequence[Piece]) -> bytes:
     return b"".join(pieces)
 
 
-def encode_store_request(*, begin: bytes = b"", entry: str | None = None, parts: Sequence[Piece] = ()) -> bytes:
-    """A serialized ``StoreRequest``: ``begin`` (a serialized ``StoreBegin``), ``entry`` and the
-    concatenation of ``parts`` as chunk, each only when given."""
+def encode_store_request(*, begin: bytes = b"", entry: str | None = None, parts: Sequence[Piece] = (),
+                         sha256: bytes = b"") -> bytes:
+    """A serialized ``StoreRequest``: ``begin`` (a serialized ``StoreBegin``), ``entry``, the
+    concatenation of ``parts`` as chunk and ``sha256`` as entry_sha256, each only when given."""
     pieces: list[Piece] = []
     if begin:
         _length_delimited(pieces, 1, [begin])
     _text(pieces, 2, entry)
     _length_delimited(pieces, 3, parts)
+    if sha256:
+        _length_delimited(pieces, 5, [sha256])
     return b"".join(pieces)
 
 

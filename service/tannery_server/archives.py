@@ -177,9 +177,10 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
     async def DataPaths(self, request: archives_pb2.DataPathsRequest, context) -> archives_pb2.DataPathsResponse:
         paths = self.data_paths
         if paths is None:
-            return archives_pb2.DataPathsResponse()
+            return archives_pb2.DataPathsResponse(wants_digests=self.storage.blobs.wants_digests)
         return archives_pb2.DataPathsResponse(socket_path=str(paths.socket_path or ""), data_port=paths.data_port,
-                                              data_tls=paths.tls, server_id=paths.server_id)
+                                              data_tls=paths.tls, server_id=paths.server_id,
+                                              wants_digests=self.storage.blobs.wants_digests)
 
     @answering_failures
     async def Fetch(self, request: archives_pb2.FetchRequest, context) -> None:

@@ -224,7 +224,7 @@ def receive_store(link: Link, session: StoreSession) -> None:
             raise Malformed("a piece before any entry on the data connection")
         entries += 1
         entry = received.entry
-        session.feed(StoreMessage(None, entry.name, memoryview(b""), 0))
+        session.feed(StoreMessage(None, entry.name, memoryview(b""), 0, sha256=entry.sha256))
         if link.local:
             _receive_pieces(link, session, entry, window)
         else:

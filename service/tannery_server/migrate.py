@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .storage import BlobInfo, EntryRecord, Storage
+from .storage import BlobInfo, DigestMismatch, EntryRecord, Storage
 from .storage.shared_storage import SharedStorage
 
 log = logging.getLogger("tannery_server.migrate")
@@ -93,7 +93,7 @@ def _copy_blob(source: Storage, target: SharedStorage, archive: str, entry: Entr
         done.reused += 1
         return info
     blob = source.open_blob(entry.digest, info.size)
-    writer = target.new_payload()
+    writer = target.new_payload(entry.digest)  # known ahead: a bucket takes it without a copy
     try:
         offset = 0
         # Two buffers in turn: the writer may still hash the last piece while the next is read.
@@ -111,13 +111,16 @@ def _copy_blob(source: Storage, target: SharedStorage, archive: str, entry: Entr
         raise
     finally:
         blob.close()
-    copied = writer.finish()
-    if copied.digest != entry.digest or copied.size != info.size:
-        writer.temp.discard()
+    try:
+        copied = writer.finish()  # DigestMismatch (and discarded) unless it hashes to its name
+        if copied.size != info.size:
+            writer.temp.discard()
+            raise DigestMismatch(f"it reads as {copied.size} bytes")
+    except DigestMismatch as exc:
         raise MigrationError(
-            f"archive {archive!r}, entry {entry.name!r}: blob {entry.digest} reads as {copied.size} bytes with "
-            f"SHA-256 {copied.digest}, not what it was stored as ({info.size} bytes): nothing of it was "
-            "migrated (run tannery scrub on the source, and restore or delete the archives it names)")
+            f"archive {archive!r}, entry {entry.name!r}: blob {entry.digest} is not what it was stored as "
+            f"({info.size} bytes): {exc}: nothing of it was migrated (run tannery scrub on the source, and restore or delete the "
+            "archives it names)") from None
     blob_info = target.seal(writer, holder)
     done.blobs += 1
     done.bytes += info.size

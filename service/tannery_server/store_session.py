@@ -20,7 +20,7 @@ from tannery.framing import Deframer
 
 from .config import Config
 from .failures import BadPayload, LimitExceeded, Malformed, NameTaken
-from .storage import ArchiveRecord, BlobInfo, EntryRecord, PayloadWriter, Storage
+from .storage import ArchiveRecord, BlobInfo, DigestMismatch, EntryRecord, PayloadWriter, Storage
 from .validation import check_entry_name
 from tannery.v1.archives_pb2 import StoreCommit
 from tannery.wire import StoreMessage
@@ -46,6 +46,8 @@ class StoreSession:
         self._blobs: list[BlobInfo] = []
         self._entry: str | None = None
         self._entry_has_payload = False
+        #: The current entry's SHA-256 (hex) as the client gave it ahead, else None.
+        self._entry_sha256: str | None = None
         self._writer: PayloadWriter | None = None
         self._payload_size = 0
         self._commit: StoreCommit | None = None
@@ -67,7 +69,9 @@ class StoreSession:
         if message.begin is not None and not first:
             raise Malformed("begin is allowed in the first message only")
         if message.entry:
-            self._start_entry(message.entry)
+            self._start_entry(message.entry, message.sha256)
+        elif message.sha256:
+            raise Malformed("entry_sha256 without entry: a payload's SHA-256 comes with its entry's name")
         if message.chunk.nbytes:
             if self._entry is None:
                 raise Malformed("payload bytes before any entry name")
@@ -95,7 +99,7 @@ class StoreSession:
             "(one payload per entry)"
         )
 
-    def _start_entry(self, name: str) -> None:
+    def _start_entry(self, name: str, sha256: bytes = b"") -> None:
         if self._deframer.inside_payload:
             got = f"{self._writer.size} of {self._payload_size} bytes" if self._writer else "in its header"
             raise BadPayload(f"entry {name!r} starts before the payload of entry {self._entry!r} ended: {got}")
@@ -105,9 +109,12 @@ class StoreSession:
             raise Malformed(f"entry {name!r} is named twice")
         if len(self._names) >= self.config.max_entries:
             raise LimitExceeded(f"archive {self.archive!r}: more than {self.config.max_entries} entries")
+        if sha256 and len(sha256) != 32:
+            raise Malformed(f"entry {name!r}: entry_sha256 has {len(sha256)} bytes; a SHA-256 has 32")
         self._names.add(name)
         self._entry = name
         self._entry_has_payload = False
+        self._entry_sha256 = sha256.hex() if sha256 else None
 
     def _require_payload(self) -> None:
         if self._entry is not None and not self._entry_has_payload:
@@ -123,12 +130,15 @@ class StoreSession:
             )
         self._entry_has_payload = True
         self._payload_size = info.size
-        self._writer = self.storage.new_payload()
+        self._writer = self.storage.new_payload(self._entry_sha256)
 
     def _finish_payload(self, info) -> None:
         assert self._writer is not None and self._entry is not None
         writer, self._writer = self._writer, None
-        blob = self.storage.seal(writer, self._holder)
+        try:
+            blob = self.storage.seal(writer, self._holder)
+        except DigestMismatch as exc:
+            raise BadPayload(f"entry {self._entry!r}: {exc}; nothing was stored") from None
         self._blobs.append(blob)
         self._entries.append(
             EntryRecord(self._entry, info.dtype.name, tuple(info.shape), info.nbytes, info.size, info.data_offset,

@@ -14,16 +14,18 @@ class DataPathsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DataPathsResponse(_message.Message):
-    __slots__ = ("socket_path", "data_port", "data_tls", "server_id")
+    __slots__ = ("socket_path", "data_port", "data_tls", "server_id", "wants_digests")
     SOCKET_PATH_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     DATA_TLS_FIELD_NUMBER: _ClassVar[int]
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    WANTS_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     socket_path: str
     data_port: int
     data_tls: bool
     server_id: str
-    def __init__(self, socket_path: _Optional[str] = ..., data_port: _Optional[int] = ..., data_tls: _Optional[bool] = ..., server_id: _Optional[str] = ...) -> None: ...
+    wants_digests: bool
+    def __init__(self, socket_path: _Optional[str] = ..., data_port: _Optional[int] = ..., data_tls: _Optional[bool] = ..., server_id: _Optional[str] = ..., wants_digests: _Optional[bool] = ...) -> None: ...
 
 class StoreBegin(_message.Message):
     __slots__ = ("archive", "replace", "metadata")
@@ -51,16 +53,18 @@ class StoreCommit(_message.Message):
     def __init__(self, entries: _Optional[int] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
 
 class StoreRequest(_message.Message):
-    __slots__ = ("begin", "entry", "chunk", "commit")
+    __slots__ = ("begin", "entry", "chunk", "commit", "entry_sha256")
     BEGIN_FIELD_NUMBER: _ClassVar[int]
     ENTRY_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_SHA256_FIELD_NUMBER: _ClassVar[int]
     begin: StoreBegin
     entry: str
     chunk: bytes
     commit: StoreCommit
-    def __init__(self, begin: _Optional[_Union[StoreBegin, _Mapping]] = ..., entry: _Optional[str] = ..., chunk: _Optional[bytes] = ..., commit: _Optional[_Union[StoreCommit, _Mapping]] = ...) -> None: ...
+    entry_sha256: bytes
+    def __init__(self, begin: _Optional[_Union[StoreBegin, _Mapping]] = ..., entry: _Optional[str] = ..., chunk: _Optional[bytes] = ..., commit: _Optional[_Union[StoreCommit, _Mapping]] = ..., entry_sha256: _Optional[bytes] = ...) -> None: ...
 
 class ArchiveInfo(_message.Message):
     __slots__ = ("name", "entries", "nbytes", "payload_bytes", "created")

@@ -9,7 +9,7 @@ from .base import (ArchiveRecord, BlobFile, BlobInfo, BlobStore, Catalog, Catalo
 from .reserve import SpaceReserve
 from .blob_cache import CachedBlobStore
 from .catalog_and_blobs import Collected, Storage
-from .errors import StorageFull, StorageUnavailable
+from .errors import DigestMismatch, StorageFull, StorageUnavailable
 from .lock import DataDirectoryInUse, DataDirectoryLock
 from .payload_writer import PayloadWriter
 from .sqlite_catalog import CatalogTooNew
@@ -26,6 +26,7 @@ __all__ = [
     "Collected",
     "DataDirectoryInUse",
     "DataDirectoryLock",
+    "DigestMismatch",
     "EntryRecord",
     "ArchiveLimits",
     "PayloadWriter",

@@ -199,7 +199,13 @@ class TempBlob(Protocol):
 
 
 class BlobStore(Protocol):
-    def create(self) -> TempBlob: ...
+    #: Whether a digest given ahead to :meth:`create` saves work (a copy in a bucket).
+    wants_digests: bool
+
+    def create(self, expected: str | None = None) -> TempBlob:
+        """A new temporary blob. ``expected``, the digest its bytes will have (checked by the
+        caller before seal), lets a remote store write them straight to their final place."""
+        ...
 
     def make_durable(self, digests: Iterable[str]) -> None:
         """Return once these blobs survive a crash (the catalog references only durable blobs)."""

@@ -215,8 +215,12 @@ class CachedBlobStore:
         self._start_fill(digest, blob.size)
         return blob
 
-    def create(self) -> TempBlob:
-        return self.inner.create()
+    @property
+    def wants_digests(self) -> bool:
+        return self.inner.wants_digests
+
+    def create(self, expected: str | None = None) -> TempBlob:
+        return self.inner.create(expected)
 
     def make_durable(self, digests: Iterable[str]) -> None:
         self.inner.make_durable(digests)

@@ -250,14 +250,15 @@ class Storage:
 
     # Writing ----------------------------------------------------------------------------
 
-    def new_payload(self) -> PayloadWriter:
-        """A temporary blob for one payload; StorageFull when the disk has no room (for the reserve either)."""
+    def new_payload(self, expected: str | None = None) -> PayloadWriter:
+        """A temporary blob for one payload (``expected``: its SHA-256 given ahead, which it must
+        hash to); StorageFull when the disk has no room (for the reserve either)."""
         self._ensure_room()
         try:
-            temp = self.blobs.create()
+            temp = self.blobs.create(expected)
         except OSError as exc:
             raise self.full_error(exc) from exc
-        return PayloadWriter(temp, BLOCK_SIZE, self)
+        return PayloadWriter(temp, BLOCK_SIZE, self, expected)
 
     def seal(self, writer: PayloadWriter, holder: str | None = None) -> BlobInfo:
         """Make a written payload a blob, pinned until :meth:`release` (``holder``: see there)."""

@@ -6,7 +6,7 @@ import errno
 import sqlite3
 from pathlib import Path
 
-from ..failures import LimitExceeded, Unavailable
+from ..failures import LimitExceeded, Malformed, Unavailable
 from .reserve import free_bytes
 
 
@@ -16,6 +16,11 @@ class StorageFull(LimitExceeded):
 
 class StorageUnavailable(Unavailable):
     """The storage failed to answer (an I/O or database error): UNAVAILABLE, worth a retry."""
+
+
+class DigestMismatch(Malformed):
+    """A payload hashed to another SHA-256 than the one its sender gave ahead of it
+    (INVALID_ARGUMENT: the bytes changed on the way, or the sender hashed something else)."""
 
 
 #: errnos of a machine out of descriptors or memory.

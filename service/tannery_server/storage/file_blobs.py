@@ -127,6 +127,9 @@ class FileTempBlob:
 class FileBlobStore:
     """Blobs under ``root/blobs``, named by SHA-256; temporary files under ``root/tmp``."""
 
+    #: A digest given ahead saves nothing here (see :meth:`create`).
+    wants_digests = False
+
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         self.blobs = self.root / "blobs"
@@ -141,7 +144,8 @@ class FileBlobStore:
             raise ValueError(f"not a SHA-256 hex digest: {digest!r}")
         return self.blobs / digest[:2] / digest
 
-    def create(self) -> FileTempBlob:
+    def create(self, expected: str | None = None) -> FileTempBlob:
+        """A temporary file (``expected`` changes nothing: a rename publishes it at no cost)."""
         return FileTempBlob(self)
 
     def make_durable(self, digests: Iterable[str]) -> None:

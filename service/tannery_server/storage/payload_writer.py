@@ -7,6 +7,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from .base import BlobInfo, TempBlob
+from .errors import DigestMismatch
 from .integrity import PayloadDigest
 
 if TYPE_CHECKING:
@@ -28,9 +29,12 @@ class PayloadWriter:
     :meth:`finish`. At most one piece per payload is in flight.
     """
 
-    def __init__(self, temp: TempBlob, block_size: int, storage: "Storage | None" = None) -> None:
+    def __init__(self, temp: TempBlob, block_size: int, storage: "Storage | None" = None,
+                 expected: str | None = None) -> None:
         self.temp = temp
         self.digest = PayloadDigest(block_size)
+        #: The SHA-256 (hex) the sender gave ahead of the payload, which it must hash to.
+        self.expected = expected
         #: Bytes written so far.
         self.size = 0
         self._hashing: Future | None = None
@@ -56,9 +60,15 @@ class PayloadWriter:
         self.size += view.nbytes
 
     def finish(self) -> BlobInfo:
-        """The payload's digest and block checksums, once every piece is hashed."""
+        """The payload's digest and block checksums, once every piece is hashed; DigestMismatch
+        (the temporary blob discarded) when it is not the digest given ahead."""
         self._wait()
-        return self.digest.finish()
+        blob = self.digest.finish()
+        if self.expected is not None and blob.digest != self.expected:
+            self.temp.discard()
+            raise DigestMismatch(f"its {self.size} bytes hash to SHA-256 {blob.digest}, not to {self.expected}, "
+                                 "the digest given ahead of them")
+        return blob
 
     def _wait(self) -> None:
         if self._hashing is not None:

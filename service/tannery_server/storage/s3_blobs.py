@@ -263,15 +263,20 @@ class S3TempBlob:
     Up to ``parts_in_flight`` full parts (and the one filling) are held in memory first: a
     payload that ends within them is uploaded at seal straight to its digest key (one PUT,
     or a multipart upload of the held parts in parallel), with no temporary object and no
-    copy. A larger payload streams: a multipart upload to a temporary key starts with the
-    held parts, and each later part is uploaded as it fills, at most ``parts_in_flight`` at
-    once; seal completes it and copies it to its digest key. Either way a call holds at most
+    copy. A larger payload streams: a multipart upload starts with the held parts, and each
+    later part is uploaded as it fills, at most ``parts_in_flight`` at once. When the digest
+    is ``expected`` (its sender gave it ahead) the upload goes to the digest key, and seal
+    completes it there (nothing is visible before: an upload whose bytes hash otherwise is
+    aborted); else it goes to a temporary key, and seal completes it and copies it to its
+    digest key (about 3 s per GiB on SeaweedFS). Either way a call holds at most
     ``parts_in_flight + 1`` parts.
     """
 
-    def __init__(self, store: "S3BlobStore") -> None:
+    def __init__(self, store: "S3BlobStore", expected: str | None = None) -> None:
         self._store = store
         self.key = store.temp_key()
+        #: The digest key the bytes stream to when their digest is known ahead.
+        self._target = store.key(expected) if expected is not None else None
         self.size = 0
         #: The part being filled: grown as bytes arrive (a small payload costs its size, not a
         #: part's); later parts are full-sized buffers, reused.
@@ -304,7 +309,7 @@ class S3TempBlob:
             self._held.append(self._part)
         else:
             if self._upload_id is None:  # the payload outgrew what is held: stream from now on
-                self._start_upload(self.key)
+                self._start_upload(self._target or self.key)
                 for held in self._held:
                     self._send_part(held)
                 self._held = []
@@ -385,10 +390,19 @@ class S3TempBlob:
                     self._send_part(part, reuse=False)
                 self._complete()
                 return True
+            if self._upload_key != self.key:  # streamed to its digest key: complete it unless there already
+                if self._upload_key != target:
+                    raise ValueError(f"payload streamed to {self._upload_key} sealed as {digest}")
+                if store._exists(target):
+                    self._closed = False
+                    self.discard()
+                    return False
             tail = self._tail()
             if tail is not None:
                 self._send_part(tail, reuse=False)
             self._complete()
+            if self._upload_key != self.key:
+                return True
         except BaseException:
             self._closed = False
             self.discard()
@@ -430,6 +444,9 @@ class S3TempBlob:
 
 class S3BlobStore:
     """Blobs in ``s3://BUCKET/PREFIX`` (see the module's docstring for the layout and the costs)."""
+
+    #: A digest given ahead spares a large payload its temporary object and its copy.
+    wants_digests = True
 
     def __init__(self, url: str, *, part_size: int = PART_SIZE, parts_in_flight: int = PARTS_IN_FLIGHT,
                  range_size: int = RANGE_SIZE, readahead: int = READAHEAD, readers: int = 16, uploaders: int = 16,
@@ -524,8 +541,8 @@ class S3BlobStore:
 
     # -- BlobStore ------------------------------------------------------------------------------
 
-    def create(self) -> S3TempBlob:
-        return S3TempBlob(self)
+    def create(self, expected: str | None = None) -> S3TempBlob:
+        return S3TempBlob(self, expected)
 
     def make_durable(self, digests: Iterable[str]) -> None:
         """Nothing to do: S3 answers a PUT, a completed upload or a copy only once the object is

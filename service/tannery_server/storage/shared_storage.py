@@ -76,8 +76,10 @@ class SharedStorage(Storage):
 
     # Writing ------------------------------------------------------------------------------
 
-    def new_payload(self) -> PayloadWriter:
-        return PayloadWriter(self.blobs.create(), BLOCK_SIZE, self)
+    def new_payload(self, expected: str | None = None) -> PayloadWriter:
+        """A payload to write; ``expected``: its SHA-256 given ahead, which lets a bucket upload
+        it straight to its digest key (no temporary object, no copy)."""
+        return PayloadWriter(self.blobs.create(expected), BLOCK_SIZE, self, expected)
 
     def seal(self, writer: PayloadWriter, holder: str | None = None) -> BlobInfo:
         """Lease the payload's blob for ``holder``, then put its bytes under its digest (or find
