@@ -807,3 +807,19 @@ def test_a_dns_target_spreads_calls_over_every_address_round_robin():
 
     assert ("grpc.lb_policy_name", "round_robin") in Connection("dns:///tannery.internal:50051").options()
     assert not any(key == "grpc.lb_policy_name" for key, _ in Connection("127.0.0.1:50051").options())
+
+
+def test_store_entries_give_each_payloads_sha256_when_asked():
+    from tannery.requests import store_entries, store_messages
+
+    tensors = {"b": torch.arange(10, dtype=torch.int16), "a": torch.randn(3, 4), "c": torch.tensor(True)}
+    archive = tannery.Archive.of_value(tensors)
+    hashed = list(store_entries(archive, "p", digests=True))
+    assert [name for name, _, _ in hashed] == ["p.a", "p.b", "p.c"]
+    for name, parts, sha256 in hashed:
+        assert sha256 == hashlib.sha256(serialize(tensors[name[2:]])).digest()
+    assert all(sha256 == b"" for _, _, sha256 in store_entries(archive, "p"))
+    messages = [wire.parse_store_request(m) for m in store_messages("x", archive, "", False, 16, digests=True)]
+    firsts = [m for m in messages if m.entry]
+    assert [m.sha256 for m in firsts] == [hashlib.sha256(serialize(tensors[m.entry])).digest() for m in firsts]
+    assert all(not m.sha256 for m in messages if not m.entry)  # only with the entry's name

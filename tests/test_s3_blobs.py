@@ -109,6 +109,52 @@ def test_payload_held_in_memory_goes_straight_to_its_digest_key(s3_url: str):
     assert store.open(digest).read(0, len(data)) == data
 
 
+def test_payload_whose_digest_is_known_ahead_streams_to_its_digest_key(store: S3BlobStore):
+    data = os.urandom(3 * PART + 4321)
+    digest = digest_of(data)
+    made = operations(store)
+    temp = store.create(expected=digest)
+    for at in range(0, len(data), MiB):
+        temp.write(data[at:at + MiB])
+    # The upload streams under the digest key, unseen until seal completes it: no temporary key.
+    assert [u["Key"] for u in uploads(store)] == [store.key(digest)] and keys(store) == []
+    assert temp.seal(digest) is True
+    assert "CopyObject" not in made and "DeleteObject" not in made  # no copy, no temporary to delete
+    assert made[0] == "CreateMultipartUpload" and made[-1] == "CompleteMultipartUpload"
+    assert keys(store) == [store.key(digest)] and uploads(store) == []
+    assert store.open(digest).read(0, len(data)) == data
+
+
+def test_payload_known_ahead_that_is_there_already_is_not_completed_again(store: S3BlobStore):
+    data = os.urandom(2 * PART + 99)
+    digest, _ = put(store, data)
+    made = operations(store)
+    temp = store.create(expected=digest)
+    for at in range(0, len(data), MiB):
+        temp.write(data[at:at + MiB])
+    assert temp.seal(digest) is False
+    assert "CompleteMultipartUpload" not in made and "AbortMultipartUpload" in made
+    assert keys(store) == [store.key(digest)] and uploads(store) == []
+    assert store.open(digest).read(0, len(data)) == data
+
+
+def test_payload_that_hashes_to_another_digest_than_given_ahead_leaves_nothing(s3_url: str):
+    from tannery_server.storage import DigestMismatch
+    from tannery_server.storage.payload_writer import PayloadWriter
+
+    store = S3BlobStore(s3_url, part_size=PART, parts_in_flight=1)
+    data = os.urandom(3 * PART)
+    claimed = digest_of(data[:-1] + b"x")
+    writer = PayloadWriter(store.create(expected=claimed), 1 << 20, expected=claimed)
+    for at in range(0, len(data), MiB):
+        writer.write(memoryview(data)[at:at + MiB])
+    assert uploads(store)  # parts went to the bucket as they came
+    with pytest.raises(DigestMismatch) as caught:
+        writer.finish()
+    assert digest_of(data) in str(caught.value) and claimed in str(caught.value)
+    assert keys(store) == [] and uploads(store) == []  # aborted: no object under the claimed digest
+
+
 def test_equal_payloads_stored_once(store: S3BlobStore):
     small, held, streamed = os.urandom(1000), os.urandom(PART + 10), os.urandom(2 * PART + 10)
     for data in (small, held, streamed):

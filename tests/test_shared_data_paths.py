@@ -69,6 +69,42 @@ def test_every_transport_stores_and_fetches_through_the_bucket(replica, transpor
     assert set(replica.storage.blobs.digests()) == set(replica.storage.catalog.referenced_digests())
 
 
+def test_the_replica_asks_for_digests_ahead_and_an_embedded_server_does_not(replica, tmp_path):
+    with tannery.Client(replica.target, transport="grpc") as client:
+        assert client._wants_digests()
+    with running_server(tmp_path / "embedded") as embedded, tannery.Client(embedded.target) as client:
+        assert not client._wants_digests()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("backend", ["replica", "embedded"])
+def test_a_payload_that_is_not_the_digest_sent_ahead_of_it_stores_nothing(request, tmp_path, monkeypatch,
+                                                                         backend, transport):
+    import tannery.requests
+
+    server = (request.getfixturevalue("replica") if backend == "replica"
+              else request.getfixturevalue("embedded_server"))
+    wrong = __import__("hashlib").sha256(b"something else").digest()
+    monkeypatch.setattr(tannery.requests, "_sha256", lambda parts: wrong)
+    monkeypatch.setattr(tannery.Client, "_wants_digests", lambda self: True)  # the embedded server checks too
+    with tannery.Client(server.target, transport=transport) as client:
+        with pytest.raises(tannery.errors.InvalidArgument) as caught:
+            client.store("m", state(5))
+        message = str(caught.value)
+        assert "entry 'big'" in message and wrong.hex() in message and "nothing was stored" in message
+        assert client.list() == []
+    assert list(server.storage.blobs.digests()) == []
+    if backend == "replica":
+        store = getattr(server.storage.blobs, "inner", server.storage.blobs)
+        assert store.client.list_multipart_uploads(Bucket=store.bucket).get("Uploads", []) == []
+
+
+@pytest.fixture
+def embedded_server(tmp_path):
+    with running_server(tmp_path / "embedded") as server:
+        yield server
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_damaged_object_in_the_bucket_is_data_loss_naming_the_entry(replica, transport):
     tensors = state(2)

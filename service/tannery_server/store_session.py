@@ -138,7 +138,7 @@ class StoreSession:
         try:
             blob = self.storage.seal(writer, self._holder)
         except DigestMismatch as exc:
-            raise BadPayload(f"entry {self._entry!r}: {exc}; nothing was stored") from None
+            raise Malformed(f"entry {self._entry!r}: {exc}; nothing was stored") from None
         self._blobs.append(blob)
         self._entries.append(
             EntryRecord(self._entry, info.dtype.name, tuple(info.shape), info.nbytes, info.size, info.data_offset,

@@ -3,19 +3,20 @@
 ``s3://BUCKET/PREFIX`` holds each payload once, at ``PREFIX/blobs/ab/cd/<sha256>`` (two levels
 of the digest spread keys over the bucket's partitions); a payload too large to hold in
 memory while it is written goes to ``PREFIX/tmp/<time_ns>-<uuid>`` first, because its digest
-is known only at its end. The
+is known only at its end, unless its sender gave that digest ahead. The
 endpoint and credentials come from the standard AWS variables (``AWS_ENDPOINT_URL_S3`` or
 ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``).
 
 - **Writing** streams, holding at most ``(parts_in_flight + 1) * part_size`` bytes per call
   (80 MiB by default), never the payload. A payload that fits in that is held and uploaded at
   seal straight to its digest key (one PUT under a part, else a multipart upload of its parts
-  in parallel). A larger one streams as a multipart upload to a temporary key (each part
-  uploaded by a background thread as it fills, ``parts_in_flight`` at once), completed at seal
-  and copied server-side to its digest key (CopyObject; UploadPartCopy past 5 GiB): its digest
-  is known only at its end. Either way nothing is written when the digest's object exists
+  in parallel). A larger one streams as a multipart upload (each part uploaded by a
+  background thread as it fills, ``parts_in_flight`` at once): to its digest key when the
+  digest was given ahead (``create(expected=...)``), completed there at seal; else to a
+  temporary key, completed at seal and copied server-side to its digest key (CopyObject;
+  UploadPartCopy past 5 GiB). Either way nothing is written when the digest's object exists
   already (equal payloads are stored once). The copy costs about half a PUT on SeaweedFS
-  (docs/benchmarks.md): payloads held in memory skip it.
+  (docs/benchmarks.md): payloads held in memory, or whose digest is given ahead, skip it.
 - **Reading** uses ranged GETs; a large :meth:`S3Blob.read_into` splits into ranges fetched in
   parallel, each read straight into its slice of the caller's buffer, and small sequential
   reads (Fetch's 1 MiB) are served from ranges read ahead in parallel (:class:`S3Blob`).
