@@ -10,8 +10,9 @@ the server's same-host socket here: on the shared backend without a cache the se
 memory file from the bucket and passes it; from the cache or a data directory it passes the
 blob file). Archives are float32 entries (rows of 4 KiB): the 1 GiB archive is 4 entries of
 256 MiB, the 2 GiB one 8 of them and a 4 KiB entry. ``--quick``: 128 MiB and 256 MiB (entries
-of 32 MiB, which a replica holds in memory and uploads straight to their digest key, where
-256 MiB ones stream to a temporary object and are copied: quick figures are a smoke test).
+of 32 MiB, which a replica holds in memory and uploads at their end, where 256 MiB ones
+stream to their digest key as they arrive, the client having sent each digest ahead: quick
+figures are a smoke test).
 
 1. **Store and Fetch of a 1 GiB archive** on the replica without a cache, against the plain S3
    client of ``s3_client_baseline.py`` (boto3: s3transfer's multipart PUT, 16 MiB parts x 8,
