@@ -99,6 +99,29 @@ def test_a_payload_that_is_not_the_digest_sent_ahead_of_it_stores_nothing(reques
         assert store.client.list_multipart_uploads(Bucket=store.bucket).get("Uploads", []) == []
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_the_asyncio_client_sends_digests_ahead_too(replica, monkeypatch, transport):
+    import asyncio
+
+    import tannery.aio
+    import tannery.requests
+
+    async def store(tensors) -> None:
+        async with tannery.aio.Client(replica.target, transport=transport) as client:
+            await client.store("m", tensors)
+
+    tensors = state(6)
+    wrong = bytes(32)
+    real = tannery.requests._sha256
+    monkeypatch.setattr(tannery.requests, "_sha256", lambda parts: wrong)
+    with pytest.raises(tannery.errors.InvalidArgument, match="entry 'big': its .* not to 0{64}"):
+        asyncio.run(store(tensors))
+    monkeypatch.setattr(tannery.requests, "_sha256", real)
+    asyncio.run(store(tensors))
+    with tannery.Client(replica.target) as client:
+        assert same(client.fetch("m"), tensors)
+
+
 @pytest.fixture
 def embedded_server(tmp_path):
     with running_server(tmp_path / "embedded") as server:
