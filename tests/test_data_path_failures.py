@@ -211,6 +211,23 @@ def _closed_mid_payload(link: Link) -> None:
     link.close()
 
 
+#: A payload of several receive windows (the server receives it on a thread of its own).
+BIG_PAYLOAD = serialize(torch.arange(3 * MiB, dtype=torch.float32))  # 12 MiB
+
+
+def _junk_after_a_big_payload(link: Link) -> None:
+    """The session refuses the bytes after the payload while the receiving thread still runs."""
+    link.send(frame(entry=EntryBytes(name="w", payload_bytes=len(BIG_PAYLOAD) + 8 * MiB)))
+    link.send_bytes(BIG_PAYLOAD)
+    link.send_bytes(bytes(8 * MiB))
+
+
+def _closed_in_a_later_window(link: Link) -> None:
+    link.send(frame(entry=EntryBytes(name="w", payload_bytes=len(BIG_PAYLOAD))))
+    link.send_bytes(BIG_PAYLOAD[:9 * MiB])
+    link.close()
+
+
 def _frame_out_of_turn(link: Link) -> None:
     link.send(frame(hello=Hello(ticket=b"again")))
 
@@ -243,10 +260,14 @@ def _piece_without_its_file(link: Link) -> None:
     ("tcp", _closed_mid_payload, "UNAVAILABLE", "the tcp data connection broke: data connection closed by the peer"),
     ("tcp", _frame_out_of_turn, "INVALID_ARGUMENT", "a hello frame where entry or end or piece was expected"),
     ("tcp", _end_that_disagrees, "INVALID_ARGUMENT", "end says 2 entries"),
+    ("tcp", _junk_after_a_big_payload, "INVALID_ARGUMENT",
+     "entry 'w': bad magic 0x00000000"),  # zeros after the payload: read as a second payload's header
+    ("tcp", _closed_in_a_later_window, "UNAVAILABLE",
+     f"data connection closed by the peer after {9 * MiB - 8 * MiB} of {4 * MiB} bytes"),
     ("local", _piece(sealed=False), "INVALID_ARGUMENT", "entry 'w': a piece's memory file is not sealed"),
     ("local", _piece_without_its_file, "INVALID_ARGUMENT", "entry 'w': a piece came without its memory file"),
     ("local", _closed_mid_payload, "UNAVAILABLE", "the local data connection broke"),
-], ids=["tcp-closed", "tcp-out-of-turn", "tcp-end", "local-unsealed", "local-no-file", "local-closed"])
+], ids=["tcp-closed", "tcp-out-of-turn", "tcp-end", "tcp-junk-after-big", "tcp-closed-later", "local-unsealed", "local-no-file", "local-closed"])
 def test_a_store_whose_data_connection_breaks_is_refused_for_what_it_is_and_stores_nothing(
         server, transport, send, code, message, caplog):
     call, ticket, release = store_call(server, transport, "broken")
@@ -268,6 +289,7 @@ def test_a_store_whose_data_connection_breaks_is_refused_for_what_it_is_and_stor
     with tannery.Client(server.target, transport="grpc") as client:
         assert [info.name for info in client.list()] == ["m"]
     assert wait_for(lambda: settled(server) and list((server.data_dir / "tmp").iterdir()) == [])
+    assert wait_for(lambda: not [t for t in threading.enumerate() if t.name == "tannery-store-receive"])
     # A sealed piece is what the server takes.
     call, ticket, release = store_call(server, "local", "sealed")
     link, _ = open_link(server, "local")

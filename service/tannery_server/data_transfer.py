@@ -23,7 +23,9 @@ import fcntl
 import io
 import mmap
 import os
+import queue
 import ssl
+import threading
 from collections import deque
 from typing import Iterator, Sequence
 
@@ -42,9 +44,11 @@ from .store_session import StoreSession
 COMPUTE_WINDOW = 4 << 20
 #: Blocks checked before each ``sendfile`` of a TCP Fetch.
 SEND_BATCH_BLOCKS = 8
-#: Bytes a TCP Store receives at a time (two such buffers alternate: one is hashed while
-#: the other fills).
+#: Bytes a TCP Store receives at a time.
 RECEIVE_WINDOW = 4 << 20
+#: Receive buffers of a TCP Store: one fills (on a thread of its own) while the one before it
+#: is fed to the session (written) and the one before that may still be hashed.
+RECEIVE_BUFFERS = 4
 #: A sealed memory file of a local Store must not change, shrink or grow under the server.
 _SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 
@@ -232,29 +236,70 @@ def receive_store(link: Link, session: StoreSession) -> None:
 
 
 class _Window:
-    """The last two pieces fed to a session, kept alive while their hashing may run."""
+    """A TCP Store's receive buffers; or the last two pieces fed to a session, kept alive
+    while their hashing may run (same host)."""
 
     def __init__(self, local: bool) -> None:
-        self.buffers = deque(maxlen=2)
+        self.buffers: deque = deque(maxlen=2)
         if not local:
-            self.buffers.extend(memoryview(bytearray(RECEIVE_WINDOW)) for _ in range(2))
-
-    def next_buffer(self) -> memoryview:
-        buffer = self.buffers.popleft()
-        self.buffers.append(buffer)
-        return buffer
+            self.buffers = deque(memoryview(bytearray(RECEIVE_WINDOW)) for _ in range(RECEIVE_BUFFERS))
 
     def keep(self, piece) -> None:
         self.buffers.append(piece)
 
 
 def _receive_bytes(link: Link, session: StoreSession, entry: EntryBytes, window: _Window) -> None:
-    left = entry.payload_bytes
-    while left:
-        buffer = window.next_buffer()[: min(RECEIVE_WINDOW, left)]
+    """Feed the session an entry's raw bytes as they arrive. A payload of more than one window
+    is received on another thread, so receiving the next window overlaps writing (and
+    hashing) this one; a buffer is refilled only once the window after it was fed (the
+    payload writer has then finished hashing it)."""
+    size = entry.payload_bytes
+    if size <= RECEIVE_WINDOW:
+        buffer = window.buffers[0][:size]
         link.receive_into(buffer)
-        session.feed(StoreMessage(None, "", buffer, buffer.nbytes))
-        left -= buffer.nbytes
+        session.feed(StoreMessage(None, "", buffer, size))
+        return
+    free: queue.SimpleQueue = queue.SimpleQueue()
+    for buffer in window.buffers:
+        free.put(buffer)
+    filled: queue.SimpleQueue = queue.SimpleQueue()
+    receiver = threading.Thread(target=_receive_windows, args=(link, size, free, filled),
+                                name="tannery-store-receive", daemon=True)
+    receiver.start()
+    fed: deque = deque()
+    left = size
+    try:
+        while left:
+            got = filled.get()
+            if isinstance(got, BaseException):
+                raise got
+            buffer, piece = got
+            session.feed(StoreMessage(None, "", piece, piece.nbytes))
+            left -= piece.nbytes
+            fed.append(buffer)
+            if len(fed) > 1:
+                free.put(fed.popleft())
+    except BaseException:
+        free.put(None)  # a receiver waiting for a buffer stops; one inside recv ends with the link
+        raise
+    receiver.join()
+
+
+def _receive_windows(link: Link, size: int, free: queue.SimpleQueue, filled: queue.SimpleQueue) -> None:
+    """Receive ``size`` bytes window by window into the buffers ``free`` gives (None: stop),
+    handing each ``(buffer, filled part)`` to ``filled``; a failure is handed over instead."""
+    left = size
+    try:
+        while left:
+            buffer = free.get()
+            if buffer is None:
+                return
+            piece = buffer[: min(buffer.nbytes, left)]
+            link.receive_into(piece)
+            filled.put((buffer, piece))
+            left -= piece.nbytes
+    except BaseException as exc:
+        filled.put(exc)
 
 
 def _receive_pieces(link: Link, session: StoreSession, entry: EntryBytes, window: _Window) -> None:
