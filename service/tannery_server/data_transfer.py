@@ -26,7 +26,6 @@ import os
 import queue
 import ssl
 import threading
-from collections import deque
 from typing import Iterator, Sequence
 
 from tannery.codec import read_info
@@ -47,8 +46,8 @@ SEND_BATCH_BLOCKS = 8
 #: Bytes a TCP Store receives at a time.
 RECEIVE_WINDOW = 4 << 20
 #: Receive buffers of a TCP Store: one fills (on a thread of its own) while the one before it
-#: is fed to the session (written) and the one before that may still be hashed.
-RECEIVE_BUFFERS = 4
+#: is fed to the session (hashed and written), and one is spare.
+RECEIVE_BUFFERS = 3
 #: A sealed memory file of a local Store must not change, shrink or grow under the server.
 _SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 
@@ -210,7 +209,7 @@ def _send_checked(link: Link, blob, info: BlobInfo, start: int, stop: int, what:
 def receive_store(link: Link, session: StoreSession) -> None:
     """Feed the session every entry the client sends, until its ``end`` (answered by ours)."""
     entries = 0
-    window = _Window(link.local)
+    buffers = [] if link.local else [memoryview(bytearray(RECEIVE_WINDOW)) for _ in range(RECEIVE_BUFFERS)]
     while True:
         received, fds = link.receive(expect_fds=1 if link.local else 0)
         kind = expect(received, "entry", "end", "piece")
@@ -230,43 +229,29 @@ def receive_store(link: Link, session: StoreSession) -> None:
         entry = received.entry
         session.feed(StoreMessage(None, entry.name, memoryview(b""), 0, sha256=entry.sha256))
         if link.local:
-            _receive_pieces(link, session, entry, window)
+            _receive_pieces(link, session, entry)
         else:
-            _receive_bytes(link, session, entry, window)
+            _receive_bytes(link, session, entry, buffers)
 
 
-class _Window:
-    """A TCP Store's receive buffers; or the last two pieces fed to a session, kept alive
-    while their hashing may run (same host)."""
-
-    def __init__(self, local: bool) -> None:
-        self.buffers: deque = deque(maxlen=2)
-        if not local:
-            self.buffers = deque(memoryview(bytearray(RECEIVE_WINDOW)) for _ in range(RECEIVE_BUFFERS))
-
-    def keep(self, piece) -> None:
-        self.buffers.append(piece)
-
-
-def _receive_bytes(link: Link, session: StoreSession, entry: EntryBytes, window: _Window) -> None:
+def _receive_bytes(link: Link, session: StoreSession, entry: EntryBytes, buffers: list[memoryview]) -> None:
     """Feed the session an entry's raw bytes as they arrive. A payload of more than one window
-    is received on another thread, so receiving the next window overlaps writing (and
-    hashing) this one; a buffer is refilled only once the window after it was fed (the
-    payload writer has then finished hashing it)."""
+    is received on another thread, so receiving the next window overlaps hashing and
+    writing this one; a buffer is refilled once it was fed (the payload writer reads
+    nothing of it after)."""
     size = entry.payload_bytes
     if size <= RECEIVE_WINDOW:
-        buffer = window.buffers[0][:size]
+        buffer = buffers[0][:size]
         link.receive_into(buffer)
         session.feed(StoreMessage(None, "", buffer, size))
         return
     free: queue.SimpleQueue = queue.SimpleQueue()
-    for buffer in window.buffers:
+    for buffer in buffers:
         free.put(buffer)
     filled: queue.SimpleQueue = queue.SimpleQueue()
     receiver = threading.Thread(target=_receive_windows, args=(link, size, free, filled),
                                 name="tannery-store-receive", daemon=True)
     receiver.start()
-    fed: deque = deque()
     left = size
     try:
         while left:
@@ -276,9 +261,7 @@ def _receive_bytes(link: Link, session: StoreSession, entry: EntryBytes, window:
             buffer, piece = got
             session.feed(StoreMessage(None, "", piece, piece.nbytes))
             left -= piece.nbytes
-            fed.append(buffer)
-            if len(fed) > 1:
-                free.put(fed.popleft())
+            free.put(buffer)
     except BaseException:
         free.put(None)  # a receiver waiting for a buffer stops; one inside recv ends with the link
         raise
@@ -302,7 +285,7 @@ def _receive_windows(link: Link, size: int, free: queue.SimpleQueue, filled: que
         filled.put(exc)
 
 
-def _receive_pieces(link: Link, session: StoreSession, entry: EntryBytes, window: _Window) -> None:
+def _receive_pieces(link: Link, session: StoreSession, entry: EntryBytes) -> None:
     left = entry.payload_bytes
     while left:
         received, fds = link.receive(expect_fds=1)
@@ -317,9 +300,7 @@ def _receive_pieces(link: Link, session: StoreSession, entry: EntryBytes, window
             os.close(fds[0])
         if size > left:
             raise Malformed(f"entry {entry.name!r}: pieces of more than the {entry.payload_bytes} bytes announced")
-        view = memoryview(mapped)
-        window.keep(view)
-        session.feed(StoreMessage(None, "", view, size))
+        session.feed(StoreMessage(None, "", memoryview(mapped), size))  # read whole when this returns
         left -= size
 
 
