@@ -51,3 +51,16 @@ def test_gathering_without_populating_the_map_ahead(advice, monkeypatch):
     reframer = Reframer()
     (gathered,) = [p for start in range(0, len(data), MiB) for p in reframer.feed(memoryview(data)[start : start + MiB])]
     assert gathered == memoryview(data) and isinstance(gathered.obj, mmap.mmap)
+
+
+@pytest.mark.parametrize("size", [MiB, framing.MAP_GATHER, 64 * MiB + 3])
+@pytest.mark.parametrize("data_offset", [8, 56, 120])
+def test_receive_buffers_are_aligned_writable_and_large_ones_are_maps_without_huge_pages(size, data_offset):
+    buffer = framing.receive_buffer(size, data_offset)
+    assert buffer.nbytes == size and not buffer.readonly
+    assert np.frombuffer(buffer, np.uint8)[data_offset:].ctypes.data % codec.ALIGNMENT == 0
+    buffer[-1] = 7  # the whole size is there
+    large = size + codec.ALIGNMENT >= framing.MAP_GATHER
+    assert isinstance(buffer.obj, mmap.mmap) == large  # numpy's arrays would ask for huge pages
+    if large:
+        assert len(buffer.obj) < size + codec.ALIGNMENT

@@ -34,6 +34,17 @@ def aligned_buffer(size: int, data_offset: int) -> memoryview:
     return memoryview(raw[pad : pad + size])
 
 
+def receive_buffer(size: int, data_offset: int) -> memoryview:
+    """As :func:`aligned_buffer`, for a payload received whole from a socket: from
+    :data:`MAP_GATHER` bytes an anonymous map of 4 KiB pages. numpy would ask for transparent
+    huge pages, and the kernel compacts memory to find them on the first touch: a fresh
+    process's first 1 GiB Fetch over TCP spent 2.6 s in the kernel that way, 0.4 s in pages."""
+    if size + ALIGNMENT < MAP_GATHER:
+        return aligned_buffer(size, data_offset)
+    pad = -data_offset % ALIGNMENT  # a map starts on a page boundary
+    return memoryview(_Gathering._new_map(pad + size))[pad:]
+
+
 @dataclass(frozen=True)
 class Fragment:
     """A piece of one payload in a stream of chunks.

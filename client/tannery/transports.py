@@ -33,7 +33,7 @@ from .codec import DIM, FIXED_PREFIX, HEADER, METADATA, FormatError, PayloadInfo
 from .datalink import (
     HANDSHAKE_SECONDS, TICKET_KEY, TRANSPORT_KEY, Link, LinkError, PeerFailed, connect_unix, expect, frame, tune_tcp,
 )
-from .framing import aligned_buffer
+from .framing import receive_buffer
 from .v1.data_pb2 import DataEnd, EntryBytes, Hello, SealedPiece, Taken
 
 if TYPE_CHECKING:
@@ -294,7 +294,7 @@ def _received(link: Link, entry: EntryBytes) -> Arrived:
     """A payload received in one aligned buffer, which the tensor then shares."""
     prefix = _receive_prefix(link, entry.payload_bytes, entry.name)
     info = read_info(prefix)
-    buffer = aligned_buffer(entry.payload_bytes, info.data_offset)
+    buffer = receive_buffer(entry.payload_bytes, info.data_offset)
     buffer[: len(prefix)] = prefix
     link.receive_into(buffer[len(prefix) :])
     return Arrived(entry.name, info, buffer[info.data_offset :])
