@@ -39,8 +39,9 @@ class PayloadDigest:
         self._crcs = bytearray()
 
     def update(self, data: memoryview | bytes) -> None:
+        """Hash the next bytes: the block CRCs first (fast, and they bring small pieces into the
+        CPU's cache), then SHA-256 (which runs faster on cached bytes)."""
         view = memoryview(data)
-        self._sha.update(view)
         self.size += view.nbytes
         pos, end = 0, view.nbytes
         while pos < end:
@@ -51,6 +52,7 @@ class PayloadDigest:
             if self._in_block == self.block_size:
                 self._crcs += struct.pack("<I", self._crc)
                 self._crc, self._in_block = 0, 0
+        self._sha.update(view)
 
     def finish(self) -> BlobInfo:
         crcs = bytes(self._crcs)
