@@ -315,6 +315,27 @@ def test_read_ahead_grows_with_the_run_and_stops_where_told(store: S3BlobStore):
             assert fetched <= 3 * (3 * piece), asked  # ahead: about 1.5x the run's bytes, not 32 MiB
 
 
+def test_ranged_reads_reuse_their_connections(store: S3BlobStore, monkeypatch):
+    import urllib3.connection
+
+    data = os.urandom(3 * MiB)
+    digest, _ = put(store, data)
+    blob = store.open(digest, len(data))
+    blob.read(0, 10)  # the pool's first connection
+    connects = []
+    connect = urllib3.connection.HTTPConnection.connect
+    monkeypatch.setattr(urllib3.connection.HTTPConnection, "connect", lambda self: (connects.append(1), connect(self))[1])
+    for i in range(40):  # scattered reads: no read-ahead, each a GET read to its end
+        at = (i * 7919 * 13) % (len(data) - 5000)
+        assert blob.read(at, 5000) == data[at:at + 5000]
+    assert len(connects) <= 1  # each GET's connection went back to the pool
+    from tannery_server.storage.s3_blobs import _plain_http_response
+
+    body = store.client.get_object(Bucket=store.bucket, Key=store.key(digest), Range="bytes=0-9")["Body"]
+    assert _plain_http_response(body) is not None  # read straight into the caller's buffer, not through urllib3
+    body.close()
+
+
 def test_missing_blob_is_file_not_found(store: S3BlobStore):
     missing = "ab" * 32
     with pytest.raises(FileNotFoundError):

@@ -31,6 +31,7 @@ parts server-side and reads into a given buffer.
 
 from __future__ import annotations
 
+import http.client
 import io
 import os
 import queue
@@ -239,14 +240,18 @@ class S3Blob:
         response = store._call(f"read {self.key}", store.client.get_object, Bucket=store.bucket, Key=self.key,
                                Range=f"bytes={offset}-{offset + view.nbytes - 1}", not_found=True)
         body = response["Body"]
+        direct = _plain_http_response(body)
+        readinto = direct.readinto if direct is not None else body.readinto
         filled = 0
         try:
             while filled < view.nbytes:
-                got = store._call(f"read {self.key}", body.readinto, view[filled:])
+                got = store._call(f"read {self.key}", readinto, view[filled:])
                 if not got:
                     break
                 filled += got
         finally:
+            if direct is not None and direct.isclosed():  # read to its end: the connection is reusable
+                body._raw_stream.release_conn()
             body.close()
         return filled
 
@@ -256,6 +261,22 @@ class S3Blob:
     def close(self) -> None:
         with self._lock:
             self._drop_ahead()
+
+
+def _plain_http_response(body) -> http.client.HTTPResponse | None:
+    """The ``http.client`` response under a GET's body (botocore's StreamingBody over urllib3's
+    HTTPResponse) when its bytes can be read from it as they are: a known length, neither
+    chunked nor encoded. Its ``readinto`` reads from the socket straight into the caller's
+    buffer, where urllib3 2.x's reads into a new ``bytes`` and copies it: a 1 GiB read took
+    0.50 CPU-s instead of 0.75 and 0.79 s instead of 0.98 (SeaweedFS, docs/benchmarks.md).
+    None (read through the wrappers) for anything else."""
+    raw = getattr(body, "_raw_stream", None)
+    response = getattr(raw, "_fp", None)
+    if not isinstance(response, http.client.HTTPResponse) or not hasattr(raw, "release_conn"):
+        return None
+    if response.chunked or response.length is None or raw.headers.get("content-encoding"):
+        return None
+    return response
 
 
 class S3TempBlob:
@@ -505,7 +526,7 @@ class S3BlobStore:
         store and ``action`` when it still fails (FileNotFoundError for a 404 if ``not_found``)."""
         try:
             return function(*args, **kwargs)
-        except (BotoCoreError, ClientError, OSError) as exc:
+        except (BotoCoreError, ClientError, OSError, http.client.HTTPException) as exc:
             if not_found and _is_missing(exc):
                 raise FileNotFoundError(f"{action}: no such object in {self.where()}") from None
             raise StorageUnavailable(f"S3 {self.where()}: {action} failed: {_reason(exc)}") from exc
