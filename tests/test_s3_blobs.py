@@ -369,7 +369,7 @@ def test_digests_lists_past_one_page(s3_url: str):
     assert sorted(store.digests()) == names
 
 
-def test_clear_temporary_respects_the_time_and_aborts_stale_uploads(store: S3BlobStore):
+def test_clear_temporary_removes_what_is_idle_and_aborts_stale_uploads(store: S3BlobStore):
     client = store.client
     old, new = time.time_ns() - 10**12, time.time_ns() + 10**12
     client.put_object(Bucket=store.bucket, Key=f"tannery/tmp/{old}-a", Body=b"old")
@@ -378,14 +378,30 @@ def test_clear_temporary_respects_the_time_and_aborts_stale_uploads(store: S3Blo
     stale.write(os.urandom(2 * PART))  # past the part held: a multipart upload is open
     client.create_multipart_upload(Bucket=store.bucket, Key=store.key("cd" * 32))  # a held payload cut short
     assert len(uploads(store)) == 2
-    cutoff = time.time_ns() + 10**9  # after the uploads began, before "new"
-    assert store.clear_temporary(time.time_ns() - 10**11) == 1  # only the old object
+    # "a" was begun long ago but written just now (an upload that completed, about to be copied).
+    assert store.clear_temporary(time.time_ns() - 10**11) == 0
     assert len(uploads(store)) == 2
-    assert store.clear_temporary(cutoff) == 2  # the stale uploads ("b" started after the cutoff)
+    cutoff = time.time_ns() + 10**9  # after everything above, before "new"
+    assert store.clear_temporary(cutoff) == 3  # "a" and both uploads ("b" began after the cutoff)
     assert uploads(store) == []
     assert keys(store, "tmp/") == [f"tannery/tmp/{new}-b"]
     assert store.clear_temporary() == 1
     assert keys(store, "tmp/") == []
+
+
+def test_clear_temporary_keeps_an_upload_begun_long_ago_that_still_receives_parts(store: S3BlobStore):
+    temp = store.create()
+    temp.write(os.urandom(2 * PART))  # an upload begins, with its first part
+    began = time.time_ns()
+    time.sleep(3)  # the bucket's times have whole seconds
+    temp.write(os.urandom(PART))  # a later part
+    wait = time.time_ns()
+    while temp._parts and not all(f.done() for f in temp._parts) and time.time_ns() - wait < 30 * 10**9:
+        time.sleep(0.05)
+    assert store.clear_temporary(began + 15 * 10**8) == 0  # begun before the cutoff, but a part came after
+    assert len(uploads(store)) == 1
+    temp.discard()
+    assert uploads(store) == []
 
 
 def test_check_and_a_missing_bucket(store: S3BlobStore, seaweedfs):

@@ -31,7 +31,7 @@ def test_scrub_names_corrupted_truncated_and_missing_blobs(tmp_path):
         storage.close()
 
 
-def test_a_large_piece_hashed_on_another_thread_gives_the_same_digest(tmp_path):
+def test_pieces_of_any_size_hashed_slice_by_slice_give_the_payloads_digest(tmp_path):
     storage = Storage.open_local(tmp_path / "data")
     try:
         data = os.urandom((2 << 20) + 7)

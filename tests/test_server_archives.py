@@ -218,6 +218,15 @@ def test_malformed_store_streams_are_invalid_argument_and_store_nothing(srv, stu
     assert_nothing_left(srv, stub)
 
 
+def test_a_commit_that_carries_a_digest_is_refused(srv, stub):
+    commit = commit_request(1, len(GOOD))
+    commit.entry_sha256 = hashlib.sha256(GOOD).digest()
+    messages = [begin(), pb.StoreRequest(entry="w", chunk=GOOD), commit]
+    expect(failure(lambda s, *m: s.Store(iter(m)), stub, *messages), grpc.StatusCode.INVALID_ARGUMENT,
+           "commit must come alone")
+    assert_nothing_left(srv, stub)
+
+
 @pytest.mark.parametrize(
     "chunks, message",
     [

@@ -122,6 +122,34 @@ def test_the_asyncio_client_sends_digests_ahead_too(replica, monkeypatch, transp
         assert same(client.fetch("m"), tensors)
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_streamed_payload_goes_to_its_digest_key_with_no_copy_and_a_wrong_one_leaves_no_upload(
+        tmp_path, postgres_url, s3_url, monkeypatch, transport):
+    import tannery.requests
+
+    # A grace period longer than the test: the sweeper leaves the uploads in progress alone.
+    with running_server(tmp_path, catalog=postgres_url, blobs=s3_url, **{**SHORT, "gc_grace_seconds": 60.0}) as replica:
+        store = getattr(replica.storage.blobs, "inner", replica.storage.blobs)
+        monkeypatch.setattr(store, "part_size", 5 << 20)  # 12 MiB entries stream, in parts of 5 MiB
+        monkeypatch.setattr(store, "parts_in_flight", 1)
+        made: list[str] = []
+        store.client.meta.events.register("before-call.s3.*", lambda model, **_: made.append(model.name))
+        tensors = {"a": torch.randn(3 << 20), "b": torch.randn(3 << 20)}
+        with tannery.Client(replica.target, transport=transport) as client:
+            client.store("big", tensors)
+            assert same(client.fetch("big"), tensors)
+            assert made.count("CreateMultipartUpload") == 2 and "CopyObject" not in made
+            keys = [o["Key"] for o in store.client.list_objects_v2(Bucket=store.bucket).get("Contents", [])]
+            assert not [k for k in keys if "/tmp/" in k]
+            made.clear()
+            monkeypatch.setattr(tannery.requests, "_sha256", lambda parts: bytes(32))
+            with pytest.raises(tannery.errors.InvalidArgument, match="entry 'a'"):
+                client.store("wrong", {"a": torch.randn(3 << 20)})
+        assert "CreateMultipartUpload" in made and "AbortMultipartUpload" in made
+        assert "CompleteMultipartUpload" not in made
+        assert store.client.list_multipart_uploads(Bucket=store.bucket).get("Uploads", []) == []
+
+
 @pytest.fixture
 def embedded_server(tmp_path):
     with running_server(tmp_path / "embedded") as server:

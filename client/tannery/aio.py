@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Coroutine
 
 import grpc
@@ -193,7 +193,10 @@ class Client:
 
     async def _wants_digests(self) -> bool:
         """As :meth:`tannery.Client._wants_digests`."""
-        offered = await self._data_paths()
+        try:
+            offered = await self._data_paths()
+        except errors.ServiceError:
+            return False
         return offered is not None and offered.wants_digests
 
     def _over(self, route: Route) -> dict[str, Any]:
@@ -283,8 +286,11 @@ class Client:
         route = await self._data_route()
         if route is not None:
             return await self._store_over(route, name, archive, rest, replace, progress, metadata)
+        digests = await self._wants_digests()
         messages = store_messages(name, archive, rest, replace, self._connection.chunk_size, progress, metadata,
-                                  await self._wants_digests())
+                                  digests)
+        if digests:  # a message may wait for its entry's hash: not on the event loop
+            messages = _made_in_thread(messages)
         return ArchiveInfo.of(await self._send(self._methods.store, messages))
 
     async def _store_over(self, route: Route, name: str, archive: Archive, prefix: str, replace: bool,
@@ -436,6 +442,15 @@ async def _aiter(items: Iterable[Any] | AsyncIterable[Any]):
     else:
         for item in items:
             yield item
+
+
+async def _made_in_thread(messages: Iterator[bytes]) -> AsyncIterator[bytes]:
+    """``messages``, each made on a worker thread (one at a time), the generator closed there too."""
+    try:
+        while (message := await asyncio.to_thread(next, messages, None)) is not None:
+            yield message
+    finally:
+        await asyncio.to_thread(messages.close)
 
 
 async def _write_all(call: Any, messages: Iterable[bytes] | AsyncIterable[bytes]) -> bool:

@@ -175,8 +175,12 @@ class Client:
             return self._route
 
     def _wants_digests(self) -> bool:
-        """Whether Store sends each payload's SHA-256 ahead (the server said it spares it a copy)."""
-        offered = self._data_paths()
+        """Whether Store sends each payload's SHA-256 ahead (the server said it spares it a
+        copy); False when the server cannot be asked (the digests only save it work)."""
+        try:
+            offered = self._data_paths()
+        except errors.ServiceError:
+            return False
         return offered is not None and offered.wants_digests
 
     def _over(self, route: Route) -> dict[str, Any]:

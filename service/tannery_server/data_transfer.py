@@ -24,6 +24,7 @@ import io
 import mmap
 import os
 import queue
+import socket
 import ssl
 import threading
 from typing import Iterator, Sequence
@@ -264,9 +265,22 @@ def _receive_bytes(link: Link, session: StoreSession, entry: EntryBytes, buffers
             left -= piece.nbytes
             free.put(buffer)
     except BaseException:
-        free.put(None)  # a receiver waiting for a buffer stops; one inside recv ends with the link
+        free.put(None)  # a receiver waiting for a buffer stops
+        _stop_receiving(link, receiver)
         raise
     receiver.join()
+
+
+def _stop_receiving(link: Link, receiver: threading.Thread) -> None:
+    """End a receiver inside ``recv`` and wait for it, so that the failure frame the caller
+    sends next is the only use of the connection (a TLS connection is not to be read and
+    written from two threads at once). The base class's shutdown: an SSLSocket's own would
+    drop its TLS state, which that frame still needs."""
+    try:
+        socket.socket.shutdown(link.sock, socket.SHUT_RD)
+    except OSError:
+        pass  # not connected any more: the receiver has ended or is ending
+    receiver.join(timeout=10)
 
 
 def _receive_windows(link: Link, size: int, free: queue.SimpleQueue, filled: queue.SimpleQueue) -> None:

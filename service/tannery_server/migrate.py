@@ -96,16 +96,13 @@ def _copy_blob(source: Storage, target: SharedStorage, archive: str, entry: Entr
     writer = target.new_payload(entry.digest)  # known ahead: a bucket takes it without a copy
     try:
         offset = 0
-        # Two buffers in turn: the writer may still hash the last piece while the next is read.
-        buffers = [memoryview(bytearray(min(READ_BYTES, max(info.size, 1)))) for _ in range(2)]
+        view = memoryview(bytearray(min(READ_BYTES, max(info.size, 1))))  # written whole before the next read
         while offset < info.size:
-            view = buffers[0]
             got = blob.read_into(view[: min(view.nbytes, info.size - offset)], offset)
             if not got:
                 break
             writer.write(view[:got])
             offset += got
-            buffers.reverse()
     except BaseException:
         writer.temp.discard()
         raise

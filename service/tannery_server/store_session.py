@@ -147,7 +147,7 @@ class StoreSession:
 
     def _take_commit(self, message: StoreMessage) -> None:
         """The client's final word: every payload complete, and its counts those received."""
-        if message.begin is not None or message.entry or message.chunk.nbytes:
+        if message.begin is not None or message.entry or message.chunk.nbytes or message.sha256:
             raise Malformed("commit must come alone, in the last message of Store")
         try:
             self._deframer.close()

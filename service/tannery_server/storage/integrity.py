@@ -39,8 +39,8 @@ class PayloadDigest:
         self._crcs = bytearray()
 
     def update(self, data: memoryview | bytes) -> None:
-        """Hash the next bytes: the block CRCs first (fast, and they bring small pieces into the
-        CPU's cache), then SHA-256 (which runs faster on cached bytes)."""
+        """Hash the next bytes: the block CRCs, then SHA-256. A payload writer gives slices its
+        write has just brought into the CPU's cache, where SHA-256 runs faster."""
         view = memoryview(data)
         self.size += view.nbytes
         pos, end = 0, view.nbytes

@@ -38,7 +38,7 @@ class PayloadWriter:
     def write(self, data: memoryview | bytes) -> None:
         """Write a piece; StorageFull when the disk is full or its space reserve is released (the
         space a Delete needs is not written into). Nothing of the piece is read once this returns."""
-        view = memoryview(data)
+        view = memoryview(data).cast("B")
         if self._storage is not None:
             self._storage.check_room()
         try:

@@ -66,12 +66,17 @@ RANGE_SIZE = 8 * MiB
 READAHEAD = 4
 #: S3's largest CopyObject; bigger objects are copied in parts (UploadPartCopy).
 _COPY_LIMIT = 5 << 30
-_MISSING = ("404", "NoSuchKey", "NotFound")
+_MISSING = ("404", "NoSuchKey", "NotFound", "NoSuchUpload")
 
 
 def _error_code(exc: ClientError) -> str:
     return str(exc.response.get("Error", {}).get("Code") or exc.response.get("ResponseMetadata", {})
                .get("HTTPStatusCode", "?"))
+
+
+def _ns(when) -> int:
+    """A timestamp of the bucket's (a datetime) in nanoseconds since the epoch."""
+    return int(when.timestamp() * 1e9)
 
 
 def _is_missing(exc: BaseException) -> bool:
@@ -606,26 +611,32 @@ class S3BlobStore:
         return sorted(found)
 
     def clear_temporary(self, older_than_ns: int | None = None) -> int:
-        """Delete temporary objects started before ``older_than_ns`` (by the time in their key)
-        and abort the multipart uploads under the prefix initiated before it; None: all of them."""
+        """Delete temporary objects and abort multipart uploads under the prefix that have been
+        idle since before ``older_than_ns`` (None: all of them). Idle, not old: an upload still
+        receiving parts is a Store in progress, however long ago it began (a 100 GiB payload
+        streams for many minutes), so its newest part's time counts, and a temporary object's
+        own (written when its upload completed, copied right after)."""
         tmp = f"{self.prefix}tmp/"
         count = 0
         for item in list(self._list(tmp)):
             started = item["Key"][len(tmp):].split("-", 1)[0]
-            if older_than_ns is not None and (not started.isdigit() or int(started) >= older_than_ns):
+            if older_than_ns is not None and (not started.isdigit() or int(started) >= older_than_ns
+                                              or _ns(item["LastModified"]) >= older_than_ns):
                 continue
             self._delete(item["Key"])
             count += 1
-        # Uploads go to tmp/ (a streamed payload) or straight to blobs/ (one held in memory).
+        # Uploads go to tmp/ (a streamed payload) or straight to blobs/ (one held in memory, or
+        # streamed with its digest given ahead).
         paginator = self.client.get_paginator("list_multipart_uploads")
         pages = iter(paginator.paginate(Bucket=self.bucket, Prefix=self.prefix))
         stale = []
         while (page := self._call(f"list the uploads under {self.prefix or '/'}", next, pages, None)) is not None:
             for upload in page.get("Uploads", []):
-                initiated_ns = int(upload["Initiated"].timestamp() * 1e9)
-                if older_than_ns is None or initiated_ns < older_than_ns:
+                if older_than_ns is None or _ns(upload["Initiated"]) < older_than_ns:
                     stale.append(upload)
         for upload in stale:
+            if older_than_ns is not None and self._last_part_ns(upload) >= older_than_ns:
+                continue  # still receiving parts
             try:
                 self._call(f"abort the upload of {upload['Key']}", self.client.abort_multipart_upload,
                            Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"], not_found=True)
@@ -633,6 +644,19 @@ class S3BlobStore:
                 continue  # completed or aborted meanwhile
             count += 1
         return count
+
+    def _last_part_ns(self, upload: dict) -> int:
+        """When the newest part of ``upload`` was uploaded (0: none, or the upload is gone)."""
+        paginator = self.client.get_paginator("list_parts")
+        pages = iter(paginator.paginate(Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"]))
+        newest = 0
+        try:
+            while (page := self._call(f"list the parts of {upload['Key']}", next, pages, None,
+                                      not_found=True)) is not None:
+                newest = max([newest] + [_ns(part["LastModified"]) for part in page.get("Parts", [])])
+        except FileNotFoundError:
+            return 0
+        return newest
 
     def check(self) -> None:
         """HeadBucket: StorageUnavailable naming the bucket and the endpoint unless it answers."""
