@@ -336,6 +336,29 @@ def test_ranged_reads_reuse_their_connections(store: S3BlobStore, monkeypatch):
     body.close()
 
 
+def test_uploads_carry_a_checksum_the_bucket_checks_and_no_payload_hash(store: S3BlobStore):
+    sent: list[dict] = []
+    store.client.meta.events.register("before-send.s3.*", lambda request, **_: sent.append(dict(request.headers)))
+    data = os.urandom(2 * PART + 10)
+    digest, stored = put(store, data)
+    assert stored and store.open(digest).read(0, len(data)) == data
+    uploads_sent = [h for h in sent if any(k.lower() == "x-amz-checksum-crc32" for k in h)]
+    assert uploads_sent  # every part and PUT carries a CRC32 the bucket checks
+    for headers in uploads_sent:
+        signed = {k.lower(): v for k, v in headers.items()}["x-amz-content-sha256"]
+        assert (signed.decode() if isinstance(signed, bytes) else signed) == "UNSIGNED-PAYLOAD"
+
+    def damage(request, **_):  # a bit flipped on the way, after the checksum was computed
+        if isinstance(request.body, (bytes, bytearray)) and request.body:
+            body = bytearray(request.body)
+            body[0] ^= 1
+            request.body = bytes(body)
+
+    store.client.meta.events.register("before-send.s3.PutObject", damage)
+    with pytest.raises(StorageUnavailable, match="BadDigest|did not match"):
+        put(store, os.urandom(1000))
+
+
 def test_missing_blob_is_file_not_found(store: S3BlobStore):
     missing = "ab" * 32
     with pytest.raises(FileNotFoundError):
