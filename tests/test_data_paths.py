@@ -662,6 +662,37 @@ def test_tls_and_mutual_tls_on_the_data_port(mutual_tls, connect, pki, calls):
     assert len(_raw_tls(port, good)) > 4  # the welcome
 
 
+def test_a_tls_store_refused_while_its_bytes_still_arrive_gets_its_reason_and_the_port_keeps_working(
+        mutual_tls, pki, monkeypatch):
+    """The server refuses a payload's bytes while its receiving thread still reads the TLS
+    connection: the thread is stopped before the failure frame is written, so the client
+    reads the reason intact, and the next Store on the port works."""
+    from tannery import transports
+    from tannery.datalink import expect, frame
+    from tannery.v1.data_pb2 import EntryBytes
+
+    big = serialize(torch.arange(3 << 20, dtype=torch.float32))  # 12 MiB: three receive windows
+
+    def junk_after_a_big_payload(link, entries, progress=None):
+        link.send(frame(entry=EntryBytes(name="w", payload_bytes=len(big) + (8 << 20))))
+        link.send_bytes(big)
+        link.send_bytes(bytes(8 << 20))  # read as a second payload's header: bad magic
+        expect(link.receive()[0], "end")  # the server's failure frame: PeerFailed with its reason
+        raise AssertionError("the server took the junk")
+
+    mutual = tannery.TLS(ca=pki["ca"], cert=pki["client_cert"], key=pki["client_key"])
+    with tannery.Client(mutual_tls.target, tls=mutual, transport="tcp", timeout=30) as client:
+        with monkeypatch.context() as patch:
+            patch.setattr(transports, "send_store", junk_after_a_big_payload)
+            with pytest.raises(codec.FormatError, match="entry .w.: bad magic"):
+                client.store("junk", {"w": torch.ones(1)})
+        state = {"w": torch.arange(3 << 20, dtype=torch.float32)}
+        client.store("after-junk", state)
+        assert torch.equal(client.fetch("after-junk").find("w"), state["w"])
+        assert "junk" not in [info.name for info in client.list()]
+    assert wait_for(lambda: not [t for t in threading.enumerate() if t.name == "tannery-store-receive"])
+
+
 # -- which path "auto" takes ----------------------------------------------------------------------
 
 
