@@ -120,22 +120,44 @@ def test_payload_whose_digest_is_known_ahead_streams_to_its_digest_key(store: S3
     assert [u["Key"] for u in uploads(store)] == [store.key(digest)] and keys(store) == []
     assert temp.seal(digest) is True
     assert "CopyObject" not in made and "DeleteObject" not in made  # no copy, no temporary to delete
-    assert made[0] == "CreateMultipartUpload" and made[-1] == "CompleteMultipartUpload"
+    assert made[:2] == ["HeadObject", "CreateMultipartUpload"] and made[-1] == "CompleteMultipartUpload"
     assert keys(store) == [store.key(digest)] and uploads(store) == []
     assert store.open(digest).read(0, len(data)) == data
 
 
-def test_payload_known_ahead_that_is_there_already_is_not_completed_again(store: S3BlobStore):
-    data = os.urandom(2 * PART + 99)
-    digest, _ = put(store, data)
-    made = operations(store)
+def test_a_payload_streaming_to_its_digest_key_that_another_store_completes_first_is_dropped(store: S3BlobStore):
+    data = os.urandom(3 * PART + 99)
+    digest = digest_of(data)
     temp = store.create(expected=digest)
     for at in range(0, len(data), MiB):
         temp.write(data[at:at + MiB])
+    assert temp._upload_id is not None  # streaming
+    put(store, data)  # another Store of the same tensor ends first
+    made = operations(store)
     assert temp.seal(digest) is False
     assert "CompleteMultipartUpload" not in made and "AbortMultipartUpload" in made
     assert keys(store) == [store.key(digest)] and uploads(store) == []
     assert store.open(digest).read(0, len(data)) == data
+
+
+def test_a_large_payload_known_ahead_and_already_stored_is_not_uploaded_again(store: S3BlobStore):
+    data = os.urandom(4 * PART + 5)
+    digest, _ = put(store, data)
+    made = operations(store)
+    temp = store.create(expected=digest)
+    for at in range(0, len(data), 3 * MiB):
+        temp.write(data[at:at + 3 * MiB])
+    assert temp.size == len(data)
+    assert temp.seal(digest) is False
+    assert made == ["HeadObject", "HeadObject"]  # found when it outgrew memory, and again at seal
+    assert uploads(store) == [] and keys(store) == [store.key(digest)]
+    # Collected between the two looks (its archive deleted meanwhile): the Store is told to run again.
+    temp = store.create(expected=digest)
+    for at in range(0, len(data), 3 * MiB):
+        temp.write(data[at:at + 3 * MiB])
+    store.remove(digest)
+    with pytest.raises(StorageUnavailable, match=f"blob {digest} .* collected .* run the Store again"):
+        temp.seal(digest)
 
 
 def test_payload_that_hashes_to_another_digest_than_given_ahead_leaves_nothing(s3_url: str):

@@ -142,6 +142,10 @@ def test_a_streamed_payload_goes_to_its_digest_key_with_no_copy_and_a_wrong_one_
             keys = [o["Key"] for o in store.client.list_objects_v2(Bucket=store.bucket).get("Contents", [])]
             assert not [k for k in keys if "/tmp/" in k]
             made.clear()
+            client.store("again", tensors)  # the same tensors: found in the bucket, not uploaded again
+            assert not {"CreateMultipartUpload", "UploadPart", "PutObject"} & set(made)
+            assert same(client.fetch("again"), tensors)
+            made.clear()
             monkeypatch.setattr(tannery.requests, "_sha256", lambda parts: bytes(32))
             with pytest.raises(tannery.errors.InvalidArgument, match="entry 'a'"):
                 client.store("wrong", {"a": torch.randn(3 << 20)})

@@ -15,7 +15,8 @@ endpoint and credentials come from the standard AWS variables (``AWS_ENDPOINT_UR
   digest was given ahead (``create(expected=...)``), completed there at seal; else to a
   temporary key, completed at seal and copied server-side to its digest key (CopyObject;
   UploadPartCopy past 5 GiB). Either way nothing is written when the digest's object exists
-  already (equal payloads are stored once). The copy costs about half a PUT on SeaweedFS
+  already (equal payloads are stored once); one whose digest was given ahead is looked up
+  when it outgrows memory, and if it is there none of its bytes go to the bucket. The copy costs about half a PUT on SeaweedFS
   (docs/benchmarks.md): payloads held in memory, or whose digest is given ahead, skip it.
 - **Reading** uses ranged GETs; a large :meth:`S3Blob.read_into` splits into ranges fetched in
   parallel, each read straight into its slice of the caller's buffer, and small sequential
@@ -318,9 +319,15 @@ class S3TempBlob:
         self._free: queue.Queue[bytearray] = queue.Queue()
         self._buffers = 1
         self._closed = False
+        #: The digest's object was in the bucket when this payload outgrew memory: its bytes
+        #: are counted (and hashed by the caller), not uploaded again.
+        self._already_there = False
 
     def write(self, data: memoryview | bytes) -> None:
         view = memoryview(data).cast("B")
+        if self._already_there:
+            self.size += view.nbytes
+            return
         part_size = self._store.part_size
         while view.nbytes:
             n = min(part_size - self._filled, view.nbytes)
@@ -330,11 +337,18 @@ class S3TempBlob:
             view = view[n:]
             if self._filled == part_size:
                 self._part_full()
+                if self._already_there:
+                    self.size += view.nbytes
+                    return
 
     def _part_full(self) -> None:
         if self._upload_id is None and len(self._held) < self._store.parts_in_flight:
             self._held.append(self._part)
         else:
+            if self._upload_id is None and self._target is not None and self._store._exists(self._target):
+                self._already_there = True  # equal bytes are stored: upload none of these
+                self._held, self._part, self._filled = [], bytearray(), 0
+                return
             if self._upload_id is None:  # the payload outgrew what is held: stream from now on
                 self._start_upload(self._target or self.key)
                 for held in self._held:
@@ -402,6 +416,14 @@ class S3TempBlob:
         if self._closed:
             raise ValueError(f"temporary blob {self.key} is sealed or discarded already")
         self._closed = True
+        if self._already_there:
+            if target != self._target:
+                raise ValueError(f"payload known as {self._target} sealed as {digest}")
+            if not store._exists(target):  # looked up again now that the caller holds its lease
+                raise StorageUnavailable(
+                    f"S3 {store.where()}: blob {digest} was in the bucket when this Store began to send it, and was "
+                    "collected before the Store ended (its archive deleted meanwhile): run the Store again")
+            return False
         try:
             if self._upload_id is None:  # every byte is held: straight to the digest key
                 parts = self._held + [tail for tail in [self._tail()] if tail is not None]
