@@ -450,7 +450,10 @@ async def _made_in_thread(messages: Iterator[bytes]) -> AsyncIterator[bytes]:
         while (message := await asyncio.to_thread(next, messages, None)) is not None:
             yield message
     finally:
-        await asyncio.to_thread(messages.close)
+        try:
+            await asyncio.to_thread(messages.close)
+        except ValueError:
+            pass  # cancelled while the worker still makes a message: it ends that one, then it is dropped
 
 
 async def _write_all(call: Any, messages: Iterable[bytes] | AsyncIterable[bytes]) -> bool:

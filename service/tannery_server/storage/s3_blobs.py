@@ -16,8 +16,9 @@ endpoint and credentials come from the standard AWS variables (``AWS_ENDPOINT_UR
   temporary key, completed at seal and copied server-side to its digest key (CopyObject;
   UploadPartCopy past 5 GiB). Either way nothing is written when the digest's object exists
   already (equal payloads are stored once); one whose digest was given ahead is looked up
-  when it outgrows memory, and if it is there none of its bytes go to the bucket. The copy costs about half a PUT on SeaweedFS
-  (docs/benchmarks.md): payloads held in memory, or whose digest is given ahead, skip it.
+  when it outgrows memory, and if it is there none of its bytes go to the bucket. The copy
+  costs about half a PUT on SeaweedFS (docs/benchmarks.md): payloads held in memory, or
+  whose digest is given ahead, skip it.
 - **Reading** uses ranged GETs; a large :meth:`S3Blob.read_into` splits into ranges fetched in
   parallel, each read straight into its slice of the caller's buffer, and small sequential
   reads (Fetch's 1 MiB) are served from ranges read ahead in parallel (:class:`S3Blob`).
