@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass
 from typing import Iterator
 
+from . import buffer_pool
 from ._lazy import lazy_module
 from .codec import (
     ALIGNMENT, DEFAULT_LIMITS, DIM, FIXED_PREFIX, HEADER, Buffer, FormatError, Limits, PayloadInfo, byte_buffer,
@@ -36,13 +37,15 @@ def aligned_buffer(size: int, data_offset: int) -> memoryview:
 
 def receive_buffer(size: int, data_offset: int) -> memoryview:
     """As :func:`aligned_buffer`, for a payload received whole from a socket: from
-    :data:`MAP_GATHER` bytes an anonymous map of 4 KiB pages. numpy would ask for transparent
-    huge pages, and the kernel compacts memory to find them on the first touch: a fresh
-    process's first 1 GiB Fetch over TCP spent 2.6 s in the kernel that way, 0.4 s in pages."""
+    :data:`MAP_GATHER` bytes an anonymous map of 4 KiB pages, one used before when the pool
+    has it (:mod:`tannery.buffer_pool`). numpy would ask for transparent huge pages, and the
+    kernel compacts memory to find them on the first touch: a fresh process's first 1 GiB
+    Fetch over TCP spent 2.6 s in the kernel that way, 0.4 s in pages."""
     if size + ALIGNMENT < MAP_GATHER:
         return aligned_buffer(size, data_offset)
     pad = -data_offset % ALIGNMENT  # a map starts on a page boundary
-    return memoryview(_Gathering._new_map(pad + size))[pad:]
+    memory = buffer_pool.take(pad + size)
+    return buffer_pool.hand_out(memory)[pad : pad + size]
 
 
 @dataclass(frozen=True)
@@ -172,23 +175,27 @@ class _Gathering:
     Up to :data:`EAGER_GATHER` bytes the buffer is allocated whole. Beyond, nothing more is
     reserved on the word of the header: an anonymous map of that size is enlarged, doubling
     up to the payload's size, as the bytes arrive, by ``mremap``, which moves pages without
-    copying them. Either way the tensor data lands on a 64-byte boundary.
+    copying them; unless the pool (:mod:`tannery.buffer_pool`) has a map the whole payload fits,
+    whose pages are there already. Either way the tensor data lands on a 64-byte boundary.
     """
 
     def __init__(self, info: PayloadInfo) -> None:
         if info.size + ALIGNMENT < MAP_GATHER:
             self.pad, self.memory = 0, aligned_buffer(info.size, info.data_offset)
+            reused = True  # the heap's pages are left to the allocator
         else:
             self.pad = -info.data_offset % ALIGNMENT  # a map starts on a page boundary
-            self.memory = self._new_map(self.pad + min(info.size, EAGER_GATHER))
+            pooled = buffer_pool.reuse(self.pad + info.size)
+            reused = pooled is not None
+            self.memory = pooled if reused else self._new_map(self.pad + min(info.size, EAGER_GATHER))
         self.end = self.pad + info.size
         self.filled = self.pad
-        #: The map's bytes below this are faulted in (the heap's are left to the allocator).
-        self.populated = 0 if isinstance(self.memory, mmap.mmap) and _MADV_POPULATE_WRITE else self.end
+        #: The map's bytes below this are faulted in.
+        self.populated = self.end if reused or not _MADV_POPULATE_WRITE else 0
 
     @staticmethod
     def _new_map(size: int) -> mmap.mmap:
-        return _Gathering._advise(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE))
+        return _Gathering._advise(buffer_pool.new_map(size))
 
     @staticmethod
     def _advise(memory: mmap.mmap) -> mmap.mmap:
@@ -227,6 +234,8 @@ class _Gathering:
             self._advise(self.memory)
 
     def payload(self) -> memoryview:
+        if isinstance(self.memory, mmap.mmap):
+            return buffer_pool.hand_out(self.memory)[self.pad : self.end]
         return memoryview(self.memory)[self.pad : self.end]
 
 

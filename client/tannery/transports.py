@@ -27,7 +27,7 @@ import ssl
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
-from . import checksums, errors
+from . import buffer_pool, checksums, errors
 from .connection import TRANSPORTS, check_transport
 from .codec import DIM, FIXED_PREFIX, HEADER, METADATA, FormatError, PayloadInfo, parse, read_info
 from .datalink import (
@@ -296,7 +296,9 @@ def _received(link: Link, entry: EntryBytes) -> Arrived:
     info = read_info(prefix)
     buffer = receive_buffer(entry.payload_bytes, info.data_offset)
     buffer[: len(prefix)] = prefix
-    link.receive_into(buffer[len(prefix) :])
+    rest = buffer[len(prefix) :]
+    with buffer_pool.faulting_in_behind(rest):
+        link.receive_into(rest)
     return Arrived(entry.name, info, buffer[info.data_offset :])
 
 
