@@ -120,21 +120,36 @@ def _resident_bytes(view: memoryview) -> int:
     return sum(1 for v in vector if v & 1) * mmap.PAGESIZE
 
 
-def test_fresh_pages_are_faulted_in_from_the_end_while_the_body_runs():
+def _fault_in_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "tannery-fault-in"]
+
+
+def test_fresh_pages_are_faulted_in_from_the_end_while_the_body_runs(monkeypatch):
+    monkeypatch.setattr(buffer_pool, "CHEAP_PAGES", float("inf"))  # never cheap: the thread goes on to the start
     buffer = framing.receive_buffer(64 * MiB, 8)
     assert _resident_bytes(buffer) < MiB  # a fresh map: nothing there yet
     with buffer_pool.faulting_in_behind(buffer):
-        assert wait_for(lambda: _resident_bytes(buffer[-buffer_pool.FAULT_STEP :]) >= buffer_pool.FAULT_STEP,
-                        timeout=5), "the last pages were not faulted in"
-    assert not [t for t in threading.enumerate() if t.name == "tannery-fault-in"]
+        assert wait_for(lambda: _resident_bytes(buffer) == 64 * MiB + mmap.PAGESIZE, timeout=10), \
+            "the pages were not faulted in"
+    assert not _fault_in_threads()
 
 
-def test_the_fault_in_thread_stops_when_the_body_fails():
+def test_the_fault_in_thread_stops_after_a_step_whose_pages_came_cheap(monkeypatch):
+    monkeypatch.setattr(buffer_pool, "CHEAP_PAGES", 0.0)  # every step is cheap
+    buffer = framing.receive_buffer(64 * MiB, 8)
+    with buffer_pool.faulting_in_behind(buffer):
+        assert wait_for(lambda: not _fault_in_threads(), timeout=10)
+        resident = _resident_bytes(buffer)
+    assert buffer_pool.FAULT_STEP <= resident <= buffer_pool.FAULT_STEP + mmap.PAGESIZE
+
+
+def test_the_fault_in_thread_stops_when_the_body_fails(monkeypatch):
+    monkeypatch.setattr(buffer_pool, "CHEAP_PAGES", float("inf"))
     buffer = framing.receive_buffer(256 * MiB, 8)
     with pytest.raises(ConnectionError):
         with buffer_pool.faulting_in_behind(buffer):
             raise ConnectionError("cut off")
-    assert not [t for t in threading.enumerate() if t.name == "tannery-fault-in"]
+    assert not _fault_in_threads()
     assert _resident_bytes(buffer) < 256 * MiB  # stopped before it had faulted everything in
 
 

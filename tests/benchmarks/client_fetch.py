@@ -10,10 +10,16 @@ Variants:
 
 - ``raw bytes``: a bare ``unary_stream`` stub whose deserializer passes the bytes through,
   each message dropped as read (the floor of any Python client of this server);
-- ``tannery.Client`` / ``tannery.aio.Client``: ``fetch`` to tensors;
+- ``tannery.Client`` / ``tannery.aio.Client``: ``fetch`` to tensors (``transport="auto"``: the
+  same-host path here); ``tannery.Client tcp`` and ``tannery.Client grpc``: the data port and
+  the gRPC streams, forced;
 - ``tannery.Client.fetch_iter``: the streaming fetch, each tensor dropped as it arrives;
 - ``tannery.Client, huge pages``: ``fetch`` with ``framing.HUGE_PAGES`` on (gather maps advised
   ``MADV_HUGEPAGE``, as numpy does for arrays from 4 MiB);
+- ``Arrow Flight DoGet``: the same bytes as a one-column table from the Flight peer of the
+  transport case (1 MiB record batches, combined into one tensor), the baseline of a client's
+  first fetch in a new process (what a pod pays at start; a long-lived client's later fetches
+  are the transport case's);
 - ``--before DIR``: ``tannery.Client`` from another source tree (``DIR/client``, e.g. from
   ``git archive``), to compare a change with what it replaces in the same run.
 
@@ -40,8 +46,11 @@ CLIENT = "tannery.Client"
 AIO = "tannery.aio.Client"
 ITER = "tannery.Client.fetch_iter"
 HUGE = "tannery.Client, huge pages"
+TCP = "tannery.Client tcp"
+GRPC = "tannery.Client grpc"
+FLIGHT = "Arrow Flight DoGet"
 BEFORE = "tannery.Client, --before tree"
-VARIANTS = [RAW, CLIENT, AIO, ITER, HUGE]
+VARIANTS = [RAW, CLIENT, TCP, GRPC, AIO, ITER, HUGE, FLIGHT]
 
 
 def _server_cpu(pid: int) -> float:
@@ -74,6 +83,14 @@ def measure(variant: str, target: str, server_pid: int, archive: str) -> dict:
                 return await client.fetch(archive)
 
         run = lambda: asyncio.run(fetch_async())  # noqa: E731
+    elif variant == FLIGHT:
+        from .clients import ArrowFlight
+
+        flight = ArrowFlight(target)
+        run = flight.download
+    elif variant in (TCP, GRPC):
+        client = tannery.Client(target, transport=variant.rsplit(" ", 1)[1])
+        run = lambda: client.fetch(archive)  # noqa: E731
     elif variant == ITER:
         client = tannery.Client(target)
         run = lambda: sum(tensor.nbytes for _, tensor in client.fetch_iter(archive))  # noqa: E731
@@ -115,40 +132,52 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from ..server_harness import ServerProcess
+    from .clients import ArrowFlight
+    from .harness import Subprocess
 
     variants = list(args.variants) + ([BEFORE] if args.before else [])
     results: dict[str, list[dict]] = {v: [] for v in variants}
-    with tempfile.TemporaryDirectory(prefix="tannery-client-fetch-") as tmp:
-        with ServerProcess(Path(tmp) / "data", log_format="json") as server:
-            generator = torch.Generator().manual_seed(0)
-            per_entry = args.size // args.entries // 4
-            with tannery.Client(server.target) as client:
-                client.store("bench", {f"layer{i:03d}.weight": torch.randn(per_entry, generator=generator)
-                                       for i in range(args.entries)})
-            for rep in range(args.reps):
-                for variant in variants[rep % len(variants):] + variants[: rep % len(variants)]:
-                    env = dict(os.environ)
-                    if variant == BEFORE:
-                        env["PYTHONPATH"] = os.pathsep.join([str(args.before.resolve() / "client"),
-                                                             env.get("PYTHONPATH", "")])
-                    out = subprocess.run(
-                        [sys.executable, "-m", "tests.benchmarks.client_fetch", "--child", variant, server.target,
-                         str(server.pid), "bench"], check=True, capture_output=True, text=True, env=env,
-                    ).stdout
-                    results[variant].append(json.loads(out.strip().splitlines()[-1]))
+    with (tempfile.TemporaryDirectory(prefix="tannery-client-fetch-") as tmp,
+          ServerProcess(Path(tmp) / "data", log_format="json") as server,
+          Subprocess("-m", "tests.benchmarks.peers", "flight") as flight):
+        generator = torch.Generator().manual_seed(0)
+        per_entry = args.size // args.entries // 4
+        tensors = {f"layer{i:03d}.weight": torch.randn(per_entry, generator=generator) for i in range(args.entries)}
+        with tannery.Client(server.target) as client:
+            client.store("bench", tensors)
+        if FLIGHT in variants:
+            uploader = ArrowFlight(flight.target)
+            uploader.upload(torch.cat(list(tensors.values())))
+            uploader.close()
+        del tensors
+        for rep in range(args.reps):
+            for variant in variants[rep % len(variants):] + variants[: rep % len(variants)]:
+                env = dict(os.environ)
+                if variant == BEFORE:
+                    env["PYTHONPATH"] = os.pathsep.join([str(args.before.resolve() / "client"),
+                                                         env.get("PYTHONPATH", "")])
+                target, pid = (flight.target, flight.pid) if variant == FLIGHT else (server.target, server.pid)
+                out = subprocess.run(
+                    [sys.executable, "-m", "tests.benchmarks.client_fetch", "--child", variant, target,
+                     str(pid), "bench"], check=True, capture_output=True, text=True, env=env,
+                ).stdout
+                results[variant].append(json.loads(out.strip().splitlines()[-1]))
     nbytes = per_entry * 4 * args.entries
     per_gib = GiB / nbytes
     print(f"Fetch of {nbytes / MiB:.0f} MiB in {args.entries} float32 entries, {args.reps} repetitions "
           f"alternating, each in a fresh process; load average {load_average()}")
-    print(f"| variant | median | spread | vs {RAW} | client CPU s/GiB | server CPU s/GiB | client peak RSS |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"| variant | median | spread | vs {RAW} | vs {FLIGHT} | client CPU s/GiB | server CPU s/GiB | "
+          "client peak RSS |")
+    print("|---|---|---|---|---|---|---|---|")
     base = statistics.median(r["wall"] for r in results[RAW]) if RAW in results else None
+    flight = statistics.median(r["wall"] for r in results[FLIGHT]) if FLIGHT in results else None
     for variant, runs in results.items():
         walls = [r["wall"] for r in runs]
         wall = statistics.median(walls)
         ratio = f"{base / wall:.2f}x" if base else ""
+        against_flight = f"{flight / wall:.2f}x" if flight else ""
         print(f"| {variant} | {nbytes / wall / 1e9:.2f} GB/s | {nbytes / max(walls) / 1e9:.2f} – "
-              f"{nbytes / min(walls) / 1e9:.2f} | {ratio} | {statistics.median(r['cpu'] for r in runs) * per_gib:.2f} | "
+              f"{nbytes / min(walls) / 1e9:.2f} | {ratio} | {against_flight} | {statistics.median(r['cpu'] for r in runs) * per_gib:.2f} | "
               f"{statistics.median(r['server'] for r in runs) * per_gib:.2f} | "
               f"{statistics.median(r['peak'] for r in runs) / MiB:.0f} MiB |")
 
