@@ -170,3 +170,17 @@ def test_a_client_fetching_again_receives_into_the_map_of_the_tensor_it_dropped(
         second.fill_(0)  # the tensor is the user's to write, and the store keeps its bytes
         del second
         assert torch.equal(client.fetch("m").find("w"), tensor)
+
+
+def test_a_forked_child_starts_with_an_empty_pool():
+    import os
+
+    buffer = framing.receive_buffer(SIZE, 8)
+    del buffer
+    assert buffer_pool.idle_bytes() > 0
+    child = os.fork()
+    if child == 0:
+        os._exit(0 if buffer_pool.idle_bytes() == 0 else 1)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert buffer_pool.idle_bytes() > 0  # the parent's pool is its own

@@ -148,11 +148,12 @@ def _expire() -> None:
 
 
 def _after_fork_in_child() -> None:
-    """A forked child has the maps (copy-on-write) but not the timer thread."""
+    """A forked child starts with an empty pool: it has the idle maps (copy-on-write) but not
+    the timer thread that would unmap them, so they go now (with their last reference)."""
     global _timer, _lock
     _lock = threading.RLock()
     _timer = None
-    _arm()
+    _idle.clear()
 
 
 if hasattr(os, "register_at_fork"):
