@@ -184,3 +184,73 @@ def test_a_forked_child_starts_with_an_empty_pool():
     _, status = os.waitpid(child, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert buffer_pool.idle_bytes() > 0  # the parent's pool is its own
+
+
+def test_a_numpy_view_alone_keeps_the_map_out_of_the_pool():
+    buffer = framing.receive_buffer(SIZE, 8)
+    every_other = np.frombuffer(buffer, np.uint8)[::2]
+    del buffer
+    assert buffer_pool.idle_bytes() == 0
+    del every_other
+    assert buffer_pool.idle_bytes() > SIZE
+
+
+def test_a_map_given_back_while_the_pool_is_busy_waits_for_the_holder_and_nothing_blocks():
+    """A finalizer may run anywhere, in the pool's own code included (a collection inside
+    reuse()): it neither waits for the lock nor changes the pool under its holder."""
+    buffer = framing.receive_buffer(SIZE, 8)
+    memory = backing(buffer)
+    with buffer_pool._lock:  # the pool busy, on this very thread
+        del buffer  # the finalizer runs here, and must not block
+        assert buffer_pool._idle == []  # not moved in under the holder
+    assert buffer_pool.idle_bytes() == len(memory)  # the next holder moved it in
+    assert backing(framing.receive_buffer(SIZE, 8)) is memory
+
+
+def test_maps_given_back_from_many_threads_at_once_all_land_in_the_pool():
+    buffers: list = [framing.receive_buffer(SIZE, 8) for _ in range(8)]
+    maps = {id(backing(b)) for b in buffers}
+    start = threading.Barrier(8)
+
+    def drop(index: int) -> None:
+        start.wait()
+        buffers[index] = None
+
+    threads = [threading.Thread(target=drop, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    length = len(backing(framing.receive_buffer(SIZE, 8)))  # taken from the pool, and given back
+    assert buffer_pool.idle_bytes() == 8 * length
+    assert {id(memory) for _, memory in buffer_pool._idle} == maps
+
+
+@pytest.mark.parametrize("value, limit", [("", 2 << 30), ("0", 0), ("1048576", MiB), ("lots", 2 << 30), ("-1", 2 << 30)])
+def test_the_pool_limit_comes_from_the_environment_and_a_bad_value_is_warned_about(monkeypatch, value, limit):
+    monkeypatch.setenv("TANNERY_RECEIVE_POOL_BYTES", value)
+    bad = value in ("lots", "-1")
+    with pytest.warns(RuntimeWarning, match="TANNERY_RECEIVE_POOL_BYTES") if bad else _no_warning():
+        assert buffer_pool._idle_bytes_from_environment() == limit
+
+
+def test_a_pool_limit_of_zero_keeps_nothing(monkeypatch):
+    monkeypatch.setattr(buffer_pool, "IDLE_BYTES", 0)
+    buffer = framing.receive_buffer(SIZE, 8)
+    memory = backing(buffer)
+    del buffer
+    assert buffer_pool.idle_bytes() == 0 and memory.closed is False  # left to go with its last reference
+    assert backing(framing.receive_buffer(SIZE, 8)) is not memory
+
+
+def _no_warning():
+    import warnings
+    from contextlib import contextmanager
+
+    @contextmanager
+    def checking():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            yield
+
+    return checking()

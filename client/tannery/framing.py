@@ -44,7 +44,9 @@ def receive_buffer(size: int, data_offset: int) -> memoryview:
     if size + ALIGNMENT < MAP_GATHER:
         return aligned_buffer(size, data_offset)
     pad = -data_offset % ALIGNMENT  # a map starts on a page boundary
-    memory = buffer_pool.take(pad + size)
+    memory = buffer_pool.reuse(pad + size)
+    if memory is None:
+        memory = _Gathering._new_map(pad + size)
     return buffer_pool.hand_out(memory)[pad : pad + size]
 
 
