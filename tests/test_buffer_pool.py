@@ -30,7 +30,9 @@ def backing(view: memoryview) -> mmap.mmap:
 
 
 @pytest.fixture(autouse=True)
-def empty_pool() -> Iterator[None]:
+def empty_pool(monkeypatch) -> Iterator[None]:
+    """An empty pool whose maps stay idle long enough for a loaded machine (the expiry test sets its own)."""
+    monkeypatch.setattr(buffer_pool, "IDLE_SECONDS", 60.0)
     buffer_pool.clear()
     yield
     buffer_pool.clear()

@@ -7,7 +7,8 @@ again (docs/benchmarks.md, "Receive buffers used again"). A client that fetches 
 over and over gets pages it already has instead. A map is handed out through an owner (a
 numpy array over it) and comes back to the pool when that owner is gone, and with it every
 tensor and view made of the map; nothing else ever holds the map. Idle maps are kept for
-:data:`IDLE_SECONDS`, and :data:`IDLE_BYTES` of them at most, then unmapped.
+:data:`IDLE_SECONDS` (a second: the next payload of a stream), and :data:`IDLE_BYTES` of them
+at most, then unmapped.
 
 The first receive into fresh pages pays for them all the same (a new process's first 1 GiB
 Fetch spent 1.5-2.7 s in the kernel here): :func:`faulting_in_behind` shares that work with
@@ -53,8 +54,12 @@ def _idle_bytes_from_environment(default: int = 2 << 30) -> int:
 
 #: Idle maps kept at most, in bytes (the oldest are unmapped first); ``TANNERY_RECEIVE_POOL_BYTES``.
 IDLE_BYTES = _idle_bytes_from_environment()
-#: An idle map not taken again within this many seconds is unmapped.
-IDLE_SECONDS = 10.0
+#: An idle map not taken again within this many seconds is unmapped: long enough for a stream
+#: of payloads (fetch_iter, a subscription), short enough to leave other processes the pages.
+#: Kept 10 s, the maps made the rest of this VM draw pages its host had to back again: beside
+#: a client fetching 1 GiB every few seconds, the server's local Store fell from 0.68-0.76x of
+#: Flight DoPut to 0.42-0.44x, Flight's DoGet from 1.10-1.18 GB/s to 0.64-0.98.
+IDLE_SECONDS = 1.0
 #: A pooled map is taken for a request of at least this fraction of its length (a smaller
 #: request gets a new map rather than pin a much larger one).
 FIT = 7 / 8
