@@ -3,7 +3,7 @@ gone, and a fresh buffer's pages faulted in from its end while a receive fills i
 
 A fresh map costs a page fault and a zeroed page for every 4 KiB a receive writes: 0.2-0.3
 client CPU-s per GiB here, and up to 2 s when the virtual machine's host must back the pages
-again (docs/benchmarks.md, "Receive buffers used again"). A client that fetches or subscribes
+again (docs/benchmarks.md, "Data paths: fourth measurement"). A client that fetches or subscribes
 over and over gets pages it already has instead. A map is handed out through an owner (a
 numpy array over it) and comes back to the pool when that owner is gone, and with it every
 tensor and view made of the map; nothing else ever holds the map. Idle maps are kept for
