@@ -19,6 +19,7 @@ from .harness import Options, environment, free_memory, load_average, parse_size
 CASES = {
     "codec": "bench_codec",
     "transport": "bench_transport",
+    "first-fetch": "bench_first_fetch",
     "fetch": "bench_fetch_by_name",
     "channels": "bench_channels",
     "memory": "bench_memory",

@@ -48,6 +48,7 @@ ITER = "tannery.Client.fetch_iter"
 HUGE = "tannery.Client, huge pages"
 TCP = "tannery.Client tcp"
 GRPC = "tannery.Client grpc"
+LOCAL = "tannery.Client local"
 FLIGHT = "Arrow Flight DoGet"
 BEFORE = "tannery.Client, --before tree"
 VARIANTS = [RAW, CLIENT, TCP, GRPC, AIO, ITER, HUGE, FLIGHT]
@@ -88,7 +89,7 @@ def measure(variant: str, target: str, server_pid: int, archive: str) -> dict:
 
         flight = ArrowFlight(target)
         run = flight.download
-    elif variant in (TCP, GRPC):
+    elif variant in (TCP, GRPC, LOCAL):
         client = tannery.Client(target, transport=variant.rsplit(" ", 1)[1])
         run = lambda: client.fetch(archive)  # noqa: E731
     elif variant == ITER:
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--size", default="1GiB", type=parse_size, help="bytes of float32 tensors (1GiB)")
     parser.add_argument("--entries", default=1, type=int, help="entries the archive has (1)")
     parser.add_argument("--reps", default=5, type=int)
-    parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
+    parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=[*VARIANTS, LOCAL])
     parser.add_argument("--before", type=Path, help="also run tannery.Client from this source tree (its client/)")
     parser.add_argument("--child", nargs=4, metavar=("VARIANT", "TARGET", "PID", "ARCHIVE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
