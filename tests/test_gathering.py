@@ -7,7 +7,7 @@ import mmap
 import numpy as np
 import pytest
 
-from tannery import buffer_pool, codec, framing
+from tannery import codec, framing
 from tannery.codec import DTYPES, encode_prefix, parse, to_numpy
 from tannery.framing import Reframer
 
@@ -20,13 +20,6 @@ def backing(view: memoryview) -> object:
     if isinstance(owner, np.ndarray) and isinstance(owner.base, memoryview) and isinstance(owner.base.obj, mmap.mmap):
         return owner.base.obj
     return owner
-
-
-@pytest.fixture(autouse=True)
-def empty_pool():
-    buffer_pool.clear()
-    yield
-    buffer_pool.clear()
 
 
 @pytest.mark.parametrize("size", [MiB + 5, framing.MAP_GATHER + 7, framing.EAGER_GATHER + 3 * MiB + 1])

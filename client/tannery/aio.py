@@ -250,7 +250,7 @@ class Client:
             # Unavailable at once when the connection cannot be made; the call is cancelled (finally).
             link = await asyncio.to_thread(connect_call, route, ticket)
             try:
-                items = receive_fetch(link, pieces=reader.pieces)
+                items = receive_fetch(link, pieces=reader.pieces, pool=reader.pool)
                 while (item := await asyncio.to_thread(next, items, None)) is not None:
                     for entry in reader.arrived(item):
                         yield entry

@@ -1,14 +1,15 @@
-"""Memory for received payloads: anonymous maps used again once the tensors made of them are
-gone, and a fresh buffer's pages faulted in from its end while a receive fills it from its start.
+"""Memory for received payloads: the anonymous maps of one stream's tensors used again by
+its later payloads, and a fresh buffer's pages faulted in from its end while a receive fills
+it from its start.
 
 A fresh map costs a page fault and a zeroed page for every 4 KiB a receive writes: 0.2-0.3
 client CPU-s per GiB here, and up to 2 s when the virtual machine's host must back the pages
-again (docs/benchmarks.md, "Data paths: fourth measurement"). A client that fetches or subscribes
-over and over gets pages it already has instead. A map is handed out through an owner (a
-numpy array over it) and comes back to the pool when that owner is gone, and with it every
-tensor and view made of the map; nothing else ever holds the map. Idle maps are kept for
-:data:`IDLE_SECONDS` (a second: the next payload of a stream), and :data:`IDLE_BYTES` of them
-at most, then unmapped.
+again (docs/benchmarks.md, "Data paths: fourth measurement"). A stream of payloads (a
+``fetch_iter``, a subscription) whose tensors are dropped as they come gets pages it already
+has instead: each reader owns a :class:`ReceivePool`; a map is handed out through an owner (a
+numpy array over it) and comes back to that pool when the owner is gone, and with it every
+tensor and view made of the map. The pool lives as long as its stream's reader: kept longer,
+across calls, its maps made the rest of this VM draw the cold pages (same section).
 
 The first receive into fresh pages pays for them all the same (a new process's first 1 GiB
 Fetch spent 1.5-2.7 s in the kernel here): :func:`faulting_in_behind` shares that work with
@@ -20,11 +21,9 @@ from __future__ import annotations
 import collections
 import ctypes
 import mmap
-import os
 import sys
 import threading
 import time
-import warnings
 import weakref
 from contextlib import contextmanager
 from typing import Iterator
@@ -33,45 +32,12 @@ from ._lazy import lazy_module
 
 np = lazy_module("numpy")
 
-
-
-def _idle_bytes_from_environment(default: int = 2 << 30) -> int:
-    """``TANNERY_RECEIVE_POOL_BYTES`` (bytes; 0 turns the pool off), else ``default``; a value that
-    is not a number of bytes is warned about and ignored."""
-    value = os.environ.get("TANNERY_RECEIVE_POOL_BYTES", "").strip()
-    if not value:
-        return default
-    try:
-        limit = int(value)
-        if limit < 0:
-            raise ValueError
-    except ValueError:
-        warnings.warn(f"TANNERY_RECEIVE_POOL_BYTES={value!r} is not a number of bytes (0 turns the pool "
-                      f"off): the default, {default}, is used", RuntimeWarning, stacklevel=2)
-        return default
-    return limit
-
-
-#: Idle maps kept at most, in bytes (the oldest are unmapped first); ``TANNERY_RECEIVE_POOL_BYTES``.
-IDLE_BYTES = _idle_bytes_from_environment()
-#: An idle map not taken again within this many seconds is unmapped: long enough for a stream
-#: of payloads (fetch_iter, a subscription), short enough to leave other processes the pages.
-#: Kept 10 s, the maps made the rest of this VM draw pages its host had to back again: beside
-#: a client fetching 1 GiB every few seconds, the server's local Store fell from 0.68-0.76x of
-#: Flight DoPut to 0.42-0.44x, Flight's DoGet from 1.10-1.18 GB/s to 0.64-0.98.
-IDLE_SECONDS = 1.0
+#: Maps one pool keeps idle at most (a stream cycles through one or two), and bytes of them.
+IDLE_MAPS = 2
+IDLE_BYTES = 2 << 30
 #: A pooled map is taken for a request of at least this fraction of its length (a smaller
 #: request gets a new map rather than pin a much larger one).
 FIT = 7 / 8
-
-# A finalizer runs on whatever thread drops the last reference, in the middle of any code,
-# this module's included (a collection inside reuse()). So it never touches the pool: it
-# appends to _returned (atomic), and whoever holds _lock moves those maps into _idle, the
-# finalizer itself when the lock is free, else the holder once it lets go (_settle).
-_lock = threading.Lock()
-_returned: collections.deque[tuple[float, mmap.mmap]] = collections.deque()
-_idle: list[tuple[float, mmap.mmap]] = []  # (since when idle, map), oldest first; under _lock
-_timer: threading.Timer | None = None  # under _lock
 
 
 def new_map(size: int) -> mmap.mmap:
@@ -79,87 +45,89 @@ def new_map(size: int) -> mmap.mmap:
     return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
 
 
-def reuse(size: int) -> mmap.mmap | None:
-    """The smallest idle map of at least ``size`` bytes that fits (its pages are there, holding
-    old bytes the caller overwrites); None when there is none."""
-    with _lock:
-        leaving = _take_returned()
-        fitting = [(len(memory), index) for index, (_, memory) in enumerate(_idle)
-                   if size <= len(memory) and size >= len(memory) * FIT]
-        chosen = _idle.pop(min(fitting)[1])[1] if fitting else None
-    _settle(leaving)
-    return chosen
+class ReceivePool:
+    """The idle maps of one stream's dropped tensors, for its next payloads.
 
+    A finalizer runs on whatever thread drops the last reference, in the middle of any code,
+    this class's included (a collection inside :meth:`reuse`). So it never touches the pool:
+    it appends to ``_returned`` (atomic), and whoever holds the lock moves those maps in, the
+    finalizer itself when the lock is free, else the holder once it lets go (:meth:`_settle`).
+    """
 
-def hand_out(memory: mmap.mmap) -> memoryview:
-    """A writable view of the whole map that gives the map back to the pool once it, and every
-    view and tensor made of it, is gone. The caller keeps no other reference to ``memory``.
-    The view's ``obj`` (a numpy array) spans the whole map: bytes outside what the caller
-    fills may be an earlier payload's, of this same process."""
-    owner = np.frombuffer(memory, dtype=np.uint8)
-    weakref.finalize(owner, _give_back, memory).atexit = False
-    return memoryview(owner)
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._returned: collections.deque[mmap.mmap] = collections.deque()
+        self._idle: list[mmap.mmap] = []  # oldest first; under _lock
 
+    def reuse(self, size: int) -> mmap.mmap | None:
+        """The smallest idle map of at least ``size`` bytes that fits (its pages are there,
+        holding old bytes the caller overwrites); None when there is none."""
+        with self._lock:
+            leaving = self._take_returned()
+            fitting = [(len(memory), index) for index, memory in enumerate(self._idle)
+                       if size <= len(memory) and size >= len(memory) * FIT]
+            chosen = self._idle.pop(min(fitting)[1]) if fitting else None
+        self._settle(leaving)
+        return chosen
 
-def idle_bytes() -> int:
-    """Bytes of idle maps in the pool now."""
-    with _lock:
-        leaving = _take_returned()
-        held = sum(len(memory) for _, memory in _idle)
-    _settle(leaving)
-    return held
+    def hand_out(self, memory: mmap.mmap) -> memoryview:
+        """A writable view of the whole map that gives the map back to this pool (if it is still
+        there) once it, and every view and tensor made of it, is gone. The caller keeps no other
+        reference to ``memory``. The view's ``obj`` (a numpy array) spans the whole map: bytes
+        outside what the caller fills may be an earlier payload's of the same stream."""
+        owner = np.frombuffer(memory, dtype=np.uint8)
+        weakref.finalize(owner, _give_back, weakref.ref(self), memory).atexit = False
+        return memoryview(owner)
 
+    def idle_bytes(self) -> int:
+        """Bytes of idle maps in the pool now."""
+        with self._lock:
+            leaving = self._take_returned()
+            held = sum(len(memory) for memory in self._idle)
+        self._settle(leaving)
+        return held
 
-def clear() -> None:
-    """Unmap every idle map now."""
-    global _timer
-    with _lock:
-        leaving = _take_returned() + [memory for _, memory in _idle]
-        _idle.clear()
-        if _timer is not None:
-            _timer.cancel()
-            _timer = None
-    _settle(leaving)
+    def clear(self) -> None:
+        """Unmap every idle map now."""
+        with self._lock:
+            leaving = self._take_returned() + self._idle
+            self._idle = []
+        self._settle(leaving)
 
-
-def _give_back(memory: mmap.mmap) -> None:
-    """The finalizer of an owner: runs as the owner goes, which may still export the map for a
-    moment (so a map not kept is left to go with it, not closed here)."""
-    if IDLE_BYTES <= 0 or len(memory) > IDLE_BYTES:
-        return
-    _returned.append((time.monotonic(), memory))
-    _settle([])
-
-
-def _settle(leaving: list[mmap.mmap]) -> None:
-    """Unmap ``leaving`` (maps taken out of the pool under the lock), then move maps given back
-    meanwhile into the pool, unless another holder of the lock will (it calls this after)."""
-    for memory in leaving:
-        _unmap(memory)
-    while _returned:
-        if not _lock.acquire(blocking=False):
-            return  # the holder settles on its way out
-        try:
-            leaving = _take_returned()
-        finally:
-            _lock.release()
+    def _settle(self, leaving: list[mmap.mmap]) -> None:
+        """Unmap ``leaving`` (maps taken out under the lock), then move maps given back meanwhile
+        into the pool, unless another holder of the lock will (it calls this after)."""
         for memory in leaving:
             _unmap(memory)
+        while self._returned:
+            if not self._lock.acquire(blocking=False):
+                return  # the holder settles on its way out
+            try:
+                leaving = self._take_returned()
+            finally:
+                self._lock.release()
+            for memory in leaving:
+                _unmap(memory)
+
+    def _take_returned(self) -> list[mmap.mmap]:
+        """Move the maps given back into the pool, the oldest out beyond :data:`IDLE_MAPS` and
+        :data:`IDLE_BYTES` (lock held); the maps to unmap once the lock is let go."""
+        while self._returned:
+            self._idle.append(self._returned.popleft())
+        leaving = []
+        while self._idle and (len(self._idle) > IDLE_MAPS or sum(map(len, self._idle)) > IDLE_BYTES):
+            leaving.append(self._idle.pop(0))
+        return leaving
 
 
-def _take_returned() -> list[mmap.mmap]:
-    """Move the maps given back into the pool, oldest out beyond :data:`IDLE_BYTES`, and arm the
-    expiry timer (lock held); returns the maps to unmap once the lock is let go."""
-    while _returned:
-        _idle.append(_returned.popleft())
-    leaving = []
-    held = sum(len(memory) for _, memory in _idle)
-    while held > IDLE_BYTES and _idle:
-        _, oldest = _idle.pop(0)
-        held -= len(oldest)
-        leaving.append(oldest)
-    _arm()
-    return leaving
+def _give_back(pool_ref: "weakref.ref[ReceivePool]", memory: mmap.mmap) -> None:
+    """The finalizer of an owner: runs as the owner goes, which may still export the map for a
+    moment (so a map not kept is left to go with it, not closed here)."""
+    pool = pool_ref()
+    if pool is None or len(memory) > IDLE_BYTES:
+        return
+    pool._returned.append(memory)
+    pool._settle([])
 
 
 def _unmap(memory: mmap.mmap) -> None:
@@ -168,50 +136,6 @@ def _unmap(memory: mmap.mmap) -> None:
         memory.close()
     except BufferError:
         pass
-
-
-def _arm() -> None:
-    """Start the timer that unmaps maps left idle, unless one is running (lock held)."""
-    global _timer
-    if _timer is not None or not _idle:
-        return
-    delay = max(0.0, _idle[0][0] + IDLE_SECONDS - time.monotonic())
-    timer = threading.Timer(delay, _expire)
-    timer.args = (timer,)
-    timer.daemon = True
-    try:
-        timer.start()
-    except RuntimeError:  # the interpreter is shutting down: the maps go with the process
-        return
-    _timer = timer
-
-
-def _expire(timer: threading.Timer) -> None:
-    global _timer
-    with _lock:
-        if _timer is not timer:
-            return  # cancelled (clear) while it waited for the lock
-        _timer = None
-        leaving = _take_returned()
-        now = time.monotonic()
-        leaving += [memory for since, memory in _idle if now - since >= IDLE_SECONDS]
-        _idle[:] = [(since, memory) for since, memory in _idle if now - since < IDLE_SECONDS]
-        _arm()
-    _settle(leaving)
-
-
-def _after_fork_in_child() -> None:
-    """A forked child starts with an empty pool: it has the idle maps (copy-on-write) but not
-    the timer thread that would unmap them, so they go now (with their last reference)."""
-    global _timer, _lock
-    _lock = threading.Lock()
-    _timer = None
-    _idle.clear()
-    _returned.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # -- Pages faulted in ahead ---------------------------------------------------------------

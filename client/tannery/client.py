@@ -225,7 +225,7 @@ class Client:
                     raise errors.ServiceError("the server answered a data-path Fetch without a ticket")
             link = _transports.connect_call(route, ticket)  # the call is cancelled (finally) when it fails
             try:
-                for item in _transports.receive_fetch(link, pieces=reader.pieces):
+                for item in _transports.receive_fetch(link, pieces=reader.pieces, pool=reader.pool):
                     yield from reader.arrived(item)
             except (_transports.LinkError, OSError) as exc:
                 raise self._broken(call, exc, route) from None

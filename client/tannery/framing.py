@@ -35,19 +35,21 @@ def aligned_buffer(size: int, data_offset: int) -> memoryview:
     return memoryview(raw[pad : pad + size])
 
 
-def receive_buffer(size: int, data_offset: int) -> memoryview:
+def receive_buffer(size: int, data_offset: int, pool: buffer_pool.ReceivePool | None = None) -> memoryview:
     """As :func:`aligned_buffer`, for a payload received whole from a socket: from
-    :data:`MAP_GATHER` bytes an anonymous map of 4 KiB pages, one used before when the pool
-    has it (:mod:`tannery.buffer_pool`). numpy would ask for transparent huge pages, and the
-    kernel compacts memory to find them on the first touch: a fresh process's first 1 GiB
-    Fetch over TCP spent 2.6 s in the kernel that way, 0.4 s in pages."""
+    :data:`MAP_GATHER` bytes an anonymous map of 4 KiB pages, one of ``pool``'s when it has
+    one that fits (and given back to it once the tensor is gone). numpy would ask for
+    transparent huge pages, and the kernel compacts memory to find them on the first touch:
+    a fresh process's first 1 GiB Fetch over TCP spent 2.6 s in the kernel that way, 0.4 s in
+    pages."""
     if size + ALIGNMENT < MAP_GATHER:
         return aligned_buffer(size, data_offset)
     pad = -data_offset % ALIGNMENT  # a map starts on a page boundary
-    memory = buffer_pool.reuse(pad + size)
+    memory = pool.reuse(pad + size) if pool is not None else None
     if memory is None:
         memory = _Gathering._new_map(pad + size)
-    return buffer_pool.hand_out(memory)[pad : pad + size]
+    view = pool.hand_out(memory) if pool is not None else memoryview(memory)
+    return view[pad : pad + size]
 
 
 @dataclass(frozen=True)
@@ -177,17 +179,18 @@ class _Gathering:
     Up to :data:`EAGER_GATHER` bytes the buffer is allocated whole. Beyond, nothing more is
     reserved on the word of the header: an anonymous map of that size is enlarged, doubling
     up to the payload's size, as the bytes arrive, by ``mremap``, which moves pages without
-    copying them; unless the pool (:mod:`tannery.buffer_pool`) has a map the whole payload fits,
-    whose pages are there already. Either way the tensor data lands on a 64-byte boundary.
+    copying them; unless ``pool`` has a map the whole payload fits, whose pages are there
+    already. Either way the tensor data lands on a 64-byte boundary.
     """
 
-    def __init__(self, info: PayloadInfo) -> None:
+    def __init__(self, info: PayloadInfo, pool: buffer_pool.ReceivePool | None = None) -> None:
+        self.pool = pool
         if info.size + ALIGNMENT < MAP_GATHER:
             self.pad, self.memory = 0, aligned_buffer(info.size, info.data_offset)
             reused = True  # the heap's pages are left to the allocator
         else:
             self.pad = -info.data_offset % ALIGNMENT  # a map starts on a page boundary
-            pooled = buffer_pool.reuse(self.pad + info.size)
+            pooled = pool.reuse(self.pad + info.size) if pool is not None else None
             reused = pooled is not None
             self.memory = pooled if reused else self._new_map(self.pad + min(info.size, EAGER_GATHER))
         self.end = self.pad + info.size
@@ -236,8 +239,8 @@ class _Gathering:
             self._advise(self.memory)
 
     def payload(self) -> memoryview:
-        if isinstance(self.memory, mmap.mmap):
-            return buffer_pool.hand_out(self.memory)[self.pad : self.end]
+        if isinstance(self.memory, mmap.mmap) and self.pool is not None:
+            return self.pool.hand_out(self.memory)[self.pad : self.end]
         return memoryview(self.memory)[self.pad : self.end]
 
 
@@ -250,9 +253,11 @@ class Reframer:
     bytes it announces arrive.
     """
 
-    def __init__(self, limits: Limits = DEFAULT_LIMITS) -> None:
+    def __init__(self, limits: Limits = DEFAULT_LIMITS, pool: buffer_pool.ReceivePool | None = None) -> None:
         self._deframer = Deframer(limits)
         self._gathering: _Gathering | None = None
+        #: Where large payloads are gathered into maps used before, and given back to (None: fresh maps).
+        self.pool = pool
 
     def feed(self, chunk: Buffer) -> Iterator[Buffer]:
         """The payloads that ``chunk`` completes, in order."""
@@ -261,7 +266,7 @@ class Reframer:
                 yield fragment.data
                 continue
             if fragment.first:
-                self._gathering = _Gathering(fragment.info)
+                self._gathering = _Gathering(fragment.info, self.pool)
             assert self._gathering is not None
             self._gathering.add(fragment.data)
             if fragment.last:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from . import wire
 from ._lazy import lazy_module
 from .codec import FormatError, PayloadInfo, byte_buffer
+from .buffer_pool import ReceivePool
 from .framing import Deframer, Reframer
 from .requests import Progress
 
@@ -35,6 +36,8 @@ class _EntryStream:
         self._progress = progress
         self._name: str | None = None
         self._has_payload = False
+        #: The maps of this stream's tensors, once dropped, for its next payloads.
+        self.pool = ReceivePool()
 
     def feed(self, message: wire.FetchMessage) -> list:
         """What ``message`` completes (tensors or pieces, by the subclass)."""
@@ -95,7 +98,7 @@ class EntryReader(_EntryStream):
         return [(item.name, torch_codec.from_buffer(item.data, item.info.dtype, item.info.shape))]
 
     def _start_entry(self) -> None:
-        self._reframer = Reframer()
+        self._reframer = Reframer(pool=self.pool)
 
     def _read(self, name: str, chunk: memoryview) -> list[tuple[str, torch.Tensor]]:
         out = []
@@ -178,7 +181,9 @@ class PayloadReader:
 
     def __init__(self, progress: Progress = None) -> None:
         self._progress = progress
-        self._reframer = Reframer()
+        #: The maps of this subscription's tensors, once dropped, for its next payloads.
+        self.pool = ReceivePool()
+        self._reframer = Reframer(pool=self.pool)
 
     def feed(self, chunk: memoryview) -> list[torch.Tensor]:
         if self._progress is not None and chunk.nbytes:
@@ -193,7 +198,7 @@ class PayloadReader:
 
     def discard(self) -> None:
         """Forget the payload in progress (its publisher abandoned it): the next chunk starts a payload."""
-        self._reframer = Reframer()
+        self._reframer = Reframer(pool=self.pool)
 
 
 __all__ = ["EntryReader", "PayloadReader", "PieceReader", "TensorPiece", "check_fetched"]

@@ -188,9 +188,11 @@ class Arrived:
     data: memoryview
 
 
-def receive_fetch(link: Link, pieces: bool = False) -> Iterator[object]:
+def receive_fetch(link: Link, pieces: bool = False, pool: "buffer_pool.ReceivePool | None" = None
+                  ) -> Iterator[object]:
     """The entries a Fetch sends on ``link``, as :class:`Arrived` (or, with ``pieces`` on a TCP
-    link, as :class:`~tannery.readers.TensorPiece`\\ s, so that only one piece is held)."""
+    link, as :class:`~tannery.readers.TensorPiece`\\ s, so that only one piece is held); a TCP
+    entry is received into one of ``pool``'s maps when it has one that fits."""
     entries = total = 0
     while True:
         received, fds = link.receive(expect_fds=1 if link.local else 0)
@@ -218,7 +220,7 @@ def receive_fetch(link: Link, pieces: bool = False) -> Iterator[object]:
             yield from _received_pieces(link, received.entry)
         else:
             total += received.entry.payload_bytes
-            yield _received(link, received.entry)
+            yield _received(link, received.entry, pool)
 
 
 def _mapped(entry, fd: int) -> Arrived:
@@ -290,11 +292,11 @@ def _receive_prefix(link: Link, size: int, name: str) -> bytearray:
     return prefix
 
 
-def _received(link: Link, entry: EntryBytes) -> Arrived:
+def _received(link: Link, entry: EntryBytes, pool: "buffer_pool.ReceivePool | None" = None) -> Arrived:
     """A payload received in one aligned buffer, which the tensor then shares."""
     prefix = _receive_prefix(link, entry.payload_bytes, entry.name)
     info = read_info(prefix)
-    buffer = receive_buffer(entry.payload_bytes, info.data_offset)
+    buffer = receive_buffer(entry.payload_bytes, info.data_offset, pool)
     buffer[: len(prefix)] = prefix
     rest = buffer[len(prefix) :]
     with buffer_pool.faulting_in_behind(rest):

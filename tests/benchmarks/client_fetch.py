@@ -21,7 +21,8 @@ Variants:
   first fetch in a new process (what a pod pays at start; a long-lived client's later fetches
   are the transport case's);
 - ``--before DIR``: ``tannery.Client`` from another source tree (``DIR/client``, e.g. from
-  ``git archive``), to compare a change with what it replaces in the same run.
+  ``git archive``), to compare a change with what it replaces in the same run
+  (``--before-as VARIANT``: that variant of it instead).
 
     python -m tests.benchmarks.client_fetch --size 1GiB --entries 1 --reps 5
     git archive HEAD~1 client | tar -x -C /tmp/before
@@ -122,11 +123,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", default=5, type=int)
     parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=[*VARIANTS, LOCAL])
     parser.add_argument("--before", type=Path, help="also run tannery.Client from this source tree (its client/)")
+    parser.add_argument("--before-as", default=CLIENT, choices=[CLIENT, ITER, TCP, GRPC, LOCAL],
+                        help="what the --before tree runs (default: tannery.Client)")
     parser.add_argument("--child", nargs=4, metavar=("VARIANT", "TARGET", "PID", "ARCHIVE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         variant, target, pid, archive = args.child
-        print(json.dumps(measure(CLIENT if variant == BEFORE else variant, target, int(pid), archive)))
+        print(json.dumps(measure(os.environ.get("BEFORE_AS", CLIENT) if variant == BEFORE else variant, target,
+                                 int(pid), archive)))
         return
 
     import tannery
@@ -157,6 +161,7 @@ def main(argv: list[str] | None = None) -> None:
                 if variant == BEFORE:
                     env["PYTHONPATH"] = os.pathsep.join([str(args.before.resolve() / "client"),
                                                          env.get("PYTHONPATH", "")])
+                    env["BEFORE_AS"] = args.before_as
                 target, pid = (flight.target, flight.pid) if variant == FLIGHT else (server.target, server.pid)
                 out = subprocess.run(
                     [sys.executable, "-m", "tests.benchmarks.client_fetch", "--child", variant, target,
