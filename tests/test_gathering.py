@@ -14,14 +14,6 @@ from tannery.framing import Reframer
 MiB = 1 << 20
 
 
-def backing(view: memoryview) -> object:
-    """What a gathered or received buffer's bytes live in: its map (behind the pool's owner), or the heap's array."""
-    owner = view.obj
-    if isinstance(owner, np.ndarray) and isinstance(owner.base, memoryview) and isinstance(owner.base.obj, mmap.mmap):
-        return owner.base.obj
-    return owner
-
-
 @pytest.mark.parametrize("size", [MiB + 5, framing.MAP_GATHER + 7, framing.EAGER_GATHER + 3 * MiB + 1])
 @pytest.mark.parametrize("huge_pages", [False, True])
 def test_split_payloads_are_gathered_aligned_writable_and_whole(size, huge_pages, monkeypatch):
@@ -37,7 +29,8 @@ def test_split_payloads_are_gathered_aligned_writable_and_whole(size, huge_pages
     array = to_numpy(gathered)
     assert (array.ctypes.data % codec.ALIGNMENT) == 0
     assert np.shares_memory(array, np.frombuffer(gathered, np.uint8))
-    assert isinstance(backing(gathered), mmap.mmap) == (size + codec.ALIGNMENT >= framing.MAP_GATHER)
+    owner = gathered.obj
+    assert isinstance(owner, mmap.mmap) == (size + codec.ALIGNMENT >= framing.MAP_GATHER)
 
 
 def test_a_map_is_never_larger_than_its_payload_needs():
@@ -45,7 +38,7 @@ def test_a_map_is_never_larger_than_its_payload_needs():
     data = bytearray(encode_prefix(DTYPES["uint8"], (size,))) + bytes(size)
     reframer = Reframer()
     (gathered,) = [p for start in range(0, len(data), MiB) for p in reframer.feed(memoryview(data)[start : start + MiB])]
-    assert len(backing(gathered)) < len(data) + codec.ALIGNMENT
+    assert len(gathered.obj) < len(data) + codec.ALIGNMENT
     assert parse(gathered).size == len(data)
 
 
@@ -57,7 +50,7 @@ def test_gathering_without_populating_the_map_ahead(advice, monkeypatch):
     data += np.random.default_rng(size).integers(0, 256, size, np.uint8).tobytes()
     reframer = Reframer()
     (gathered,) = [p for start in range(0, len(data), MiB) for p in reframer.feed(memoryview(data)[start : start + MiB])]
-    assert gathered == memoryview(data) and isinstance(backing(gathered), mmap.mmap)
+    assert gathered == memoryview(data) and isinstance(gathered.obj, mmap.mmap)
 
 
 @pytest.mark.parametrize("size", [MiB, framing.MAP_GATHER, 64 * MiB + 3])
@@ -68,6 +61,6 @@ def test_receive_buffers_are_aligned_writable_and_large_ones_are_maps_without_hu
     assert np.frombuffer(buffer, np.uint8)[data_offset:].ctypes.data % codec.ALIGNMENT == 0
     buffer[-1] = 7  # the whole size is there
     large = size + codec.ALIGNMENT >= framing.MAP_GATHER
-    assert isinstance(backing(buffer), mmap.mmap) == large  # numpy's arrays would ask for huge pages
+    assert isinstance(buffer.obj, mmap.mmap) == large  # numpy's arrays would ask for huge pages
     if large:
-        assert len(backing(buffer)) < size + codec.ALIGNMENT
+        assert len(buffer.obj) < size + codec.ALIGNMENT

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 import mmap
 import sys
 import threading
@@ -87,13 +88,6 @@ class ReceivePool:
         self._settle(leaving)
         return held
 
-    def clear(self) -> None:
-        """Unmap every idle map now."""
-        with self._lock:
-            leaving = self._take_returned() + self._idle
-            self._idle = []
-        self._settle(leaving)
-
     def _settle(self, leaving: list[mmap.mmap]) -> None:
         """Unmap ``leaving`` (maps taken out under the lock), then move maps given back meanwhile
         into the pool, unless another holder of the lock will (it calls this after)."""
@@ -151,24 +145,19 @@ CHEAP_PAGES = 2e9
 _MADV_POPULATE_WRITE = 23  # Linux 5.14
 
 
-_madvise_function: object = None
-
-
+@functools.cache
 def _madvise():
     """libc's ``madvise`` through ctypes, which lets go of the GIL for the call (``mmap.madvise``
     holds it), looked up on first use; None off Linux."""
-    global _madvise_function
-    if _madvise_function is None:
-        function = False
-        if sys.platform == "linux":
-            try:
-                function = ctypes.CDLL(None, use_errno=True).madvise
-                function.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-                function.restype = ctypes.c_int
-            except (OSError, AttributeError):
-                function = False
-        _madvise_function = function
-    return _madvise_function or None
+    if sys.platform != "linux":
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    function.restype = ctypes.c_int
+    return function
 
 
 @contextmanager
