@@ -16,7 +16,6 @@ import statistics
 import subprocess
 import sys
 
-
 import tannery
 
 from . import clients
