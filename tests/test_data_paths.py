@@ -16,11 +16,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import itertools
+import json
 import logging
 import os
 import socket
 import ssl
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -756,6 +758,62 @@ def test_a_socket_that_went_away_makes_auto_fall_back_to_the_data_port(tmp_path,
         round_trip(auto, calls, "tcp")
         with pytest.raises(tannery.Unavailable, match=f"socket {socket_path} does not answer as this server"):
             open_client(server.target, transport="local").fetch("anything")
+
+
+#: Run in another mount namespace: stores and fetches through ``tannery.Client(target)`` (the
+#: default, ``auto``), then asks for ``local``; prints what it saw as JSON.
+_NAMESPACED_CLIENT = """
+import json, os, sys
+import torch, tannery
+target, data_dir = sys.argv[1], sys.argv[2]
+seen = {"socket_visible": os.path.exists(os.path.join(data_dir, "tannery.sock"))}
+weights = torch.arange(4096, dtype=torch.float32)
+with tannery.Client(target) as client:
+    client.store("namespaced", {"w": weights})
+    seen["transport"] = client.transport
+    seen["same"] = bool(torch.equal(client.fetch("namespaced").find("w"), weights))
+try:
+    with tannery.Client(target, transport="local") as client:
+        client.fetch("namespaced")
+    seen["local"] = "taken"
+except tannery.Unavailable as exc:
+    seen["local"] = str(exc)
+print(json.dumps(seen))
+"""
+
+
+@functools.cache
+def _private_mounts() -> str:
+    """Why this process cannot give a child a mount namespace of its own ('' when it can)."""
+    try:
+        done = subprocess.run(["unshare", "--mount", "--propagation", "private", "mount", "-t", "tmpfs",
+                               "tmpfs", "/mnt"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"unshare: {exc}"
+    return "" if done.returncode == 0 else f"unshare --mount: {done.stderr.strip()}"
+
+
+def test_a_client_in_another_mount_namespace_takes_the_data_port(tmp_path, calls):
+    """A client on the server's host whose mounts differ (a container's): the socket's path
+    names nothing there (a tmpfs over the data directory, in a namespace of its own), so
+    ``auto`` takes the data port, and ``local`` is refused naming the socket."""
+    if _private_mounts():
+        pytest.skip(_private_mounts())
+    with running_server(tmp_path) as server:
+        assert (server.data_dir / "tannery.sock").is_socket()
+        run = subprocess.run(
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+             'mount -t tmpfs tmpfs "$1" && exec "$2" -c "$3" "$4" "$1"', "sh",
+             str(server.data_dir), sys.executable, _NAMESPACED_CLIENT, server.target],
+            capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+        seen = json.loads(run.stdout)
+        assert seen["socket_visible"] is False
+        assert seen["transport"] == "tcp" and seen["same"] is True
+        assert "'local' is not available" in seen["local"] and "tannery.sock" in seen["local"], seen
+        for method in ("Store", "Fetch"):
+            assert calls.last(method, "namespaced").get("transport") == "tcp"
+        assert (server.data_dir / "tannery.sock").is_socket()  # the server's own mounts are untouched
 
 
 def test_a_socket_that_went_away_after_it_was_chosen_fails_the_next_calls_at_once(tmp_path, open_client):
