@@ -34,6 +34,29 @@ def test_payload_digest_matches_sha256_and_block_crcs_for_any_piece_sizes(algori
         assert blob.crc(index) == reference(data[index * 1000 : (index + 1) * 1000])
 
 
+def test_a_payload_written_in_pieces_on_either_side_of_the_parallel_size_is_hashed_and_stored_whole(tmp_path):
+    """Pieces from ``PARALLEL_FROM`` are hashed on another thread while they are written; the
+    blob, its SHA-256 and its block CRCs are those of the bytes whatever the pieces were."""
+    from tannery_server.storage.payload_writer import PARALLEL_FROM
+
+    storage = Storage.open_local(tmp_path / "data")
+    try:
+        data = os.urandom(3 * PARALLEL_FROM + 4097)
+        cuts = [0, 10, PARALLEL_FROM - 1 + 10, 2 * PARALLEL_FROM + 10, 2 * PARALLEL_FROM + 11, len(data)]
+        writer = storage.new_payload()
+        for start, stop in zip(cuts, cuts[1:]):
+            writer.write(memoryview(data)[start:stop])
+        blob = storage.seal(writer)
+        assert blob.digest == hashlib.sha256(data).hexdigest() and blob.size == len(data)
+        for index in range(blob.blocks):
+            block = data[index * blob.block_size : (index + 1) * blob.block_size]
+            assert blob.crc(index) == crc32c.crc32c(block), index
+        assert (tmp_path / "data" / "blobs" / blob.digest[:2] / blob.digest).read_bytes() == data
+        storage.release([blob.digest], collect=True)
+    finally:
+        storage.close()
+
+
 def _store(storage: Storage, name: str, payloads: dict[str, bytes], replace: bool = False):
     entries, blobs = [], []
     for entry, data in payloads.items():

@@ -41,6 +41,12 @@ class PayloadDigest:
     def update(self, data: memoryview | bytes) -> None:
         """Hash the next bytes: the block CRCs, then SHA-256. A payload writer gives slices its
         write has just brought into the CPU's cache, where SHA-256 runs faster."""
+        self.update_checksums(data)
+        self.update_sha256(data)
+
+    def update_checksums(self, data: memoryview | bytes) -> None:
+        """The block checksums (and size) of the next bytes; :meth:`update_sha256` must be given
+        the same bytes in the same order (it may run on another thread meanwhile)."""
         view = memoryview(data)
         self.size += view.nbytes
         pos, end = 0, view.nbytes
@@ -52,7 +58,10 @@ class PayloadDigest:
             if self._in_block == self.block_size:
                 self._crcs += struct.pack("<I", self._crc)
                 self._crc, self._in_block = 0, 0
-        self._sha.update(view)
+
+    def update_sha256(self, data: memoryview | bytes) -> None:
+        """SHA-256 of the next bytes."""
+        self._sha.update(data)
 
     def finish(self) -> BlobInfo:
         crcs = bytes(self._crcs)

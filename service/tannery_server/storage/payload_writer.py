@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from .base import BlobInfo, TempBlob
@@ -12,18 +15,26 @@ if TYPE_CHECKING:
     from .catalog_and_blobs import Storage
 
 
-#: Bytes written, checksummed and hashed at a time. The write brings a slice this small into
-#: the CPU's cache, where the CRC and SHA-256 then read it, so each byte comes from memory
-#: once (SHA-256 runs at 2 GB/s on cached bytes here, 1.2 GB/s from memory): a 1 GiB Store's
-#: server spent 2.5 CPU-s hashing on a thread of its own beside the write, 1.16 this way
-#: (docs/benchmarks.md, "Store: one pass over each byte").
+#: Bytes written and checksummed (and, in a small piece, hashed) at a time. The write brings a
+#: slice this small into the CPU's cache, where the CRC and SHA-256 then read it (SHA-256 runs
+#: at 2 GB/s on cached bytes here, 1.2-1.6 GB/s from memory; docs/benchmarks.md, "Store: one
+#: pass over each byte").
 SLICE = 64 << 10
+#: Pieces from this size are hashed (SHA-256) on a thread of :data:`_HASHING` while the caller
+#: writes and checksums them, so that the Store's slowest thread does half the work: on 2
+#: vCPUs, 1 GiB Stores took 10-13% less time over gRPC and the same-host socket (TCP's
+#: receive thread leaves no core free), for ~0.15 server CPU-s more, as SHA-256 then reads
+#: from memory (docs/benchmarks.md, "Store: SHA-256 beside the write"). Below this size,
+#: handing a piece over costs about what it saves.
+PARALLEL_FROM = 1 << 20
+#: The threads that hash large pieces; a payload has at most one piece there at a time.
+_HASHING = ThreadPoolExecutor(os.cpu_count() or 2, thread_name_prefix="tannery-sha256")
 
 
 class PayloadWriter:
-    """One payload going to a temporary blob, hashed as it is written, slice by slice, on the
-    caller's thread (hashlib, the CRC and the write release the GIL: a data path receives the
-    next piece meanwhile)."""
+    """One payload going to a temporary blob, checksummed as it is written, slice by slice, on
+    the caller's thread, and hashed there too or, for a large piece, beside it (hashlib, the
+    CRC and the write release the GIL: a data path receives the next piece meanwhile)."""
 
     def __init__(self, temp: TempBlob, block_size: int, storage: "Storage | None" = None,
                  expected: str | None = None) -> None:
@@ -42,15 +53,26 @@ class PayloadWriter:
         if self._storage is not None:
             self._storage.check_room()
         try:
-            for at in range(0, view.nbytes, SLICE):
-                piece = view[at:at + SLICE]
-                self.temp.write(piece)
-                self.digest.update(piece)
-                self.size += piece.nbytes
+            if view.nbytes < PARALLEL_FROM:
+                self._write_slices(view, self.digest.update)
+                return
+            hashed = _HASHING.submit(self.digest.update_sha256, view)
+            try:
+                self._write_slices(view, self.digest.update_checksums)
+            finally:
+                hashed.result()  # the piece is read to its end before the caller may reuse it
         except OSError as exc:
             if self._storage is None:
                 raise
             raise self._storage.full_error(exc) from exc
+
+    def _write_slices(self, view: memoryview, digest: Callable[[memoryview], None]) -> None:
+        """Write ``view`` slice by slice, each slice then given to ``digest`` (from the cache)."""
+        for at in range(0, view.nbytes, SLICE):
+            piece = view[at:at + SLICE]
+            self.temp.write(piece)
+            digest(piece)
+            self.size += piece.nbytes
 
     def finish(self) -> BlobInfo:
         """The payload's digest and block checksums; DigestMismatch (the temporary blob
