@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import mmap
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -174,13 +175,34 @@ def test_fresh_pages_are_faulted_in_from_the_end_while_the_body_runs(monkeypatch
     assert not _fault_in_threads()
 
 
-def test_the_fault_in_thread_stops_after_a_step_whose_pages_came_cheap(monkeypatch):
+def test_the_fault_in_thread_stops_after_steps_in_a_row_whose_pages_came_cheap(monkeypatch):
     monkeypatch.setattr(buffer_pool, "CHEAP_PAGES", 0.0)  # every step is cheap
+    monkeypatch.setattr(buffer_pool, "CHEAP_STEPS", 2)
     buffer = framing.receive_buffer(64 * MiB, 8)
     with buffer_pool.faulting_in_behind(buffer):
         assert wait_for(lambda: not _fault_in_threads(), timeout=10)
         resident = _resident_bytes(buffer)
-    assert buffer_pool.FAULT_STEP <= resident <= buffer_pool.FAULT_STEP + mmap.PAGESIZE
+    assert 2 * buffer_pool.FAULT_STEP <= resident <= 2 * buffer_pool.FAULT_STEP + mmap.PAGESIZE
+
+
+def test_a_slow_step_after_cheap_ones_keeps_the_fault_in_thread_going(monkeypatch):
+    """A warm patch of free pages before cold ones must not stop it: the count starts again."""
+    monkeypatch.setattr(buffer_pool, "CHEAP_PAGES", buffer_pool.FAULT_STEP / 0.05)  # slower than 50 ms a step: cold
+    monkeypatch.setattr(buffer_pool, "CHEAP_STEPS", 3)
+    madvise = buffer_pool._madvise()
+    calls = []
+
+    def slow_second_step(address, length, advice):  # the real call; the second one made to look cold
+        calls.append(length)
+        if len(calls) == 2:
+            time.sleep(0.1)
+        return madvise(address, length, advice)
+
+    buffer = framing.receive_buffer(8 * buffer_pool.FAULT_STEP, 0)
+    address = np.frombuffer(buffer, np.uint8).ctypes.data
+    buffer_pool._fault_in_backwards(slow_second_step, address, buffer.nbytes, threading.Event())
+    assert len(calls) == 5  # cheap, cold, then three cheap in a row
+    assert _resident_bytes(buffer) >= 5 * buffer_pool.FAULT_STEP
 
 
 def test_the_fault_in_thread_stops_when_the_body_fails(monkeypatch):

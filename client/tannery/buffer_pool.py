@@ -139,9 +139,15 @@ FAULT_BEHIND_FROM = 32 << 20
 #: Bytes that thread faults in per call (a receive that has passed them stops it soon).
 FAULT_STEP = 16 << 20
 #: Pages faulted in faster than this (bytes per second) are cheap: the receive faults them in
-#: about as fast itself, and a third busy thread on two cores slowed a 1 GiB Fetch by 15%
-#: here, so the thread stops. Pages the host must back again came at 0.4 GB/s.
+#: about as fast itself. Pages the host must back again came at 0.4 GB/s.
 CHEAP_PAGES = 2e9
+#: The thread stops once this many steps in a row (256 MiB) came cheap: a third busy thread
+#: on two cores would slow a Fetch on warm memory. Not at the first cheap step: the free
+#: pages a fresh map gets are often a warm patch of 80-190 MiB (what was freed last) and then
+#: cold ones, so stopping at once left the receive to fault 1 GiB Fetches at 0.37-0.48 GB/s
+#: where this rule gave 0.55-0.72; on warm memory it cost about 1% (docs/benchmarks.md,
+#: "Data paths: fifth measurement").
+CHEAP_STEPS = 16
 _MADV_POPULATE_WRITE = 23  # Linux 5.14
 
 
@@ -164,8 +170,9 @@ def _madvise():
 def faulting_in_behind(buffer: memoryview) -> Iterator[None]:
     """While the body fills ``buffer`` from its start, fault its pages in from its end on another
     thread (``MADV_POPULATE_WRITE``, step by step backwards), so that the two meet in the middle
-    and each core pays for half the fresh pages; the thread stops at the first step whose pages
-    came cheap (:data:`CHEAP_PAGES`: pages already there, or fresh ones the kernel has at hand).
+    and each core pays for half the fresh pages; the thread stops once :data:`CHEAP_STEPS` steps
+    in a row came cheap (:data:`CHEAP_PAGES`: pages already there, or fresh ones the kernel has
+    at hand).
     The thread is stopped and joined when the body ends, however it ends."""
     madvise = _madvise() if buffer.nbytes >= FAULT_BEHIND_FROM else None
     if madvise is None:
@@ -186,12 +193,14 @@ def faulting_in_behind(buffer: memoryview) -> Iterator[None]:
 def _fault_in_backwards(madvise, address: int, size: int, stop: threading.Event) -> None:
     page = mmap.PAGESIZE
     end = address + size
+    cheap = 0
     while end > address and not stop.is_set():
         start = max(address, end - FAULT_STEP)
         aligned = start - start % page
         began = time.perf_counter()
         if madvise(aligned, end - aligned, _MADV_POPULATE_WRITE) != 0:
             return  # a kernel without it: the receive faults the pages in itself
-        if (end - aligned) > CHEAP_PAGES * (time.perf_counter() - began):
+        cheap = cheap + 1 if (end - aligned) > CHEAP_PAGES * (time.perf_counter() - began) else 0
+        if cheap >= CHEAP_STEPS:
             return
         end = start
