@@ -175,10 +175,9 @@ def test_fresh_pages_are_faulted_in_from_the_end_while_the_body_runs(monkeypatch
     assert not _fault_in_threads()
 
 
-def test_the_fault_in_thread_stops_after_steps_in_a_row_whose_pages_came_cheap(monkeypatch):
+def test_the_fault_in_thread_stops_once_cheap_steps_in_a_row_cover_a_quarter_of_the_buffer(monkeypatch):
     monkeypatch.setattr(buffer_pool, "CHEAP_PAGES", 0.0)  # every step is cheap
-    monkeypatch.setattr(buffer_pool, "CHEAP_STEPS", 2)
-    buffer = framing.receive_buffer(64 * MiB, 8)
+    buffer = framing.receive_buffer(8 * buffer_pool.FAULT_STEP, 8)
     with buffer_pool.faulting_in_behind(buffer):
         assert wait_for(lambda: not _fault_in_threads(), timeout=10)
         resident = _resident_bytes(buffer)
@@ -187,22 +186,18 @@ def test_the_fault_in_thread_stops_after_steps_in_a_row_whose_pages_came_cheap(m
 
 def test_a_slow_step_after_cheap_ones_keeps_the_fault_in_thread_going(monkeypatch):
     """A warm patch of free pages before cold ones must not stop it: the count starts again."""
-    monkeypatch.setattr(buffer_pool, "CHEAP_PAGES", buffer_pool.FAULT_STEP / 0.05)  # slower than 50 ms a step: cold
-    monkeypatch.setattr(buffer_pool, "CHEAP_STEPS", 3)
-    madvise = buffer_pool._madvise()
+    monkeypatch.setattr(buffer_pool, "CHEAP_PAGES", buffer_pool.FAULT_STEP / 0.1)  # over 100 ms a step: cold
     calls = []
 
-    def slow_second_step(address, length, advice):  # the real call; the second one made to look cold
+    def second_step_slow(address, length, advice):  # no pages faulted: only the timing matters here
         calls.append(length)
         if len(calls) == 2:
-            time.sleep(0.1)
-        return madvise(address, length, advice)
+            time.sleep(0.3)
+        return 0
 
-    buffer = framing.receive_buffer(8 * buffer_pool.FAULT_STEP, 0)
-    address = np.frombuffer(buffer, np.uint8).ctypes.data
-    buffer_pool._fault_in_backwards(slow_second_step, address, buffer.nbytes, threading.Event())
-    assert len(calls) == 5  # cheap, cold, then three cheap in a row
-    assert _resident_bytes(buffer) >= 5 * buffer_pool.FAULT_STEP
+    size = 16 * buffer_pool.FAULT_STEP  # a quarter: four steps
+    buffer_pool._fault_in_backwards(second_step_slow, 1 << 30, size, threading.Event())
+    assert calls == [buffer_pool.FAULT_STEP] * 6  # cheap, cold, then four cheap in a row
 
 
 def test_the_fault_in_thread_stops_when_the_body_fails(monkeypatch):

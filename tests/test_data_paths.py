@@ -785,9 +785,12 @@ print(json.dumps(seen))
 @functools.cache
 def _private_mounts() -> str:
     """Why this process cannot give a child a mount namespace of its own ('' when it can)."""
+    import tempfile
+
     try:
-        done = subprocess.run(["unshare", "--mount", "--propagation", "private", "mount", "-t", "tmpfs",
-                               "tmpfs", "/mnt"], capture_output=True, text=True, timeout=30)
+        with tempfile.TemporaryDirectory() as where:
+            done = subprocess.run(["unshare", "--mount", "--propagation", "private", "mount", "-t", "tmpfs",
+                                   "tmpfs", where], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"unshare: {exc}"
     return "" if done.returncode == 0 else f"unshare --mount: {done.stderr.strip()}"

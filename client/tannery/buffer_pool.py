@@ -141,13 +141,14 @@ FAULT_STEP = 16 << 20
 #: Pages faulted in faster than this (bytes per second) are cheap: the receive faults them in
 #: about as fast itself. Pages the host must back again came at 0.4 GB/s.
 CHEAP_PAGES = 2e9
-#: The thread stops once this many steps in a row (256 MiB) came cheap: a third busy thread
-#: on two cores would slow a Fetch on warm memory. Not at the first cheap step: the free
-#: pages a fresh map gets are often a warm patch of 80-190 MiB (what was freed last) and then
-#: cold ones, so stopping at once left the receive to fault 1 GiB Fetches at 0.37-0.48 GB/s
-#: where this rule gave 0.55-0.72; on warm memory it cost about 1% (docs/benchmarks.md,
-#: "Data paths: fifth measurement").
-CHEAP_STEPS = 16
+#: The thread stops once the steps in a row that came cheap cover this share of the buffer
+#: (at least one step; 256 MiB of 1 GiB): a third busy thread on two cores would slow a
+#: Fetch on warm memory (one that never stops, by 0.08-0.1 s per GiB). Not at the first cheap
+#: step: the free pages a fresh map gets are often a warm patch of 80-190 MiB (what was freed
+#: last), then cold ones. On cold memory, 1 GiB TCP Fetches took 1.25-3.2 s (9 rounds) when
+#: it stopped at the first cheap step, 1.49-1.95 s (3 rounds) with this rule; on warm memory
+#: it cost about 1% (docs/benchmarks.md, "Data paths: fifth measurement").
+CHEAP_SHARE = 0.25
 _MADV_POPULATE_WRITE = 23  # Linux 5.14
 
 
@@ -170,10 +171,9 @@ def _madvise():
 def faulting_in_behind(buffer: memoryview) -> Iterator[None]:
     """While the body fills ``buffer`` from its start, fault its pages in from its end on another
     thread (``MADV_POPULATE_WRITE``, step by step backwards), so that the two meet in the middle
-    and each core pays for half the fresh pages; the thread stops once :data:`CHEAP_STEPS` steps
-    in a row came cheap (:data:`CHEAP_PAGES`: pages already there, or fresh ones the kernel has
-    at hand).
-    The thread is stopped and joined when the body ends, however it ends."""
+    and each core pays for half the fresh pages; the thread stops once the steps in a row that
+    came cheap (:data:`CHEAP_PAGES`: pages already there, or fresh ones the kernel has at hand)
+    cover :data:`CHEAP_SHARE` of the buffer. The thread is stopped and joined when the body ends, however it ends."""
     madvise = _madvise() if buffer.nbytes >= FAULT_BEHIND_FROM else None
     if madvise is None:
         yield
@@ -193,6 +193,7 @@ def faulting_in_behind(buffer: memoryview) -> Iterator[None]:
 def _fault_in_backwards(madvise, address: int, size: int, stop: threading.Event) -> None:
     page = mmap.PAGESIZE
     end = address + size
+    enough = max(FAULT_STEP, CHEAP_SHARE * size)
     cheap = 0
     while end > address and not stop.is_set():
         start = max(address, end - FAULT_STEP)
@@ -200,7 +201,8 @@ def _fault_in_backwards(madvise, address: int, size: int, stop: threading.Event)
         began = time.perf_counter()
         if madvise(aligned, end - aligned, _MADV_POPULATE_WRITE) != 0:
             return  # a kernel without it: the receive faults the pages in itself
-        cheap = cheap + 1 if (end - aligned) > CHEAP_PAGES * (time.perf_counter() - began) else 0
-        if cheap >= CHEAP_STEPS:
+        done = end - aligned
+        cheap = cheap + done if done > CHEAP_PAGES * (time.perf_counter() - began) else 0
+        if cheap >= enough:
             return
         end = start

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING
 
 from .base import BlobInfo, TempBlob
@@ -59,8 +59,11 @@ class PayloadWriter:
             hashed = _HASHING.submit(self.digest.update_sha256, view)
             try:
                 self._write_slices(view, self.digest.update_checksums)
-            finally:
-                hashed.result()  # the piece is read to its end before the caller may reuse it
+            except BaseException:
+                hashed.cancel()
+                wait([hashed])  # done with the piece, whatever it raises: the write's error is the one
+                raise
+            hashed.result()  # the piece is read to its end before the caller may reuse it
         except OSError as exc:
             if self._storage is None:
                 raise
