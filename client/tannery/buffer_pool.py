@@ -173,7 +173,8 @@ def faulting_in_behind(buffer: memoryview) -> Iterator[None]:
     thread (``MADV_POPULATE_WRITE``, step by step backwards), so that the two meet in the middle
     and each core pays for half the fresh pages; the thread stops once the steps in a row that
     came cheap (:data:`CHEAP_PAGES`: pages already there, or fresh ones the kernel has at hand)
-    cover :data:`CHEAP_SHARE` of the buffer. The thread is stopped and joined when the body ends, however it ends."""
+    cover :data:`CHEAP_SHARE` of the buffer. The thread is stopped and joined when the body
+    ends, however it ends."""
     madvise = _madvise() if buffer.nbytes >= FAULT_BEHIND_FROM else None
     if madvise is None:
         yield
