@@ -98,14 +98,17 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
                 pending = self._run_future(session.feed, message)
             await asyncio.shield(pending)
             # grpc.aio ends the requests of a cancelled call as if the client were done, and
-            # may say it was cancelled only a moment later.
+            # says it was cancelled only a moment later.
             if not session.committed:
                 await _cancellation_known(context)
+            await _cancellation_landed(context)
             _check_alive(context)
             pending = self._run_future(session.finish)
             record = await asyncio.shield(pending)
         except BaseException:
             await asyncio.shield(self._abort_store(session, pending))
+            if session.stored:  # cancelled after the client's half-close, while the commit ran
+                current_call().note("stored", "yes")
             raise
         return archive_info(record)
 
@@ -302,6 +305,20 @@ async def _cancellation_known(context: grpc.aio.ServicerContext, wait: float = 0
     deadline = asyncio.get_running_loop().time() + wait
     while not context.cancelled() and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.01)
+
+
+async def _cancellation_landed(context: grpc.aio.ServicerContext) -> None:
+    """Make a cancellation that ended the requests raise CancelledError here, before a commit.
+
+    grpc.aio ends the requests of a cancelled call (or of a client that went away) exactly as
+    a client's half-close ends them, and cancels the handler from a second event of gRPC's
+    core, which may reach the event loop after the first. One more read goes through the core
+    and back (it answers at once: no message follows the end) behind that event, and the
+    yield after it lets the cancellation land. A Store whose client cancelled with its
+    request stream still open thus stores nothing, even when its ``commit`` had arrived.
+    """
+    await context.read()
+    await asyncio.sleep(0)
 
 
 def _check_alive(context: grpc.aio.ServicerContext) -> None:

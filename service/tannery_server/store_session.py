@@ -52,6 +52,8 @@ class StoreSession:
         self._payload_size = 0
         self._commit: StoreCommit | None = None
         self._closed = False
+        #: Whether :meth:`finish` committed the archive.
+        self.stored = False
         #: Names this call's hold on the blobs it sealed (a shared store's leases).
         self._holder = uuid.uuid4().hex
 
@@ -178,6 +180,7 @@ class StoreSession:
             )
         record = self.storage.commit_archive(self.archive, self._entries, self._blobs, self.replace, self._holder,
                                              self.metadata)
+        self.stored = True
         self._closed = True
         self.storage.release((b.digest for b in self._blobs), holder=self._holder)
         return record
