@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Coroutine
+from typing import TYPE_CHECKING, Any, Awaitable, Coroutine, TypeVar
 
 import grpc
 
@@ -41,6 +41,7 @@ from . import errors
 from .connection import Connection, TLSLike, rpc_error, service_error
 from .datalink import TRANSPORT_KEY, LinkError, PeerFailed
 from .remote import AsyncRemoteArchive
+from .retries import RetryPolicy, call_name, resumed_request
 from .transports import (
     STATUS_WAIT, Route, check_transport, choose, connect_call, link_failure, next_published, publish_over,
     receive_fetch, send_store, ticket_of,
@@ -50,6 +51,8 @@ from .wire import ABANDONED, encode_publish_request, encode_store_commit, encode
 
 if TYPE_CHECKING:  # torch is imported where a tensor is made (tannery.readers, tannery.requests)
     import torch
+
+T = TypeVar("T")
 
 
 def _result_now(coroutine: Coroutine[Any, Any, Any]) -> Any:
@@ -94,8 +97,10 @@ class Client:
     """
 
     def __init__(self, target: str | None = None, *, token: str | None = None, tls: TLSLike = None,
-                 chunk_size: int | None = None, timeout: float | None = None, transport: str | None = None) -> None:
+                 chunk_size: int | None = None, timeout: float | None = None, transport: str | None = None,
+                 retries: int | None = None) -> None:
         self._transport = check_transport(transport)
+        self._retries = RetryPolicy.resolve(retries)
         self._connection = Connection(target, token=token, tls=tls, chunk_size=chunk_size, timeout=timeout)
         self._channel = self._connection.aio_channel()
         self._methods = Methods(self._channel)
@@ -130,10 +135,29 @@ class Client:
         return rpc_error(error, self._connection.target)
 
     async def _unary(self, method: Any, request: Any) -> Any:
+        return await self._retrying(call_name(request), lambda retry: self._unary_once(method, request))
+
+    async def _unary_once(self, method: Any, request: Any) -> Any:
         try:
             return await method(request, **self._options())
         except grpc.RpcError as error:
             raise self._error(error) from None
+
+    async def _retrying(self, what: str, attempt: Callable[[int], Awaitable[T]]) -> T:
+        """As :meth:`tannery.Client._retrying`, waiting with asyncio."""
+        retry = 0
+        while True:
+            try:
+                return await attempt(retry)
+            except errors.ServiceError as error:
+                pause = self._retries.next_delay(retry, what, error)
+            retry += 1
+            await self._retry_after(pause)
+
+    async def _retry_after(self, pause: float) -> None:
+        """Wait, then forget what the server offered: a restarted one may offer other data paths."""
+        await asyncio.sleep(pause)
+        self._offered_known = self._route_known = False
 
     async def _send(self, method: Any, messages: Iterable[bytes] | AsyncIterable[bytes]) -> Any:
         """A client-streaming call: write ``messages``, then the server's answer or its status."""
@@ -216,7 +240,30 @@ class Client:
 
     async def _entries(self, request: archives_pb2.FetchRequest, reader: EntryReader | PieceReader
                        ) -> AsyncIterator[Any]:
-        """What ``reader`` makes of a Fetch call's messages, as they arrive; leaving early cancels the call."""
+        """As :meth:`tannery.Client._entries`: resumed after the entries that came whole."""
+        done: list[str] = []
+        asked, retry = request, 0
+        while True:
+            try:
+                async for item in self._entries_once(asked, reader):
+                    whole = reader.whole(item)
+                    if whole is not None:
+                        done.append(whole)
+                    yield item
+                return
+            except errors.ServiceError as error:
+                pause = self._retries.next_delay(retry, f"Fetch of {request.archive!r}", error)
+            retry += 1
+            await self._retry_after(pause)
+            reader.restart()
+            listed = None if request.entries else [e.name for e in (await self.describe(request.archive)).entries]
+            asked = resumed_request(request, done, listed)
+            if asked is None:
+                return
+
+    async def _entries_once(self, request: archives_pb2.FetchRequest, reader: EntryReader | PieceReader
+                            ) -> AsyncIterator[Any]:
+        """One Fetch call's entries (:meth:`_entries`), on the data path or the gRPC stream."""
         route = await self._data_route()
         if route is not None:
             async for entry in self._entries_over(route, request, reader):
@@ -283,6 +330,12 @@ class Client:
                     progress: Progress = None, metadata: Mapping[str, str] | None = None) -> ArchiveInfo:
         """As :meth:`tannery.Client.store`."""
         archive, rest = archive_to_store(name, value, prefix)
+        return await self._retrying(
+            f"Store of {name!r}", lambda retry: self._store_once(name, archive, rest, replace, progress, metadata))
+
+    async def _store_once(self, name: str, archive: Archive, rest: str, replace: bool, progress: Progress,
+                          metadata: Mapping[str, str] | None) -> ArchiveInfo:
+        """One Store call of the whole archive, on the data path or the gRPC stream."""
         route = await self._data_route()
         if route is not None:
             return await self._store_over(route, name, archive, rest, replace, progress, metadata)
@@ -388,7 +441,17 @@ class Client:
 
     async def delete(self, name: str) -> Deleted:
         """As :meth:`tannery.Client.delete`."""
-        return Deleted.of(await self._unary(self._methods.delete, archives_pb2.DeleteRequest(archive=name)))
+        request = archives_pb2.DeleteRequest(archive=name)
+
+        async def attempt(retry: int) -> Deleted:
+            try:
+                return Deleted.of(await self._unary_once(self._methods.delete, request))
+            except errors.NotFound:
+                if retry:
+                    return Deleted.gone(name)
+                raise
+
+        return await self._retrying(f"Delete of {name!r}", attempt)
 
     async def load_state_dict(self, module: torch.nn.Module, name: str, prefix: str = "", strict: bool = True,
                               *, progress: Progress = None) -> Any:

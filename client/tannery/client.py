@@ -21,7 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
@@ -33,6 +33,7 @@ from .requests import (
     store_begin, store_messages, union_request,
 )
 from .connection import Connection, TLSLike, check_transport, rpc_error
+from .retries import RetryPolicy, call_name, resumed_request
 from .v1 import archives_pb2, channels_pb2
 from .wire import ABANDONED, encode_publish_request, encode_store_commit, encode_store_request
 
@@ -50,6 +51,8 @@ _readers = lazy_module("tannery.readers")
 _remote = lazy_module("tannery.remote")
 _state_dict = lazy_module("tannery.state_dict")
 _transports = lazy_module("tannery.transports")  # with tannery.datalink: sockets, ssl
+
+T = TypeVar("T")
 
 
 class _Guarded:
@@ -85,12 +88,19 @@ class Client:
     their bytes (``TANNERY_TRANSPORT``, else ``"auto"``): ``"local"`` (the server's Unix
     socket: stored files mapped, no copy through a socket), ``"tcp"`` (its data port),
     ``"grpc"`` (the gRPC streams), or ``"auto"``, the first of these that reaches the server
-    (see :mod:`tannery.transports`); it is settled at the first Store or Fetch.
+    (see :mod:`tannery.transports`); it is settled at the first Store or Fetch, and again
+    after a retry. ``retries`` is how many times a call that ended UNAVAILABLE (the server
+    unreachable or restarting, a connection lost mid-call) is tried again
+    (``TANNERY_RETRIES``, else 5; 0 for none; see :mod:`tannery.retries`): reads, Union,
+    Delete and Store (sent again from its start), Fetch (resumed after the entries received).
+    ``timeout`` applies to each attempt.
     """
 
     def __init__(self, target: str | None = None, *, token: str | None = None, tls: TLSLike = None,
-                 chunk_size: int | None = None, timeout: float | None = None, transport: str | None = None) -> None:
+                 chunk_size: int | None = None, timeout: float | None = None, transport: str | None = None,
+                 retries: int | None = None) -> None:
         self._transport = check_transport(transport)
+        self._retries = RetryPolicy.resolve(retries)
         self._connection = Connection(target, token=token, tls=tls, chunk_size=chunk_size, timeout=timeout)
         self._channel = self._connection.channel()
         self._methods = Methods(self._channel)
@@ -141,8 +151,29 @@ class Client:
             raise rpc_error(error, self._connection.target) from None
 
     def _unary(self, method: Any, request: Any) -> Any:
+        return self._retrying(call_name(request), lambda retry: self._unary_once(method, request))
+
+    def _unary_once(self, method: Any, request: Any) -> Any:
         with self._errors():
             return method(request, **self._options())
+
+    def _retrying(self, what: str, attempt: Callable[[int], T]) -> T:
+        """``attempt(retry)`` until it succeeds, tried again as :attr:`_retries` says after an
+        UNAVAILABLE (``retry`` counts the attempts before it); the last error otherwise."""
+        retry = 0
+        while True:
+            try:
+                return attempt(retry)
+            except errors.ServiceError as error:
+                pause = self._retries.next_delay(retry, what, error)
+            retry += 1
+            self._retry_after(pause)
+
+    def _retry_after(self, pause: float) -> None:
+        """Wait, then forget what the server offered: a restarted one may offer other data paths."""
+        time.sleep(pause)
+        with self._route_lock:
+            self._offered_known = self._route_known = False
 
     @property
     def transport(self) -> str:
@@ -198,7 +229,31 @@ class Client:
         return _transports.link_failure(exc, route)
 
     def _entries(self, request: archives_pb2.FetchRequest, reader: EntryReader | PieceReader) -> Iterator[Any]:
-        """What ``reader`` makes of a Fetch call's messages, as they arrive; leaving early cancels the call."""
+        """What ``reader`` makes of a Fetch's messages, as they arrive; leaving early cancels the
+        call. A call that ends UNAVAILABLE is resumed after the entries that came whole."""
+        done: list[str] = []
+        asked, retry = request, 0
+        while True:
+            try:
+                for item in self._entries_once(asked, reader):
+                    whole = reader.whole(item)
+                    if whole is not None:
+                        done.append(whole)
+                    yield item
+                return
+            except errors.ServiceError as error:
+                pause = self._retries.next_delay(retry, f"Fetch of {request.archive!r}", error)
+            retry += 1
+            self._retry_after(pause)
+            reader.restart()
+            listed = None if request.entries else [e.name for e in self.describe(request.archive).entries]
+            asked = resumed_request(request, done, listed)
+            if asked is None:
+                return
+
+    def _entries_once(self, request: archives_pb2.FetchRequest, reader: EntryReader | PieceReader
+                      ) -> Iterator[Any]:
+        """One Fetch call's entries (:meth:`_entries`), on the data path or the gRPC stream."""
         route = self._data_route()
         if route is not None:
             yield from self._entries_over(route, request, reader)
@@ -262,6 +317,12 @@ class Client:
         with the archive and returned by :meth:`describe`.
         """
         archive, rest = archive_to_store(name, value, prefix)
+        return self._retrying(f"Store of {name!r}",
+                              lambda retry: self._store_once(name, archive, rest, replace, progress, metadata))
+
+    def _store_once(self, name: str, archive: Archive, rest: str, replace: bool, progress: Progress,
+                    metadata: Mapping[str, str] | None) -> ArchiveInfo:
+        """One Store call of the whole archive, on the data path or the gRPC stream."""
         route = self._data_route()
         if route is not None:
             return self._store_over(route, name, archive, rest, replace, progress, metadata)
@@ -380,8 +441,21 @@ class Client:
                 return archives
 
     def delete(self, name: str) -> Deleted:
-        """Remove archive ``name`` (NotFound if there is none) and the blobs only it used."""
-        return Deleted.of(self._unary(self._methods.delete, archives_pb2.DeleteRequest(archive=name)))
+        """Remove archive ``name`` (NotFound if there is none) and the blobs only it used.
+
+        When an attempt's answer was lost (UNAVAILABLE) and the retry finds the archive gone,
+        the lost attempt deleted it: the result says so (``already_gone``), with no counts."""
+        request = archives_pb2.DeleteRequest(archive=name)
+
+        def attempt(retry: int) -> Deleted:
+            try:
+                return Deleted.of(self._unary_once(self._methods.delete, request))
+            except errors.NotFound:
+                if retry:
+                    return Deleted.gone(name)
+                raise
+
+        return self._retrying(f"Delete of {name!r}", attempt)
 
     def load_state_dict(self, module: torch.nn.Module, name: str, prefix: str = "", strict: bool = True,
                         *, progress: Progress = None) -> Any:

@@ -75,6 +75,14 @@ class _EntryStream:
         """The stream ended: FormatError if it stopped inside an entry."""
         self._end_entry()
 
+    def restart(self) -> None:
+        """Forget the entry in progress: its call broke, and a new one sends it again whole."""
+        self._name, self._has_payload = None, False
+
+    def whole(self, item: object) -> str | None:
+        """The name of the entry ``item`` completes (what a resumed Fetch need not ask again), else None."""
+        raise NotImplementedError
+
     def _start_entry(self) -> None:
         raise NotImplementedError
 
@@ -96,6 +104,9 @@ class EntryReader(_EntryStream):
         if self._progress is not None:
             self._progress(item.info.size)
         return [(item.name, torch_codec.from_buffer(item.data, item.info.dtype, item.info.shape))]
+
+    def whole(self, item: tuple[str, torch.Tensor]) -> str:
+        return item[0]
 
     def _start_entry(self) -> None:
         self._reframer = Reframer(pool=self.pool)
@@ -145,6 +156,9 @@ class PieceReader(_EntryStream):
         if self._progress is not None:
             self._progress(item.info.size)
         return [TensorPiece(item.name, item.info, 0, item.data, True, True)]
+
+    def whole(self, item: TensorPiece) -> str | None:
+        return item.name if item.last else None
 
     def _start_entry(self) -> None:
         self._deframer = Deframer()

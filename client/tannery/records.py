@@ -92,10 +92,19 @@ class Deleted:
     archive: ArchiveInfo
     blobs_removed: int
     bytes_freed: int
+    #: The call was retried after a lost answer and found the archive gone: the attempt
+    #: whose answer was lost deleted it (what it removed is not known; the counts are 0).
+    already_gone: bool = False
 
     @staticmethod
     def of(message: archives_pb2.DeleteResponse) -> "Deleted":
         return Deleted(ArchiveInfo.of(message.deleted), message.blobs_removed, message.bytes_freed)
+
+    @staticmethod
+    def gone(name: str) -> "Deleted":
+        """What a retried Delete reports for an archive its lost first attempt deleted."""
+        epoch = dt.datetime.fromtimestamp(0, dt.timezone.utc)
+        return Deleted(ArchiveInfo(name, 0, 0, 0, epoch), 0, 0, already_gone=True)
 
 
 @dataclass(frozen=True)
