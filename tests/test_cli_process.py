@@ -135,9 +135,11 @@ def test_unreachable_server_exits_1_with_the_remedy() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         target = f"127.0.0.1:{s.getsockname()[1]}"
-    result = tannery("show", "model", "--target", target)
+    result = tannery("show", "model", "--target", target, "--retries", "1")
     assert result.returncode == 1 and result.stdout == ""
-    assert result.stderr.splitlines() == [
+    assert result.stderr.splitlines()[0].startswith(
+        f"tannery: Describe of 'model': cannot reach the server at {target} (connection refused); retry 1 of 1 in ")
+    assert result.stderr.splitlines()[1:] == [
         f"tannery show: error: cannot reach the server at {target} (connection refused)",
         f"hint: is a server running at {target} (given by --target)? Start one with 'tannery serve', "
         "or give its address with --target HOST:PORT (or TANNERY_TARGET)"]

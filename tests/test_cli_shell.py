@@ -243,7 +243,7 @@ def test_an_unreachable_server_says_where_it_looked_and_what_to_do(tmp_path: Pat
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         target = f"127.0.0.1:{s.getsockname()[1]}"
-    run = tannery("ls", tmp=tmp_path, env=_env(TANNERY_TARGET=target))
+    run = tannery("ls", tmp=tmp_path, env=_env(TANNERY_TARGET=target, TANNERY_RETRIES="0"))
     assert (run.code, run.out) == (1, "")
     assert run.lines == [f"tannery ls: error: cannot reach the server at {target} (connection refused)",
                          f"hint: is a server running at {target} (from TANNERY_TARGET)? Start one with 'tannery serve', "

@@ -213,3 +213,28 @@ def test_a_fetch_by_prefix_resumes_by_name_after_those_done():
     listed = ["body.0.w", "body.1.w", "bodyguard", "head.w", "body"]
     rest = resumed_request(request, ["body", "body.0.w"], listed)
     assert [a.name for a in rest.entries] == ["body.1.w"]
+
+
+# The command line inherits the retries ----------------------------------------------------
+
+
+def test_a_push_waits_for_a_server_that_is_starting(tmp_path):
+    """`tannery push` started while its server is down notes each retry and pushes once it is up."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.arange(6.0)}, str(tmp_path / "model.safetensors"))
+    port = free_port()
+    command = [sys.executable, "-m", "tannery.cli", "push", str(tmp_path / "model.safetensors"), "--as", "m",
+               "--target", f"127.0.0.1:{port}", "--transport", "grpc", "--retries", "8"]
+    push = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.0)
+    with ServerProcess(tmp_path / "data", port=port) as srv:
+        out, err = push.communicate(timeout=60)
+        assert push.returncode == 0, err
+        assert "pushed" in out and "m" in out
+        assert f"Store of 'm': cannot reach the server at 127.0.0.1:{port}" in err and "retry 1 of 8" in err, err
+        with tannery.Client(srv.target, transport="grpc") as client:
+            assert client.fetch("m").find("w").tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]

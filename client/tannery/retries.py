@@ -86,7 +86,8 @@ class RetryPolicy:
                 _note_gave_up(error, retry)
             raise error
         pause = self.delay(retry)
-        log.info("%s: %s; retry %d of %d in %.2f s", what, error, retry + 1, self.retries, pause)
+        log.info("%s: %s; retry %d of %d in %.2f s", what, error, retry + 1, self.retries, pause,
+                 extra={"call": what, "error": error, "retry": retry + 1, "retries": self.retries, "pause": pause})
         return pause
 
 

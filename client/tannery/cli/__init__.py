@@ -88,10 +88,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         parsed = build_parser().parse_args(args)
         # gRPC's C core logs failed TLS handshakes and the like on stderr; the error line says it.
         os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+        if not parsed.quiet:
+            _note_retries(target_of(parsed))
         return _run(parsed, Output(quiet=bool(parsed.quiet)))
     except KeyboardInterrupt:
         print("tannery: interrupted", file=sys.stderr)
         return 130
+
+
+def _note_retries(target: str) -> None:
+    """Each retry of a call (tannery.retries logs it at INFO) as a line on stderr, so that a
+    command waiting for a restarting server says why it waits."""
+    import logging
+
+    class RetryNote(logging.Formatter):
+        def format(self, record: logging.LogRecord) -> str:
+            error = getattr(record, "error", None)
+            if error is None:
+                return f"tannery: {record.getMessage()}"
+            return (f"tannery: {record.call}: {error_message(error, target)}; retry {record.retry} of "
+                    f"{record.retries} in {record.pause:.1f} s")
+
+    logger = logging.getLogger("tannery.client")
+    for old in [h for h in logger.handlers if getattr(h, "tannery_cli", False)]:
+        logger.removeHandler(old)  # main() run again in one process (tests)
+    handler = logging.StreamHandler()  # stderr as it is when a record comes (tests swap it)
+    handler.setFormatter(RetryNote())
+    handler.tannery_cli = True  # type: ignore[attr-defined]
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:

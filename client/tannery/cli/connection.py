@@ -37,6 +37,11 @@ def add_global_options(parser: argparse.ArgumentParser, *, on_subcommand: bool) 
                             "(same host: stored files mapped, no copy through a socket), 'tcp' through its data "
                             "port, 'grpc' the gRPC streams; 'auto' takes the first that reaches the server "
                             "[env TANNERY_TRANSPORT; default auto]")
+    group.add_argument("--retries", metavar="N", type=int, default=default,
+                       help="times a call that finds the server unreachable (restarting, a connection lost "
+                            "midway) is tried again, after pauses that grow to 5 s (6 to 12.5 s in all for 5); a "
+                            "push is sent again from its start, a pull resumes after the entries it has; each "
+                            "retry is noted on stderr; 0 for none [env TANNERY_RETRIES; default 5]")
     parser.add_argument("-q", "--quiet", action="store_true", default=default,
                         help="no progress bars or progress notes on stderr (results and errors still print)")
 
@@ -91,4 +96,13 @@ def connect(args: argparse.Namespace) -> Any:
     if transport is not None and transport not in ("auto", "local", "tcp", "grpc"):
         raise CommandError(f"TANNERY_TRANSPORT={transport!r}: not a transport",
                            hint="set it to auto, local, tcp or grpc (or unset it)")
-    return Client(target_of(args), token=token, tls=TLS(**tls) if tls is not None else None, transport=transport)
+    retries = getattr(args, "retries", None)
+    if retries is not None and retries < 0:
+        raise CommandError(f"--retries {retries}: not a number of retries", hint="give 0 (no retries) or more")
+    try:
+        return Client(target_of(args), token=token, tls=TLS(**tls) if tls is not None else None, transport=transport,
+                      retries=retries)
+    except ValueError as exc:
+        if "TANNERY_RETRIES" not in str(exc):
+            raise
+        raise CommandError(str(exc), hint="set TANNERY_RETRIES to 0 or more (or unset it)") from None
