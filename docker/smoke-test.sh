@@ -86,9 +86,10 @@ size=$(engine image inspect -f '{{.Size}}' "$IMAGE")
 say "image size: $((size / 1000000)) MB"
 engine run --rm --entrypoint python3 "$IMAGE" -c \
   'import importlib.util as u, os; assert u.find_spec("torch") is None, "torch"; assert os.getuid() != 0, "root"'
-# The image's metrics port is the server's default, 20051 (not 9090, Prometheus's own), and exposed.
+# The image keeps fixed, documented ports where the server alone picks free ones (auto): the data
+# port 50052 and metrics on 20051 (IMAGE_METRICS_PORT: not 9090, Prometheus's own), exposed.
 engine run --rm --entrypoint python3 "$IMAGE" -c \
-  'import os; from tannery_server.config import Config; assert os.environ["TANNERY_METRICS_PORT"] == str(Config().metrics_port) == "20051", os.environ["TANNERY_METRICS_PORT"]'
+  'from tannery_server.config import IMAGE_METRICS_PORT, Config; c = Config.from_env(); assert IMAGE_METRICS_PORT == 20051; assert (c.port, c.data_port, c.metrics_port) == (50051, 50052, 20051), (c.port, c.data_port, c.metrics_port)'
 engine image inspect -f '{{json .Config.ExposedPorts}}' "$IMAGE" | grep -q '"20051/tcp"' || { say "the image does not expose 20051"; false; }
 
 step "write a tokens file (a hashed write token, a raw read token)"

@@ -23,9 +23,6 @@ FIXTURES = SHARED / "fixtures" / "tannic-nn"
 #: tests check (messages, chunk counts) is about gRPC. tests/test_data_paths.py runs the
 #: clients on every transport, "auto" included.
 os.environ.setdefault("TANNERY_TRANSPORT", "grpc")
-#: Servers a test starts with `tannery serve` open no data port unless it asks (the default
-#: port, 50052, would be shared by every test and by other runs on this machine).
-os.environ.setdefault("TANNERY_DATA_PORT", "0")
 #: Clients (and the `tannery` commands tests run) give up at the first UNAVAILABLE unless a
 #: test asks for retries: the many tests of unreachable or stopped servers check the error,
 #: which the default retries would delay by 6 to 12 s each. tests/test_retries.py runs them.

@@ -24,7 +24,6 @@ Helpers for raw stubs: :func:`store_requests` splits payloads into ``StoreReques
 from __future__ import annotations
 
 import asyncio
-import errno
 import os
 import re
 import signal
@@ -122,7 +121,7 @@ class InProcessServer:
 
 
 def free_port() -> int:
-    """A TCP port on HOST that nothing listens on now (for the data port, where 0 means none)."""
+    """A TCP port on HOST that nothing listens on now (for a test that names the port itself)."""
     import socket
 
     with socket.socket() as probe:
@@ -132,22 +131,13 @@ def free_port() -> int:
 
 @contextmanager
 def running_server(tmp_path: Path, **config: Any) -> Iterator[InProcessServer]:
-    """A server in this process with data in ``tmp_path / "data"`` (or ``data_dir=``), on a free port."""
+    """A server in this process with data in ``tmp_path / "data"`` (or ``data_dir=``): gRPC, the
+    data port and metrics each on a free port the OS picks (unless ``config`` says otherwise)."""
     from tannery_server.config import Config
 
     config.setdefault("data_dir", Path(tmp_path) / "data")
-    pick = "data_port" not in config
-    for attempt in range(5):
-        if pick:
-            config["data_port"] = free_port()
-        cfg = Config(host=HOST, port=0, **{"grace_seconds": 5.0, "metrics_port": 0, **config})
-        try:
-            server = InProcessServer(cfg)
-            break
-        except OSError as exc:
-            # The free port picked was taken meanwhile (an outgoing connection's, say): another.
-            if not pick or exc.errno != errno.EADDRINUSE or attempt == 4:
-                raise
+    server = InProcessServer(Config(host=HOST, **{"port": 0, "data_port": 0, "metrics_port": 0,
+                                                  "grace_seconds": 5.0, **config}))
     try:
         yield server
     finally:
@@ -155,7 +145,8 @@ def running_server(tmp_path: Path, **config: Any) -> Iterator[InProcessServer]:
 
 
 class ServerProcess:
-    """``python -m tannery_server serve`` in a subprocess, on a free port.
+    """``python -m tannery_server serve`` in a subprocess: gRPC, the data port and metrics each on
+    a free port the OS picks, unless ``config`` or ``env`` says otherwise.
 
     ``config`` keys are flags (``chunk_size=4096`` is ``--chunk-size 4096``);
     ``fsize_limit`` sets RLIMIT_FSIZE in the child, so writes past it fail with EFBIG.
@@ -188,23 +179,13 @@ class ServerProcess:
             args = [sys.executable, "-c", limit, *args]
         return args
 
-    def start(self, timeout: float = 60) -> "ServerProcess":
-        pick = "data_port" not in self.config and "TANNERY_DATA_PORT" not in (self.env or {})
-        for attempt in range(5):
-            try:
-                return self._start(timeout, free_port() if pick else None)
-            except RuntimeError:
-                # The free data port picked was taken meanwhile: another (other failures repeat).
-                if not pick or attempt == 4 or not any("cannot listen for data connections" in line
-                                                       for line in self.log_lines):
-                    raise
-        raise AssertionError("unreachable")
+    def environment(self) -> dict[str, str]:
+        """The server's environment: the caller's, with the data port and metrics on free ports
+        (over any TANNERY_*_PORT set there) unless this server's own ``env`` names them."""
+        return {**os.environ, "TANNERY_DATA_PORT": "auto", "TANNERY_METRICS_PORT": "auto", **(self.env or {})}
 
-    def _start(self, timeout: float, data_port: int | None) -> "ServerProcess":
-        # Metrics on a free port unless asked otherwise (the default port would be shared).
-        env = {"TANNERY_METRICS_PORT": "0", **os.environ, **(self.env or {})}
-        if data_port is not None:  # over the suite's TANNERY_DATA_PORT=0 (tests/conftest.py)
-            env["TANNERY_DATA_PORT"] = str(data_port)
+    def start(self, timeout: float = 60) -> "ServerProcess":
+        env = self.environment()
         self.log_lines = []
         ready = threading.Event()
         self.process = subprocess.Popen(self.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,

@@ -35,7 +35,7 @@ pytestmark = pytest.mark.usefixtures("no_client_environment")
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with running_server(tmp_path_factory.mktemp("channels"), data_port=0) as running:
+    with running_server(tmp_path_factory.mktemp("channels"), data_port="off") as running:
         yield running
 
 
@@ -127,7 +127,7 @@ def test_the_aio_client_publishes_and_subscribes_on_the_same_host(server):
 
 
 def test_a_same_host_subscriber_that_stops_reading_is_dropped_visibly_while_another_keeps_up(tmp_path):
-    with running_server(tmp_path, data_port=0, channel_buffer_bytes=2 * MiB, channel_timeout_seconds=0.5) as server:
+    with running_server(tmp_path, data_port="off", channel_buffer_bytes=2 * MiB, channel_timeout_seconds=0.5) as server:
         with (tannery.Client(server.target, transport="local") as slow_client,
               tannery.Client(server.target, transport="local") as fast_client):
             slow = slow_client.subscribe("busy")
@@ -184,7 +184,7 @@ def test_channels_refuse_the_tcp_data_path_naming_the_ones_they_take(server):
 
 
 def test_a_closed_same_host_subscription_is_forgotten_by_the_server(tmp_path):
-    with running_server(tmp_path, data_port=0) as server, tannery.Client(server.target, transport="local") as client:
+    with running_server(tmp_path, data_port="off") as server, tannery.Client(server.target, transport="local") as client:
         subscription = client.subscribe("leaving")
         assert server.hub.subscribers == 1
         subscription.close()

@@ -737,11 +737,11 @@ def test_with_the_socket_off_auto_takes_the_data_port_and_local_is_unavailable(t
 
 
 def test_with_no_data_path_auto_takes_grpc_and_the_others_are_unavailable(tmp_path, open_client, calls):
-    with running_server(tmp_path, socket="off", data_port=0) as server:
+    with running_server(tmp_path, socket="off", data_port="off") as server:
         auto = open_client(server.target, transport="auto")
         assert auto.transport == "grpc"
         round_trip(auto, calls, "grpc")
-        with pytest.raises(tannery.Unavailable, match=r"'tcp' is not available: .*--data-port is 0"):
+        with pytest.raises(tannery.Unavailable, match=r"'tcp' is not available: .*--data-port is off"):
             open_client(server.target, transport="tcp").store("x", {"w": torch.ones(1)})
         with pytest.raises(tannery.Unavailable, match=r"'local' is not available"):
             open_client(server.target, transport="local").store("x", {"w": torch.ones(1)})
@@ -890,12 +890,20 @@ def test_socket_and_data_port_settings_come_from_flags_and_the_environment():
     env = {"TANNERY_SOCKET": "off", "TANNERY_DATA_PORT": "6001"}
     config = Config.from_env(env)
     assert (config.socket, config.data_port) == ("off", 6001)
-    assert Config.from_env({}).data_port == 50052 and Config.from_env({}).socket == ""
+    assert Config.from_env({}).data_port == 0 and Config.from_env({}).socket == ""  # a free port, the socket
     args = build_parser().parse_args(["serve", "--socket", "/run/t.sock", "--data-port", "0"])
     assert Config.from_env(env, socket=args.socket, data_port=args.data_port).socket == "/run/t.sock"
     assert Config.from_env(env, data_port=args.data_port).data_port == 0
+    # A free port is auto or 0, none is off or empty: from the flag, the environment or Config alike.
+    for text, port in (("auto", 0), ("AUTO", 0), ("0", 0), ("6002", 6002), ("off", None), ("", None)):
+        args = build_parser().parse_args(["serve", "--data-port", text])
+        assert Config.from_env(env, data_port=args.data_port).data_port == port, text
+        assert Config.from_env({"TANNERY_DATA_PORT": text}).data_port == port, text
+        assert Config(data_port=text).data_port == port, text
     with pytest.raises(ValueError, match="data_port 70000 is not in 0..65535"):
         Config(data_port=70000)
+    with pytest.raises(ValueError, match="TANNERY_DATA_PORT: 'abc' is not a port 1..65535, auto .*, or off"):
+        Config.from_env({"TANNERY_DATA_PORT": "abc"})
     with pytest.raises(ValueError, match="data_port 7000 is the gRPC port too"):
         Config(port=7000, data_port=7000)
 

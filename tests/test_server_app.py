@@ -115,7 +115,7 @@ sys.path.insert(0, {str(ROOT)!r})
 from tests.server_harness import store_requests
 
 async def main():
-    running = await app.start(Config(port=0, metrics_port=0, data_port=0, data_dir=Path({str(tmp_path / "data")!r})))
+    running = await app.start(Config(port=0, metrics_port=0, data_port=None, data_dir=Path({str(tmp_path / "data")!r})))
     async with grpc.aio.insecure_channel(running.target) as channel:
         stub = archives_pb2_grpc.ArchivesStub(channel)
         await stub.Store(store_requests("a", {{"w": {PAYLOAD!r}}}))

@@ -19,9 +19,9 @@ from tannery.codec import encode_numpy
 from tannery.v1 import archives_pb2 as pb
 from tannery_server import app
 from tannery_server.cli import build_parser
-from tannery_server.config import Config
+from tannery_server.config import IMAGE_METRICS_PORT, Config
 
-from .server_harness import HOST, InProcessServer, ServerProcess, running_server, store_requests
+from .server_harness import HOST, InProcessServer, ServerProcess, free_port, running_server, store_requests
 
 ROOT = Path(__file__).resolve().parents[1]
 PAYLOAD = encode_numpy(__import__("numpy").arange(16, dtype="float32"))
@@ -98,21 +98,141 @@ def test_port_in_use_sees_a_listening_socket():
     assert not app.port_in_use(HOST, 0)
 
 
-def test_the_metrics_port_is_not_prometheus_nor_an_exporter_default():
-    port = Config().metrics_port
+def _serve_help() -> str:
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    return " ".join(serve.format_help().split())
+
+
+def test_the_side_ports_default_to_free_ones_and_the_image_metrics_port_is_no_common_default():
+    assert (Config().data_port, Config().metrics_port) == (0, 0)  # auto: the OS picks
+    assert "--data-port DATA_PORT" in _serve_help() and _serve_help().count("default auto]") == 2
+    port = IMAGE_METRICS_PORT
     assert port == 20051
     assert not 9090 <= port <= 9999, "Prometheus's own port and the exporters' allocations"
     assert port < 32768, "below Linux's ephemeral ports"
     assert port != Config().port
-    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
-    assert "default 20051" in " ".join(serve.format_help().split())
 
 
-def test_the_docker_files_use_the_default_metrics_port():
+def test_the_docker_files_keep_their_fixed_ports():
     dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
     assert re.search(r"^EXPOSE 50051 50052 20051$", dockerfile, re.M)  # gRPC, the data port, metrics
-    assert "TANNERY_METRICS_PORT=20051" in dockerfile
-    assert f"TANNERY_DATA_PORT={Config().data_port}" in dockerfile
+    assert f"TANNERY_METRICS_PORT={IMAGE_METRICS_PORT}" in dockerfile
+    assert "TANNERY_DATA_PORT=50052" in dockerfile and "TANNERY_PORT=50051" in dockerfile
     assert '"20051:20051"' in (ROOT / "docker" / "compose.yaml").read_text()
     for name in ("Dockerfile", "compose.yaml", "smoke-test.sh"):
         assert "9090" not in (ROOT / "docker" / name).read_text().replace("not 9090", ""), name
+
+
+# Side ports: the data port and metrics default to free ones, so servers never collide ---------
+
+#: The start line: every address the server listens on, with the ports actually bound.
+START_LINE = re.compile(r"serving on 127\.0\.0\.1:(?P<grpc>\d+) \(gRPC\), data port (?:127\.0\.0\.1:(?P<data>\d+)|off), "
+                        r"socket (?P<socket>\S+), metrics (?:http://127\.0\.0\.1:(?P<metrics>\d+)/metrics|off); ")
+
+
+def _listeners(process: ServerProcess) -> dict[str, str | None]:
+    """The addresses named by the start line of ``process``."""
+    matches = [START_LINE.search(line) for line in process.log_lines]
+    found = [m.groupdict() for m in matches if m]
+    assert len(found) == 1, process.log_lines
+    return found[0]
+
+
+def _with_defaults(data_dir: Path, *flags: str) -> ServerProcess:
+    """``tannery serve --host 127.0.0.1 --data-dir DATA_DIR FLAGS``, no TANNERY_* variable set:
+    every other setting at its default."""
+    process = ServerProcess(data_dir)
+    process.command = lambda: [sys.executable, "-m", "tannery_server", "serve", "--host", HOST,  # type: ignore[method-assign]
+                               "--data-dir", str(data_dir), *flags]
+    process.environment = lambda: {k: v for k, v in os.environ.items()  # type: ignore[method-assign]
+                                   if not k.startswith("TANNERY_")}
+    return process
+
+
+def _metrics_answer(port: int) -> bool:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=10) as response:
+        return response.status == 200 and b"tannery_calls_total" in response.read()
+
+
+@pytest.mark.usefixtures("no_client_environment")
+def test_servers_differing_only_in_port_all_start_each_listener_on_a_port_of_its_own(tmp_path):
+    import torch
+
+    import tannery
+
+    ports = [str(free_port()), str(free_port()), "0"]
+    processes = [_with_defaults(tmp_path / f"d{n}", "--port", port) for n, port in enumerate(ports)]
+    try:
+        for process in processes:
+            process.start()
+        seen: list[int] = []
+        for port, process in zip(ports, processes):
+            at = _listeners(process)
+            assert port == "0" or at["grpc"] == port, at
+            assert at["socket"] == str((process.data_dir / "tannery.sock").absolute())
+            numbers = [int(at["grpc"]), int(at["data"]), int(at["metrics"])]  # every one bound: no "off"
+            assert 0 not in numbers and len(set(numbers)) == 3, at
+            seen += numbers
+            # The data port bound is what DataPaths tells clients, and a Store and Fetch go through it.
+            assert process.archives().DataPaths(pb.DataPathsRequest()).data_port == int(at["data"])
+            with tannery.Client(process.target, transport="tcp") as client:
+                client.store("w", {"w": torch.arange(10)})
+                assert torch.equal(client.fetch("w").find("w"), torch.arange(10))
+                assert client.transport == "tcp"
+            assert [a.name for a in process.archives().List(pb.ListRequest()).archives] == ["w"]
+            assert _metrics_answer(int(at["metrics"]))
+        assert len(set(seen)) == len(seen), "no two listeners share a port"
+        for process in processes:
+            assert process.stop() == 0
+    finally:
+        for process in processes:
+            process.kill()
+
+
+def test_off_turns_a_side_listener_off_and_0_picks_a_free_port(tmp_path):
+    with ServerProcess(tmp_path / "off", data_port="off", metrics_port="off", socket="off") as off:
+        assert _listeners(off) == {"grpc": off.target.rsplit(":", 1)[1], "data": None, "socket": "off", "metrics": None}
+        answer = off.archives().DataPaths(pb.DataPathsRequest())
+        assert (answer.data_port, answer.socket_path) == (0, "")
+        assert not any("metrics on" in line for line in off.log_lines)
+    with ServerProcess(tmp_path / "free", data_port=0, metrics_port=0) as free:
+        at = _listeners(free)
+        assert int(at["data"]) and int(at["metrics"])
+        assert free.archives().DataPaths(pb.DataPathsRequest()).data_port == int(at["data"])
+        assert _metrics_answer(int(at["metrics"]))
+    # The environment says the same as the flags; an empty value is off there too.
+    with ServerProcess(tmp_path / "env", env={"TANNERY_DATA_PORT": "", "TANNERY_METRICS_PORT": "off"}) as env:
+        at = _listeners(env)
+        assert (at["data"], at["metrics"]) == (None, None)
+
+
+@pytest.mark.parametrize("flag, value", [("--data-port", "abc"), ("--data-port", "70000"), ("--metrics-port", "-1"),
+                                         ("--metrics-port", "none")])
+def test_a_bad_side_port_is_refused_in_one_line_naming_the_flag_and_the_forms(capsys, flag, value):
+    from tannery_server.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["serve", flag, value])
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert errors == [f"tannery serve: error: argument {flag}: {value!r} is not a port 1..65535, auto (or 0) for a "
+                      "free one the OS picks, or off (or empty) for none"], errors
+
+
+def test_an_explicit_side_port_in_use_stops_the_start_naming_the_flag(tmp_path):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind((HOST, 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for flag in ("--data-port", "--metrics-port"):
+            process = _with_defaults(tmp_path / flag.strip("-"), "--port", "0", flag, str(port))
+            result = subprocess.run(process.command(), capture_output=True, text=True, timeout=60,
+                                    env=process.environment())
+            assert result.returncode == 1, result.stderr
+            lines = [line for line in result.stderr.splitlines() if line.startswith("tannery serve:")]
+            assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and flag in lines[0], result.stderr
+            assert "auto for a free one, or off for none" in lines[0] and "Traceback" not in result.stderr

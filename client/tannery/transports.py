@@ -131,7 +131,7 @@ def choose(transport: str, offered: "DataPathsResponse | None", target: str, tls
     if transport in ("auto", "tcp"):
         host = _host_of(target)
         if offered is None or not offered.data_port:
-            candidates.append(("tcp", "the server offers no data port (its --data-port is 0, or it predates data "
+            candidates.append(("tcp", "the server offers no data port (its --data-port is off, or it predates data "
                                       "paths)"))
         elif host is None:
             candidates.append(("tcp", f"the target {target!r} is not host:port"))

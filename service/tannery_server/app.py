@@ -74,6 +74,11 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
+def metrics_url(host: str, port: int) -> str:
+    """The address of the metrics endpoint, as Prometheus scrapes it."""
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
+
+
 def bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None) -> int:
     """Add the listening port to ``server``; the port bound (the one picked when ``port`` is 0).
 
@@ -186,7 +191,7 @@ async def start(config: Config) -> RunningServer:
     try:
         metrics = None
         observers = []
-        if config.metrics:
+        if config.serves_metrics:
             from .metrics import ServerMetrics  # prometheus_client is loaded only when asked for
 
             metrics = ServerMetrics()
@@ -225,9 +230,9 @@ async def start(config: Config) -> RunningServer:
                 metrics_port = metrics.serve(metrics_host, config.metrics_port)
             except OSError as exc:
                 raise OSError(exc.errno, f"cannot serve metrics on {metrics_host}:{config.metrics_port}: "
-                              f"{exc.strerror or exc} (set TANNERY_METRICS_PORT / --metrics-port, or "
-                              f"TANNERY_METRICS=off)") from None
-            log.info("metrics on http://%s:%d/metrics", metrics_host, metrics_port)
+                              f"{exc.strerror or exc} (choose another port with --metrics-port or "
+                              "TANNERY_METRICS_PORT: auto for a free one, or off for none)") from None
+            log.info("metrics on %s", metrics_url(metrics_host, metrics_port))
         await server.start()
     except BaseException:
         for close in [*enders, *reversed(closers)]:
@@ -244,7 +249,9 @@ async def start(config: Config) -> RunningServer:
     running = RunningServer(server, port, config, storage, health_servicer, metrics_port, channels_servicer,
                             closers, enders)
     security = _security_summary(config, tokens, running.target)
-    log.info("serving on %s (%s; %s)", running.target, security, describe(config))
+    metrics_at = metrics_url(config.metrics_host or config.host, metrics_port) if metrics_port else "off"
+    log.info("serving on %s (gRPC), %s, metrics %s; %s; %s", running.target, data_paths.describe(), metrics_at,
+             security, describe(config))
     return running
 
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .auth import TOKENS_HELP
-from .config import Config, env_name, parse_value
+from .config import IMAGE_METRICS_PORT, SIDE_PORTS, Config, env_name, parse_port, parse_value
 
 # (field, help) for every setting a flag sets; defaults and environment variables are added.
 _FLAGS = [
     ("host", "address to listen on; 0.0.0.0 for every interface"),
-    ("port", "TCP port to listen on; 0 picks a free one (the log says which). One server per port: a port "
+    ("port", "TCP port of gRPC; 0 picks a free one (the start line says which). One server per port: a port "
              "in use by another process stops the start"),
     ("data_dir", "directory of the catalog (catalog.sqlite3), blobs and the space reserve (reserve, see "
                  "--reserve-bytes); one server per directory"),
@@ -36,7 +36,9 @@ _FLAGS = [
                "themselves (mapped, no byte copied through a socket) and Store through sealed memory files; "
                "empty for DATA_DIR/tannery.sock, 'off' for none"),
     ("data_port", "TCP port of the direct data connection beside gRPC (on --host; TLS when gRPC is): a Store or "
-                  "Fetch checked over gRPC moves its bytes there (sendfile); 0 for none"),
+                  "Fetch checked over gRPC moves its bytes there (sendfile). 'auto' (or 0) picks a free port: "
+                  "clients learn it from the DataPaths call, the start line names it; a number is that port "
+                  "(a port in use stops the start); 'off' (or empty) for none"),
     ("chunk_size", "bytes of tensor data per gRPC message the server sends (4096..3MiB)"),
     ("max_payload_bytes", "largest payload one entry may have, header included; larger ones are refused "
                           "(RESOURCE_EXHAUSTED) before any byte is stored"),
@@ -68,19 +70,40 @@ _FLAGS = [
     ("reflection", "on or off: gRPC server reflection (answers without a token)"),
     ("metrics", "on or off: Prometheus metrics over HTTP at /metrics"),
     ("metrics_host", "address of the metrics endpoint; empty for the same as --host"),
-    ("metrics_port", "port of the metrics endpoint; 0 picks a free one. The default is no common service's "
-                     "(not 9090, Prometheus's own, nor an exporter's 9091..9999)"),
+    ("metrics_port", "port of the metrics endpoint: 'auto' (or 0) picks a free port, which the start line "
+                     "names; a number is that port (a port in use stops the start; the container image uses "
+                     f"{IMAGE_METRICS_PORT}, not 9090, Prometheus's own, nor an exporter's 9091..9999); 'off' "
+                     "(or empty) for no endpoint, as --metrics off"),
 ]
 #: Settings whose values are never shown (as defaults or anywhere else).
 _SECRET = {"tokens"}
 
 
-def _shown(default: object) -> str:
+def _shown(name: str, default: object) -> str:
+    """How the default of setting ``name`` is written in ``--help``."""
+    if name in SIDE_PORTS:
+        return {0: "auto", None: "off"}.get(default, str(default))  # type: ignore[call-overload]
     if isinstance(default, bool):
         return "on" if default else "off"
     if default is None or default == "":
         return "unset"
     return str(default)
+
+
+def _flag_type(name: str) -> Callable[[str], object]:
+    """The argparse ``type`` of setting ``name``: its value read from the flag's text, or an
+    error naming the accepted forms (argparse prefixes the flag)."""
+
+    def read(raw: str) -> object:
+        try:
+            if name in SIDE_PORTS:
+                parse_port(raw)  # checked here, kept as text (Config reads it): 'off' is None, not "not given"
+                return raw
+            return parse_value(name, raw)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix(env_name(name) + ": ")) from None
+
+    return read
 
 
 def build_parser(prog: str = "tannery") -> argparse.ArgumentParser:
@@ -121,9 +144,9 @@ def build_parser(prog: str = "tannery") -> argparse.ArgumentParser:
         serve.add_argument(
             "--" + name.replace("_", "-"),
             dest=name,
-            type=lambda raw, name=name: parse_value(name, raw),
+            type=_flag_type(name),
             default=None,
-            help=f"{text} [env {env_name(name)}" + ("]" if name in _SECRET else f"; default {_shown(getattr(defaults, name))}]"),
+            help=f"{text} [env {env_name(name)}" + ("]" if name in _SECRET else f"; default {_shown(name, getattr(defaults, name))}]"),
         )
     return parser
 
@@ -133,8 +156,8 @@ def _storage_flags(parser: argparse.ArgumentParser, defaults: Config) -> None:
     for name, text in _FLAGS:
         if name in ("data_dir", "catalog", "blobs"):
             parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
-                                type=lambda raw, name=name: parse_value(name, raw),
-                                help=f"{text} [env {env_name(name)}; default {_shown(getattr(defaults, name))}]")
+                                type=_flag_type(name),
+                                help=f"{text} [env {env_name(name)}; default {_shown(name, getattr(defaults, name))}]")
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "tannery") -> int:

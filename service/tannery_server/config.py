@@ -43,8 +43,10 @@ class Config:
     health_check_seconds: float = 5.0
     #: Unix socket of the same-host data path: empty for ``data_dir/tannery.sock``, "off" for none.
     socket: str = ""
-    #: TCP port of the direct data connection (on ``host``); 0 for none.
-    data_port: int = 50052
+    #: TCP port of the direct data connection (on ``host``): 0 for a free one the OS picks
+    #: (``auto``, the default: clients learn it from the DataPaths call), None for none (``off``).
+    #: Given as text (``"off"``, ``"auto"``, ``"50052"``), it is read by :func:`parse_port`.
+    data_port: int | None = 0
     #: Bytes of tensor data per message the server sends (Fetch, Subscribe). 1 MiB: 2 MiB
     #: cost the server a little less CPU per byte (docs/benchmarks.md, round 4) but let a
     #: client that writes what it receives to disk (tannery pull) hold about twice as many
@@ -94,19 +96,28 @@ class Config:
     metrics: bool = True
     #: Address of the metrics endpoint; empty for the same as ``host``.
     metrics_host: str = ""
-    #: Port of the metrics endpoint; 0 picks a free one (the log says which). Not 9090,
-    #: Prometheus's own port, nor in 9091..9999, which Prometheus's list of default ports
-    #: has given out to exporters; below Linux's ephemeral ports (32768..60999).
-    metrics_port: int = 20051
+    #: Port of the metrics endpoint: 0 for a free one the OS picks (``auto``, the default: the
+    #: start line says which), None for none (``off``, as ``metrics`` off). Text as for
+    #: ``data_port``. The container image sets 20051 (:data:`IMAGE_METRICS_PORT`).
+    metrics_port: int | None = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir))
+        for name in SIDE_PORTS:
+            value = getattr(self, name)
+            if isinstance(value, str):
+                try:
+                    object.__setattr__(self, name, parse_port(value))
+                except ValueError as exc:
+                    raise ValueError(f"bad configuration: {name} {exc}") from None
         for name in _PATH_FIELDS:
             value = getattr(self, name)
             object.__setattr__(self, name, Path(value) if value not in (None, "") else None)
         problems = []
-        if not 0 <= self.metrics_port <= 65535:
-            problems.append(f"metrics_port {self.metrics_port} is not in 0..65535")
+        for name in SIDE_PORTS:
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 65535:
+                problems.append(f"{name} {value} is not in 0..65535 (or off)")
         if (self.tls_cert is None) != (self.tls_key is None):
             problems.append("tls_cert and tls_key go together: set both or neither")
         if self.tls_client_ca is not None and self.tls_cert is None:
@@ -115,10 +126,9 @@ class Config:
             problems.append(f"reserve_bytes {self.reserve_bytes} is negative")
         if not 0 <= self.port <= 65535:
             problems.append(f"port {self.port} is not in 0..65535")
-        if not 0 <= self.data_port <= 65535:
-            problems.append(f"data_port {self.data_port} is not in 0..65535")
         if self.data_port and self.data_port == self.port:
-            problems.append(f"data_port {self.data_port} is the gRPC port too: choose another, or 0 for none")
+            problems.append(f"data_port {self.data_port} is the gRPC port too: choose another, auto for a free one, "
+                            "or off for none")
         if not 4096 <= self.chunk_size <= 3 * MiB:
             problems.append(f"chunk_size {self.chunk_size} is not in 4096..{3 * MiB} (gRPC messages stay under 4 MiB)")
         for name in ("max_payload_bytes", "max_rank", "max_name_bytes", "max_entries", "channel_buffer_bytes",
@@ -150,18 +160,24 @@ class Config:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "Config":
-        """Defaults, then ``TANNERY_*`` variables of ``env`` (os.environ), then ``overrides``."""
+        """Defaults, then ``TANNERY_*`` variables of ``env`` (os.environ), then ``overrides``
+        (None: not given). An empty variable counts as unset, but for a side port, where it is off."""
         env = os.environ if env is None else env
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             raw = env.get(env_name(f.name))
-            if raw is not None and raw != "":
+            if raw is not None and (raw != "" or f.name in SIDE_PORTS):
                 values[f.name] = parse_value(f.name, raw)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 
     def replace(self, **changes: Any) -> "Config":
         return dataclasses.replace(self, **changes)
+
+    @property
+    def serves_metrics(self) -> bool:
+        """Whether the metrics endpoint listens: ``metrics`` on and ``metrics_port`` not off."""
+        return self.metrics and self.metrics_port is not None
 
 
 #: The schemes of ``catalog`` and ``blobs`` URLs (:mod:`.storage.factory` opens them).
@@ -180,6 +196,29 @@ def without_password(url: str) -> str:
     return f"{scheme}//{user.split(':', 1)[0]}@{rest}"
 
 
+#: The ports of the listeners beside gRPC: a number, a free one (``auto`` or 0) or none (``off``).
+SIDE_PORTS = ("data_port", "metrics_port")
+#: How a side port may be written, for help texts and error messages.
+PORT_FORMS = "a port 1..65535, auto (or 0) for a free one the OS picks, or off (or empty) for none"
+#: The metrics port of the container image (docker/Dockerfile sets it): no common service's
+#: default, not 9090 (Prometheus's own) nor in 9091..9999 (exporters' allocations in
+#: Prometheus's list of default ports), and below Linux's ephemeral ports (32768..60999).
+IMAGE_METRICS_PORT = 20051
+
+
+def parse_port(raw: str) -> int | None:
+    """A side port written as text: None for ``off`` or empty (no listener), 0 for ``auto``
+    or ``0`` (a free port), else the number; ValueError saying the accepted forms."""
+    word = raw.strip().lower()
+    if word in ("", "off"):
+        return None
+    if word == "auto":
+        return 0
+    if not word.isdigit() or int(word) > 65535:
+        raise ValueError(f"{raw!r} is not {PORT_FORMS}")
+    return int(word)
+
+
 #: Settings that name a file; unset (None) by default.
 _PATH_FIELDS = ("tls_cert", "tls_key", "tls_client_ca", "tokens_file", "cache_dir", "nats_creds")
 _TRUE = ("1", "true", "yes", "on")
@@ -196,6 +235,11 @@ _DEFAULTS = Config()
 def parse_value(field_name: str, raw: str) -> Any:
     """The value of field ``field_name`` written as text (ValueError naming the field)."""
     default = getattr(_DEFAULTS, field_name)
+    if field_name in SIDE_PORTS:
+        try:
+            return parse_port(raw)
+        except ValueError as exc:
+            raise ValueError(f"{env_name(field_name)}: {exc}") from None
     try:
         if isinstance(default, bool):
             word = raw.strip().lower()
@@ -229,4 +273,5 @@ def parse_size(raw: str) -> int:
     return int(digits) * _UNITS.get(unit, 1)
 
 
-__all__ = ["Config", "env_name", "parse_size", "parse_value", "without_password"]
+__all__ = ["IMAGE_METRICS_PORT", "PORT_FORMS", "SIDE_PORTS", "Config", "env_name", "parse_port", "parse_size",
+           "parse_value", "without_password"]

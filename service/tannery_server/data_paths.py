@@ -92,6 +92,7 @@ class DataPaths:
         self.config = config
         self.server_id = secrets.token_hex(16)
         self.socket_path: Path | None = None
+        #: The data port bound (0 while there is none: what DataPaths answers then).
         self.data_port = 0
         self.tls = config.tls_cert is not None
         self._tickets: dict[bytes, Ticket] = {}
@@ -109,12 +110,17 @@ class DataPaths:
             self._listen(self._bind_unix(path), local=True)
             self.socket_path = path
             log.info("same-host data path on %s", path)
-        if self.config.data_port:
+        if self.config.data_port is not None:  # 0: a free port the OS picks
             listener = _bind_tcp(self.config.host, self.config.data_port)
             self.data_port = listener.getsockname()[1]
             self._listen(listener, local=False)
             log.info("data connections on %s:%d (%s)", self.config.host, self.data_port,
                      "TLS" if self.tls else "plaintext")
+
+    def describe(self) -> str:
+        """The data paths listening, for the start line: the data port's address, the socket's path."""
+        port = f"{self.config.host}:{self.data_port}" if self.data_port else "off"
+        return f"data port {port}, socket {self.socket_path or 'off'}"
 
     def _bind_unix(self, path: Path) -> socket.socket:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -200,7 +206,7 @@ class DataPaths:
     def require(self, transport: str) -> None:
         """DataPathOff unless this server offers ``transport``."""
         if not self.offers(transport):
-            setting = "--socket / TANNERY_SOCKET is off" if transport == "local" else "--data-port / TANNERY_DATA_PORT is 0"
+            setting = "--socket / TANNERY_SOCKET is off" if transport == "local" else "--data-port / TANNERY_DATA_PORT is off"
             raise DataPathOff(f"this server offers no {transport} data path ({setting}): ask for transport 'auto' "
                               "or 'grpc'")
 
@@ -275,7 +281,8 @@ def _bind_tcp(host: str, port: int) -> socket.socket:
     except OSError as exc:
         listener.close()
         raise OSError(exc.errno, f"cannot listen for data connections on {host}:{port}: {exc.strerror or exc} "
-                      "(choose another port with --data-port or TANNERY_DATA_PORT, or 0 for none)") from None
+                      "(choose another port with --data-port or TANNERY_DATA_PORT: auto for a free one, or off "
+                      "for none)") from None
     return listener
 
 

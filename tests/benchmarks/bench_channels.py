@@ -323,8 +323,8 @@ def cross_replica(options: Options) -> list[Table]:
     try:
         with (
             tempfile.TemporaryDirectory(dir=options.tmp) as tmp,
-            tannery_server(Path(tmp) / "a", data_port=0, nats=nats_server.url) as a,
-            tannery_server(Path(tmp) / "b", data_port=0, nats=nats_server.url) as b,
+            tannery_server(Path(tmp) / "a", data_port="off", nats=nats_server.url) as a,
+            tannery_server(Path(tmp) / "b", data_port="off", nats=nats_server.url) as b,
         ):
             where = {"one replica": "", "A to B through NATS": b.target}
 
@@ -372,7 +372,7 @@ def run(options: Options) -> CaseResult:
     queue = str(64 * MiB // CHUNK)  # the relay buffers as much as a subscriber's default bound
     with (
         tempfile.TemporaryDirectory(dir=options.tmp) as tmp,
-        tannery_server(Path(tmp) / "data", data_port=0) as app,
+        tannery_server(Path(tmp) / "data", data_port="off") as app,
         Subprocess("-m", "tests.benchmarks.bench_channels", "--serve-relay", "--queue", queue) as relay,
     ):
         servers = {Relay: (relay.target, relay.pid), Tannery: (app.target, app.pid)}

@@ -94,7 +94,7 @@ def run(options: Options) -> CaseResult:
     reps = options.repetitions(total)
     result = CaseResult("dcp", f"torch.distributed.checkpoint of {fmt_size(total)} across {WORLD} ranks",
                         __doc__.split("\n\n", 1)[1].strip())
-    with scratch(options, "dcp") as tmp, tannery_server(tmp / "data", data_port=0) as server:
+    with scratch(options, "dcp") as tmp, tannery_server(tmp / "data", data_port="off") as server:
         print(f"  {fmt_size(total)}, {reps} repetitions (load {load_average()})", flush=True)
         ctx = mp.get_context("spawn")
         results = ctx.Queue()

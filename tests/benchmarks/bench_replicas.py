@@ -97,10 +97,10 @@ def run(options: Options) -> CaseResult:
         aws = seaweed.env()
         weed_pid = seaweed._process.pid
         shared_env = {"TANNERY_CATALOG": catalog, "TANNERY_BLOBS": f"s3://{BUCKET}/replicas", **aws}
-        shared = stack.enter_context(tannery_server(tmp / "shared", env=shared_env, data_port=0))
-        cached = stack.enter_context(tannery_server(tmp / "cached", env=shared_env, data_port=0,
+        shared = stack.enter_context(tannery_server(tmp / "shared", env=shared_env, data_port="off"))
+        cached = stack.enter_context(tannery_server(tmp / "cached", env=shared_env, data_port="off",
                                                     cache_dir=tmp / "cache", cache_size=4 * big_bytes))
-        embedded = stack.enter_context(tannery_server(tmp / "embedded", data_port=0))
+        embedded = stack.enter_context(tannery_server(tmp / "embedded", data_port="off"))
         import tannery
 
         def client(server: Subprocess, transport: str) -> tannery.Client:

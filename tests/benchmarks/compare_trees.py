@@ -5,7 +5,7 @@ checkout, each storing the same tensor in turn (the order flipped every round).
     python -m tests.benchmarks.compare_trees /tmp/base --transport tcp --size 1GiB --reps 5
 
 Each server runs in a subprocess on its own data directory (``--metrics-port 0``, a free
-``--data-port``); the client is this checkout's ``tannery.Client``. Prints each tree's median
+``--data-port`` given as a number, which trees from before ``auto`` read too); the client is this checkout's ``tannery.Client``. Prints each tree's median
 time, every round's time and the server's CPU seconds per round. This is how the Store
 changes of docs/benchmarks.md ("Data paths: third measurement") were measured; the
 transport case of ``make bench`` gives the figures against Arrow Flight.

@@ -320,13 +320,13 @@ def tannery_server(data_dir: Path, env: Mapping[str, str] | None = None, **flags
     """``python -m tannery_server serve`` on a free port with its own data directory, as
     configured by default (metrics on, on a free port too; no tokens, no TLS), with both
     data paths: its same-host socket (``DATA_DIR/tannery.sock``, the default) and a data
-    port that is free (not the default 50052, which another server may hold)."""
-    flags.setdefault("data_port", free_port())
+    port on a free port (``auto``, the default, said again over any TANNERY_DATA_PORT)."""
+    flags.setdefault("data_port", "auto")
     args = ["-m", "tannery_server", "serve", "--host", HOST, "--port", "0", "--data-dir", str(data_dir),
             "--log-format", "json"]
     for key, value in flags.items():
         args += ["--" + key.replace("_", "-"), str(value)]
-    return Subprocess(*args, env={"TANNERY_METRICS_PORT": "0", **(env or {})})
+    return Subprocess(*args, env={"TANNERY_METRICS_PORT": "auto", **(env or {})})
 
 
 @contextmanager

@@ -27,14 +27,16 @@ from tannery import codec
 from tannery.v1 import archives_pb2
 
 from . import clients, peers
-from .harness import HOST, KiB, Subprocess, alternate, cpu_seconds, fmt_time, load_average
+from .harness import HOST, KiB, Subprocess, alternate, cpu_seconds, fmt_time, free_port, load_average
 
 SIZE = 4 * KiB
 BARE = "bare grpcio call (4 KiB)"
 
 
 def _tannery(data_dir: Path, tree: Path | None) -> Subprocess:
-    env = {"TANNERY_METRICS_PORT": "0"}
+    # Free ports written as numbers, which trees from before "auto" read too (their data port's
+    # default was 50052, and 0 turned it off).
+    env = {"TANNERY_METRICS_PORT": "0", "TANNERY_DATA_PORT": str(free_port())}
     if tree is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(tree / "client"), str(tree / "service"), os.environ.get("PYTHONPATH", "")])
     return Subprocess("-m", "tannery_server", "serve", "--host", HOST, "--port", "0", "--data-dir", str(data_dir),
