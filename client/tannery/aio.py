@@ -280,9 +280,11 @@ class Client:
     # -- archives ------------------------------------------------------------------------
 
     async def store(self, name: str, value: Any, *, prefix: str = "", replace: bool = False,
-                    progress: Progress = None, metadata: Mapping[str, str] | None = None) -> ArchiveInfo:
+                    progress: Progress = None, metadata: Mapping[str, str] | None = None,
+                    skip_non_tensors: bool = False, allow_empty: bool = False) -> ArchiveInfo:
         """As :meth:`tannery.Client.store`."""
-        archive, rest = archive_to_store(name, value, prefix)
+        archive, rest = archive_to_store(name, value, prefix, skip_non_tensors=skip_non_tensors,
+                                         allow_empty=allow_empty)
         route = await self._data_route()
         if route is not None:
             return await self._store_over(route, name, archive, rest, replace, progress, metadata)

@@ -21,9 +21,10 @@ from .output import Output, human_size, iso_time, local_time
 
 
 def cmd_push(args: argparse.Namespace, out: Output) -> int:
-    from .tensorfiles import checkpoint_kind, payload_total, read_checkpoint
+    from .tensorfiles import checkpoint_kind, describe_skipped, payload_total, read_checkpoint_skipping
 
     metadata: dict[str, str] = {}
+    skipped: list[tuple[str, str]] = []
     what = args.file
     if Path(args.file).is_dir():
         from .hf import read_folder
@@ -37,11 +38,17 @@ def cmd_push(args: argparse.Namespace, out: Output) -> int:
 
         archive, metadata = read_shard(Path(args.file))
     else:
-        archive = read_checkpoint(args.file)
+        archive, skipped = read_checkpoint_skipping(args.file)
     total = payload_total(archive)
     with connect(args) as client, out.transfer(f"push {args.name}", total) as progress:
         info = client.store(args.name, archive, prefix=args.prefix, replace=args.replace, progress=progress,
                             metadata=metadata)
+    if skipped:
+        left = "1 value that is not a tensor" if len(skipped) == 1 else f"{len(skipped)} values that are not tensors"
+        out.warning(f"left out {left} (an archive holds tensors only): {describe_skipped(skipped)}")
+    if args.json:
+        out.json(archive_json(info) | {"skipped": [{"name": name, "type": kind} for name, kind in skipped]})
+        return 0
     out.result(f"pushed {what} as {info.name}: {_entries(info.entries)}, {human_size(info.nbytes)}")
     return 0
 
@@ -277,6 +284,8 @@ def _entries(count: int) -> str:
 
 # -- the parser ----------------------------------------------------------------------------------
 
+JSON_PUSH = ("push --json prints {name, entries, nbytes, payload_bytes, created, skipped: [{name, type}]} "
+             "(skipped: the torch checkpoint's non-tensor values left out).")
 JSON_LS = "ls --json prints a list of {name, entries, nbytes, payload_bytes, created (ISO 8601 UTC)}."
 JSON_SHOW = ("show --json prints {name, entries: [{name, dtype, shape, nbytes, payload_bytes, digest}], "
              "nbytes, payload_bytes, metadata: {key: value}} (sizes in bytes: nbytes of tensor data, "
@@ -309,7 +318,10 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
         "entries are stored 1-D) or a torch checkpoint (.pt, .pth, .bin) read with "
         "torch.load(weights_only=True): every tensor of its dicts and lists becomes an entry named by its "
         "path (model.layers.0.weight). A safetensors file's __metadata__ (a folder's: its first shard's) is "
-        "kept as the archive's metadata. A progress bar shows bytes, rate and time left.",
+        "kept as the archive's metadata. A torch checkpoint's values that are not tensors (a step count, a "
+        "name, None) cannot be entries: push stores the tensors and lists the values it left out, with their "
+        "types, on stderr (and under \"skipped\" with --json). A progress bar shows bytes, rate and time left. "
+        + JSON_PUSH,
         "  tannery push model.safetensors --as resnet50\n"
         "  tannery push ./llama-3-8b/ --as llama3\n"
         "  tannery push encoder.pt --as bert --prefix encoder --replace\n",
@@ -319,6 +331,7 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
     push.add_argument("--as", dest="name", metavar="NAME", type=name_arg, required=True, help="the archive's name")
     push.add_argument("--prefix", metavar="P", default="", help="store every entry under P (w becomes P.w)")
     push.add_argument("--replace", action="store_true", help="replace an archive of that name (default: refuse)")
+    push.add_argument("--json", action="store_true", help="print JSON (keys above)")
 
     pull = command(
         "pull", "write an archive (or part of it) to a file",

@@ -94,6 +94,11 @@ class Output:
         if not self.quiet:
             print(text, file=self.stderr, flush=True)
 
+    def warning(self, text: str) -> None:
+        """A line about something the user should know of (data left out), on stderr, printed
+        with --quiet too: it is not progress."""
+        print(f"warning: {text}", file=self.stderr, flush=True)
+
     def json(self, value: Any) -> None:
         """``value`` as indented JSON on stdout, lists of numbers (shapes) on one line."""
         print(compact_json(value), file=self.stdout)

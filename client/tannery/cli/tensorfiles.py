@@ -24,7 +24,7 @@ from .._lazy import lazy_module
 from ..archive import Archive
 from ..atomic import Replacement
 from ..files import load_safetensors, load_tannic
-from ..values import named_leaves
+from ..values import named_leaves, non_tensor_leaves
 from .errors import CommandError
 
 np = lazy_module("numpy")
@@ -72,27 +72,46 @@ def check_exists(path: str | os.PathLike[str]) -> None:
 
 
 def read_checkpoint(path: str | os.PathLike[str]) -> Archive:
-    """The archive of a checkpoint file, by extension. Safetensors files and .tannic pairs are
-    memory-mapped (their entries are read as they are sent); a torch checkpoint is loaded.
+    """The archive of a checkpoint file (:func:`read_checkpoint_skipping` without its list)."""
+    return read_checkpoint_skipping(path)[0]
+
+
+def read_checkpoint_skipping(path: str | os.PathLike[str]) -> tuple[Archive, list[tuple[str, str]]]:
+    """The archive of a checkpoint file, by extension, and the values it leaves out: the name
+    and type of each non-tensor value of a torch checkpoint (``("step", "int")``), which an
+    archive cannot hold. Safetensors files and .tannic pairs are memory-mapped (their entries
+    are read as they are sent); a torch checkpoint is loaded.
 
     A .tannic pair stores no shapes: its entries are 1-D.
     """
     kind = checkpoint_kind(path)
     if kind == "safetensors":
-        return load_safetensors(path)
+        return load_safetensors(path), []
     if kind == "tannic":
-        return load_tannic(path)
+        return load_tannic(path), []
     value = load_torch(path)
     if isinstance(value, torch.Tensor):
         raise CommandError(f"{path}: one tensor, not a checkpoint of named tensors",
                            hint="publish it (tannery publish CHANNEL FILE), or save a dict of tensors to push")
     try:
-        archive = Archive.of_value(value)
+        archive = Archive.of_value(value, skip_non_tensors=True)
     except (TypeError, ValueError) as exc:
         raise CommandError(f"{path}: {exc}") from None
+    skipped = [(name, type(leaf).__name__) for name, leaf in non_tensor_leaves(value)]
     if not len(archive):
-        raise CommandError(f"{path}: no tensors in the checkpoint (a {type(value).__name__})")
-    return archive
+        if not isinstance(value, (dict, list, tuple)):
+            found = f": it holds a {type(value).__name__}, not a dict of tensors"
+        else:
+            found = f" (a {type(value).__name__}" + (f" of {describe_skipped(skipped)})" if skipped else ")")
+        raise CommandError(f"{path}: no tensors in the checkpoint{found}",
+                           hint="push a file saved from a dict of tensors (torch.save(model.state_dict(), FILE))")
+    return archive, skipped
+
+
+def describe_skipped(skipped: list[tuple[str, str]], most: int = 8) -> str:
+    """``step (int), name (str)``: the values a push left out, the first ``most`` of them."""
+    shown = ", ".join(f"{name} ({kind})" for name, kind in skipped[:most])
+    return shown + (f" and {len(skipped) - most} more" if len(skipped) > most else "")
 
 
 def load_torch(path: str | os.PathLike[str]) -> Any:
@@ -287,7 +306,9 @@ __all__ = [
     "load_torch",
     "output_directory",
     "payload_total",
+    "describe_skipped",
     "read_checkpoint",
+    "read_checkpoint_skipping",
     "read_tensors",
     "refuse_existing",
     "save_tensor",
