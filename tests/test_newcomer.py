@@ -88,3 +88,107 @@ def test_writes_create_missing_parent_directories(tmp_path: Path) -> None:
     with pytest.raises(NotADirectoryError) as e:
         tannery.torch.write(model, tmp_path / "file" / "model")
     assert e.value.filename == str(tmp_path / "file") and "a file is in the way" in str(e.value)
+
+
+# -- messages that say what is wrong, and what to do ------------------------------------------------
+
+
+def test_a_file_torch_cannot_load_is_explained_in_words(cli: Cli, tmp_path: Path) -> None:
+    import pickle
+
+    text = tmp_path / "notatensor.pt"
+    text.write_text("everything")  # 'e' is pickle's APPENDS: torch's own reason is a bare opcode or an IndexError
+    err = cli.fails("push", str(text), "--as", "x")
+    assert (f"{text}: not a checkpoint torch.load(weights_only=True) can read: it is not a file torch.save wrote: "
+            "it starts with b'everythi', neither a zip archive (torch.save's format) nor a pickle") in err
+    assert "hint: push a file torch.save wrote from a dict of tensors" in err
+    plain = tmp_path / "plain.pt"
+    plain.write_bytes(pickle.dumps("notatensor", protocol=4))
+    err = cli.error("push", str(plain), "--as", "x")
+    assert "a pickle, not a file torch.save wrote" in err and "instruction FRAME (byte 149)" in err, err
+    empty = tmp_path / "empty.pt"
+    empty.write_bytes(b"")
+    assert cli.error("push", str(empty), "--as", "x").endswith("can read: the file is empty (0 bytes)\n")
+
+
+def test_an_empty_safetensors_file_is_called_empty(cli: Cli, tmp_path: Path) -> None:
+    empty = tmp_path / "empty.safetensors"
+    empty.write_bytes(b"")
+    assert cli.error("push", str(empty), "--as", "x") == (
+        f"tannery push: error: {empty}: the file is empty (0 bytes); a safetensors file starts with an 8-byte "
+        "header length\n")
+    empty.write_bytes(bytes(8))
+    assert cli.error("push", str(empty), "--as", "x") == (
+        f"tannery push: error: {empty}: the header is empty (its length is 0); a safetensors header is a JSON object\n")
+
+
+def test_a_malformed_target_is_called_malformed_with_no_retry_hint(capsys: pytest.CaptureFixture[str],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    assert main(["--target", "notahost:xx", "ls"]) == 1
+    assert capsys.readouterr().err == (
+        "tannery ls: error: --target notahost:xx: a malformed address: HOST:PORT expected, the port a number\n"
+        "hint: give the server's address as HOST:PORT, e.g. --target localhost:50051 (or TANNERY_TARGET)\n")
+    monkeypatch.setenv("TANNERY_TARGET", "box:")
+    assert main(["ls"]) == 1
+    assert capsys.readouterr().err.startswith("tannery ls: error: TANNERY_TARGET=box:: a malformed address")
+
+
+def test_data_loss_says_how_to_find_and_repair_the_damage(cli: Cli, server, tmp_path: Path) -> None:
+    tannery.Client(server.target).store("m", {"w": torch.arange(10_000.0)})
+    digest = cli.json("show", "m")["entries"][0]["digest"]
+    path = server.data_dir / "blobs" / digest[:2] / digest
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.chmod(0o644)
+    path.write_bytes(bytes(data))
+    hint = cli.hint("get", "m", "w")
+    assert "tannery scrub" in hint and "push those archives again" in hint
+
+
+def test_hints_quote_names_for_the_shell(cli: Cli, tmp_path: Path) -> None:
+    torch.save({"w": torch.ones(1)}, tmp_path / "s.pt")
+    cli.ok("push", str(tmp_path / "s.pt"), "--as", "my model")
+    assert cli.hint("get", "my model", "x") == "tannery show 'my model' lists its entries"
+    assert cli.hint("pull", "my model", "-o", str(tmp_path / "o.safetensors"), "--names", "x") == (
+        "tannery show 'my model' lists its entries")
+
+
+def test_a_mistyped_archive_name_gets_a_did_you_mean(cli: Cli, tmp_path: Path) -> None:
+    torch.save({"w": torch.ones(1)}, tmp_path / "s.pt")
+    cli.ok("push", str(tmp_path / "s.pt"), "--as", "resnet50")
+    for argv in (("show", "resnet05"), ("get", "resnet05", "w"), ("rm", "resnet05"),
+                 ("pull", "resnet05", "-o", str(tmp_path / "o.safetensors"))):
+        assert cli.fails(*argv) == (
+            f"tannery {argv[0]}: error: archive 'resnet05' not found; did you mean 'resnet50'?\n"
+            "hint: tannery ls lists the archives on the server\n")
+    assert cli.error("show", "zzz") == "tannery show: error: archive 'zzz' not found\n"
+
+
+@pytest.fixture
+def server_logging():
+    """The server's logger as it was: ``tannery serve`` in-process points it at the captured stderr."""
+    import logging
+
+    logger = logging.getLogger("tannery_server")
+    saved = (logger.handlers[:], logger.level, logger.propagate)
+    yield
+    logger.handlers[:], logger.level, logger.propagate = saved[0], saved[1], saved[2]
+
+
+def test_a_busy_data_or_metrics_port_is_said_in_words(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                      server_logging: None) -> None:
+    import socket
+
+    from tannery_server.cli import main as serve_main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = str(taken.getsockname()[1])
+        for flag in ("--metrics-port", "--data-port"):
+            argv = ["serve", "--host", "127.0.0.1", "--port", "0", "--data-dir", str(tmp_path / flag), flag, busy]
+            if flag == "--data-port":
+                argv += ["--metrics-port", "0"]
+            assert serve_main(argv) == 1
+            line = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("tannery serve:")][0]
+            assert "[Errno" not in line and f"127.0.0.1:{busy}: Address already in use" in line, line

@@ -128,10 +128,16 @@ def build_parser(prog: str = "tannery") -> argparse.ArgumentParser:
     return parser
 
 
+#: The help of a storage flag where the tools (scrub, migrate) say other than ``serve``: they
+#: take no --reserve-bytes, so their help must not send the reader there.
+_TOOL_HELP = {"data_dir": "directory of the catalog (catalog.sqlite3) and blobs of a stopped server"}
+
+
 def _storage_flags(parser: argparse.ArgumentParser, defaults: Config) -> None:
-    """--data-dir, --catalog and --blobs, as ``serve`` reads them."""
+    """--data-dir, --catalog and --blobs, as ``serve`` reads them (the help without serve-only flags)."""
     for name, text in _FLAGS:
         if name in ("data_dir", "catalog", "blobs"):
+            text = _TOOL_HELP.get(name, text)
             parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
                                 type=lambda raw, name=name: parse_value(name, raw),
                                 help=f"{text} [env {env_name(name)}; default {_shown(getattr(defaults, name))}]")
@@ -163,12 +169,20 @@ def main(argv: Sequence[str] | None = None, prog: str = "tannery") -> int:
         except (CatalogTooNew, DataDirectoryInUse, TokenError, TLSError) as exc:
             print(f"tannery serve: {exc}", file=sys.stderr)
             return 1
-        except OSError as exc:  # an address in use, for the gRPC or the metrics port
-            print(f"tannery serve: {exc}", file=sys.stderr)
+        except OSError as exc:  # an address in use, for the gRPC, data or metrics port
+            print(f"tannery serve: {os_error_text(exc)}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:
             pass
     return 0
+
+
+def os_error_text(exc: OSError) -> str:
+    """An OSError in words, without Python's ``[Errno 98]`` prefix: its message (which names the
+    address or file and says what to do, where tannery raised it), then the file it names."""
+    if not exc.strerror:
+        return str(exc)
+    return f"{exc.filename}: {exc.strerror}" if exc.filename is not None else exc.strerror
 
 
 def _embedded(config: Config) -> bool:

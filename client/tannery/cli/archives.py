@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import shlex
 from typing import Any
 
 from pathlib import Path
@@ -86,13 +87,13 @@ def cmd_pull(args: argparse.Namespace, out: Output) -> int:
             missing = [name for name in names if name not in described]
             if missing:
                 raise CommandError(f"{args.name}: no entry {', '.join(map(repr, missing))} in the archive"
-                                   + did_you_mean(missing[0], list(described)), hint=_SHOW_HINT.format(args.name))
+                                   + did_you_mean(missing[0], list(described)), hint=show_hint(args.name))
             selected = names
         else:
             selected = [name for name in described if owns(args.prefix or "", name)]
             if not selected:
                 raise CommandError(f"{args.name}: no entry under the prefix {args.prefix!r}",
-                                   hint=_SHOW_HINT.format(args.name))
+                                   hint=show_hint(args.name))
         dtypes = sorted({described[name].dtype for name in selected})
         if folder:
             from .hf import ShardedWriter, check_dtypes, folder_outputs, plan_shards
@@ -173,7 +174,7 @@ def cmd_get(args: argparse.Namespace, out: Output) -> int:
         remote = client.archive(args.name)
         if args.entry not in remote:
             raise CommandError(f"{args.name}: no entry {args.entry!r} in the archive{did_you_mean(args.entry, remote.names())}",
-                               hint=_SHOW_HINT.format(args.name))
+                               hint=show_hint(args.name))
         info = remote.info(args.entry)
         if args.output is not None:
             check_npy_dtype(args.output, info.dtype)  # before the transfer
@@ -260,8 +261,10 @@ def entries_of(description: Any) -> list[Any]:
     return list(entries.values() if isinstance(entries, dict) else entries)
 
 
-#: The remedy of a name that is not in an archive.
-_SHOW_HINT = "tannery show {} lists its entries"
+def show_hint(archive: str) -> str:
+    """The remedy of a name that is not in an archive: the command that lists its entries, the
+    archive's name quoted for the shell (``tannery show 'my model'``), ready to paste."""
+    return f"tannery show {shlex.quote(archive)} lists its entries"
 
 
 def _split_names(text: str) -> list[str]:

@@ -150,7 +150,43 @@ def _torch_error(path: Path, exc: BaseException) -> CommandError:
         text = text.split(marker, 1)[1]
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     detail = lines[0].split(". ")[0].rstrip(".") if lines else type(exc).__name__
-    return CommandError(f"{path}: not a checkpoint torch.load(weights_only=True) can read: {detail}")
+    return CommandError(f"{path}: not a checkpoint torch.load(weights_only=True) can read: "
+                        f"{_what_the_file_is(path, explain_unpickling(detail))}",
+                        hint="push a file torch.save wrote from a dict of tensors (a state_dict), or a .safetensors file")
+
+
+def _what_the_file_is(path: Path, detail: str) -> str:
+    """Why torch.load refused, told by the file's first bytes where they say more than torch:
+    an empty file, or one that is neither a zip archive (what torch.save writes) nor a pickle."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError:
+        return detail
+    if not head:
+        return "the file is empty (0 bytes)"
+    if head.startswith((b"PK", b"\x80")):  # a zip archive or a pickle: torch's reason is the one
+        return detail
+    return f"it is not a file torch.save wrote: it starts with {head!r}, neither a zip archive (torch.save's format) nor a pickle torch.load reads"
+
+
+def explain_unpickling(detail: str) -> str:
+    """torch.load's reason in words: an opcode number (``Unsupported operand 101``, or a bare
+    ``101``) says which pickle instruction stopped the safe unpickler, and what that means."""
+    import pickletools
+
+    opcode = re.fullmatch(r"(?:Unsupported operand )?(\d+)", detail)
+    if opcode is not None:
+        code = int(opcode.group(1))
+        op = pickletools.code2op.get(chr(code)) if code < 256 else None
+        name = f" {op.name}" if op is not None else ""
+        return (f"a pickle, not a file torch.save wrote (a zip archive of tensors): the safe unpickler stops at "
+                f"its instruction{name} (byte {code}), which no torch.save file holds; a plain pickle.dump, perhaps")
+    if detail.startswith("Invalid magic number"):
+        return "it is not a file torch.save wrote (an unknown beginning: a plain pickle, or a damaged file)"
+    if "failed finding central directory" in detail or "zip archive" in detail:
+        return f"it is not a whole torch.save file: its zip archive is damaged or cut short ({detail})"
+    return detail
 
 
 def payload_total(archive: Archive, names: list[str] | None = None) -> int:
