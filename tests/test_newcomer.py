@@ -192,3 +192,28 @@ def test_a_busy_data_or_metrics_port_is_said_in_words(tmp_path: Path, capsys: py
             assert serve_main(argv) == 1
             line = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("tannery serve:")][0]
             assert "[Errno" not in line and f"127.0.0.1:{busy}: Address already in use" in line, line
+
+
+# -- cosmetics ---------------------------------------------------------------------------------------
+
+
+def test_ls_shortens_a_long_name_in_the_table_and_keeps_it_whole_in_json(cli: Cli, tmp_path: Path) -> None:
+    torch.save({"w": torch.ones(1)}, tmp_path / "s.pt")
+    long_name = "x" * 300
+    cli.ok("push", str(tmp_path / "s.pt"), "--as", long_name)
+    cli.ok("push", str(tmp_path / "s.pt"), "--as", "模型权重")
+    lines = cli.ok("ls").splitlines()
+    assert max(len(line) for line in lines) < 120, lines
+    assert any(line.startswith("x" * 59 + "…") for line in lines)
+    from tannery.cli.output import cell_width
+
+    # columns line up by display width: ENTRIES ends at the same column on every row
+    ends = {cell_width(line[: line.index(" 1 ") + 2]) for line in lines[1:]}
+    assert len(ends) == 1, lines
+    assert {a["name"] for a in cli.json("ls")} == {long_name, "模型权重"}
+
+
+def test_as_takes_a_name_that_starts_with_a_dash(cli: Cli, tmp_path: Path) -> None:
+    torch.save({"w": torch.ones(1)}, tmp_path / "s.pt")
+    assert cli.ok("push", str(tmp_path / "s.pt"), "--as", "-dash").startswith(f"pushed {tmp_path / 's.pt'} as -dash:")
+    assert [a["name"] for a in cli.json("ls")] == ["-dash"]

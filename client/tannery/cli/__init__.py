@@ -85,13 +85,34 @@ def main(argv: Sequence[str] | None = None) -> int:
             from tannery_server.cli import main as serve_main
 
             return serve_main(args)
-        parsed = build_parser().parse_args(args)
+        parsed = build_parser().parse_args(_dash_values(args))
         # gRPC's C core logs failed TLS handshakes and the like on stderr; the error line says it.
         os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
         return _run(parsed, Output(quiet=bool(parsed.quiet)))
     except KeyboardInterrupt:
         print("tannery: interrupted", file=sys.stderr)
         return 130
+
+
+#: Options whose value may start with a dash (an archive named ``-dash``): argparse would take it
+#: for an option, so ``--as -dash`` is passed on as ``--as=-dash``.
+_NAME_OPTIONS = ("--as",)
+
+
+def _dash_values(argv: list[str]) -> list[str]:
+    """``argv`` with each ``--as VALUE`` whose value starts with a dash joined as ``--as=VALUE``."""
+    out: list[str] = []
+    index = 0
+    while index < len(argv):
+        token = argv[index]
+        if token in _NAME_OPTIONS and index + 1 < len(argv) and argv[index + 1].startswith("-") \
+                and argv[index + 1] not in ("-h", "--help"):
+            out.append(f"{token}={argv[index + 1]}")
+            index += 2
+            continue
+        out.append(token)
+        index += 1
+    return out
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:

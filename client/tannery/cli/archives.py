@@ -18,7 +18,10 @@ from ..codec import WRITER_CODES
 from ..names import did_you_mean
 from .connection import connect
 from .errors import CommandError
-from .output import Output, human_size, iso_time, local_time
+from .output import Output, human_size, iso_time, local_time, shorten
+
+#: Columns a name takes at most in ls's table (longer ones end with an ellipsis; --json has them whole).
+NAME_COLUMNS = 60
 
 
 def cmd_push(args: argparse.Namespace, out: Output) -> int:
@@ -133,7 +136,8 @@ def cmd_ls(args: argparse.Namespace, out: Output) -> int:
     elif not archives:
         out.note("no archives" + (f" named {args.prefix}..." if args.prefix else ""))
     else:
-        rows = [(a.name, str(a.entries), human_size(a.nbytes), local_time(getattr(a, "created", None))) for a in archives]
+        rows = [(shorten(a.name, NAME_COLUMNS), str(a.entries), human_size(a.nbytes),
+                 local_time(getattr(a, "created", None))) for a in archives]
         out.table([("NAME", "left"), ("ENTRIES", "right"), ("SIZE", "right"), ("CREATED", "left")], rows)
     return 0
 

@@ -199,6 +199,21 @@ def cell_width(text: str) -> int:
     return width
 
 
+def shorten(text: str, most: int) -> str:
+    """``text`` cut to at most ``most`` terminal columns, ending with an ellipsis when cut (wide
+    characters count two); a table of long names stays readable, --json keeps them whole."""
+    if cell_width(text) <= most:
+        return text
+    kept, width = [], 0
+    for char in text:
+        step = cell_width(char)
+        if width + step > most - 1:
+            break
+        kept.append(char)
+        width += step
+    return "".join(kept) + "…"
+
+
 def _terminal_width() -> int:
     import shutil
 
