@@ -271,25 +271,41 @@ def model_value() -> dict:
 
 def test_of_value_names_each_tensor_by_its_path_and_copies_nothing():
     value = model_value()
-    a = Archive.of_value(value)
+    a = Archive.of_value(value, skip_non_tensors=True)
     assert a.names() == ["model.blocks.0", "model.blocks.1", "model.blocks.2.0", "model.scale"]
     assert a.find("model.blocks.1") is value["model"]["blocks"][1]
     assert a.find("model.scale") is value["model"]["scale"]
 
 
 def test_of_value_puts_names_under_a_prefix():
-    a = Archive.of_value(model_value(), prefix="run")
+    a = Archive.of_value(model_value(), prefix="run", skip_non_tensors=True)
     assert a.names() == ["run.model.blocks.0", "run.model.blocks.1", "run.model.blocks.2.0", "run.model.scale"]
     a = Archive.of_value(torch.ones(2), prefix="w")
     assert a.names() == ["w"]
-    assert len(Archive.of_value({"steps": 3, "name": "x", "nothing": [[], {}, ()]})) == 0
+    assert len(Archive.of_value({"steps": 3, "name": "x", "nothing": [[], {}, ()]}, skip_non_tensors=True)) == 0
+
+
+def test_of_value_refuses_a_leaf_that_is_not_a_tensor_naming_its_path():
+    """A non-tensor leaf no longer vanishes: the first one is named, with the way to leave it out."""
+    state = {"optimizer": {"state": {0: {"exp_avg": torch.ones(2), "step": 5}}}, "name": "x"}
+    with pytest.raises(TypeError) as e:
+        Archive.of_value(state)
+    assert message(e).startswith("Archive.of_value: optimizer.state.0.step is an int, not a tensor; ")
+    assert "skip_non_tensors=True" in message(e)
+    with pytest.raises(TypeError, match=r"^Archive.of_value: run.m.0 is None, not a tensor; "):
+        Archive.of_value({"m": [None]}, prefix="run")
+    with pytest.raises(TypeError, match=r"^Archive.of_value: the value is a str, not a tensor; "):
+        Archive.of_value("notatensor")
+    # Empty containers hold no leaf: nothing to refuse.
+    assert Archive.of_value({"w": torch.ones(1), "nothing": [[], {}, ()]}).names() == ["w"]
+    assert Archive.of_value(state, skip_non_tensors=True).names() == ["optimizer.state.0.exp_avg"]
 
 
 def test_of_value_names_dict_keys_of_any_type_by_their_str():
     # The shape of an SGD optimizer's state_dict (torch.optim itself takes seconds to import).
     state = {"state": {0: {"momentum_buffer": torch.ones(2)}, 1: {"momentum_buffer": None}},
              "param_groups": [{"lr": 0.1, "momentum": 0.9, "params": [0, 1]}]}
-    a = Archive.of_value(state, prefix="optim")
+    a = Archive.of_value(state, prefix="optim", skip_non_tensors=True)
     assert a.names() == ["optim.state.0.momentum_buffer"]
     like = {"state": {0: {"momentum_buffer": torch.empty(2)}, 1: {"momentum_buffer": None}},
             "param_groups": [{"lr": 0.5, "momentum": 0.9, "params": [0, 1]}]}
@@ -336,7 +352,7 @@ def test_to_value_gives_the_entries_in_likes_structure():
     value = model_value()
     like = like_of(value)
     like["model"]["steps"] = 99
-    got = Archive.of_value(value, prefix="p").to_value(like, prefix="p")
+    got = Archive.of_value(value, prefix="p", skip_non_tensors=True).to_value(like, prefix="p")
     assert got["model"]["blocks"][1] is value["model"]["blocks"][1]
     assert got["model"]["blocks"][2][0] is value["model"]["blocks"][2][0]
     assert isinstance(got["model"]["blocks"][2], tuple) and got["model"]["blocks"][2][1] == "relu"
@@ -380,7 +396,7 @@ def test_to_value_keeps_namedtuples_and_list_subclasses():
         pass
 
     value = {"pair": Pair(torch.ones(1), 3), "list": Tensors([torch.zeros(2)])}
-    got = Archive.of_value(value).to_value(like_of(value) | {"pair": Pair(torch.empty(1), 3)})
+    got = Archive.of_value(value, skip_non_tensors=True).to_value(like_of(value) | {"pair": Pair(torch.empty(1), 3)})
     assert type(got["pair"]) is Pair and got["pair"].a is value["pair"].a and got["pair"].b == 3
 
 
@@ -431,7 +447,7 @@ def test_to_value_ignores_entries_the_prefix_does_not_own():
     model = {"w": torch.ones(2)}
     optim = {"state": {0: {"momentum": torch.zeros(2)}}, "lr": 0.1}
     one_file = Archive.union(
-        [Archive.of_value(model, prefix="model"), Archive.of_value(optim, prefix="optim"),
+        [Archive.of_value(model, prefix="model"), Archive.of_value(optim, prefix="optim", skip_non_tensors=True),
          Archive.of_list({"models.w": torch.ones(5), "modelx": torch.ones(1)})]
     )
     assert one_file.to_value({"w": torch.empty(2)}, prefix="model")["w"] is model["w"]
@@ -476,7 +492,7 @@ def test_to_value_takes_numpy_likes():
 def test_of_value_then_to_value_gives_the_value_back():
     value = model_value()
     for prefix in ("", "run", "a.b"):
-        got = Archive.of_value(value, prefix).to_value(like_of(value), prefix)
+        got = Archive.of_value(value, prefix, skip_non_tensors=True).to_value(like_of(value), prefix)
         assert named_leaves(got).keys() == named_leaves(value).keys()
         for name, tensor in named_leaves(value).items():
             assert named_leaves(got)[name] is tensor

@@ -237,7 +237,7 @@ def test_malformed_safetensors_files_raise_format_errors(tmp_path, case):
 def test_safetensors_header_lengths_that_lie_raise_format_errors(tmp_path):
     path = tmp_path / "bad.safetensors"
     for content, expected in [
-        (b"", "0 bytes, too short for the 8-byte header length"),
+        (b"", "the file is empty \\(0 bytes\\); a safetensors file starts with an 8-byte header length"),
         (b"\x02\0\0", "3 bytes, too short for the 8-byte header length"),
         (struct.pack("<Q", 100) + b"{}", "truncated: a header of 100 bytes, 2 bytes after its length"),
         (struct.pack("<Q", 2**63) + b"{}", f"header length {2**63} is over the limit of 100000000 bytes"),

@@ -121,7 +121,7 @@ def assert_value(got: Any, value: Any, like: Any) -> None:
 @given(values(ALL_DTYPES), PREFIXES, st.booleans())
 def test_in_memory_round_trip(value, prefix, meta):
     prefix = fix_prefix(value, prefix)
-    archive = Archive.of_value(value, prefix)
+    archive = Archive.of_value(value, prefix, skip_non_tensors=True)
     leaves = named_leaves(value, prefix)
     assert archive.names() == sorted(leaves)
     for name, leaf in leaves.items():
@@ -142,7 +142,7 @@ def test_safetensors_round_trip(value, prefix):
     prefix = fix_prefix(value, prefix)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "value.safetensors"
-        save_safetensors(path, Archive.of_value(value, prefix))
+        save_safetensors(path, Archive.of_value(value, prefix, skip_non_tensors=True))
         loaded = load_safetensors(path)
         assert loaded.names() == sorted(named_leaves(value, prefix))
         like = like_of(value)
@@ -156,7 +156,7 @@ def test_tannic_round_trip_with_like(value, prefix):
     like = like_of(value)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "value"
-        save_tannic(path, Archive.of_value(value, prefix))
+        save_tannic(path, Archive.of_value(value, prefix, skip_non_tensors=True))
         loaded = load_tannic(path, like=like, prefix=prefix)
         assert_value(loaded.to_value(like, prefix), value, like)
 
@@ -164,7 +164,7 @@ def test_tannic_round_trip_with_like(value, prefix):
 @SETTINGS
 @given(values(SAFETENSORS_DTYPES), values(ALL_DTYPES))
 def test_two_values_share_a_file_under_distinct_prefixes(model, optim):
-    both = Archive.union([Archive.of_value(model, "model"), Archive.of_value(optim, "optim")])
+    both = Archive.union([Archive.of_value(model, "model", skip_non_tensors=True), Archive.of_value(optim, "optim", skip_non_tensors=True)])
     with tempfile.TemporaryDirectory() as tmp:
         save_tannic(Path(tmp) / "both", both)
         like_model, like_optim = like_of(model), like_of(optim)
@@ -180,7 +180,7 @@ def test_a_like_that_differs_in_one_leaf_is_named(value, data):
     leaves = named_leaves(value, prefix)
     if not leaves:
         return
-    archive = Archive.of_value(value, prefix)
+    archive = Archive.of_value(value, prefix, skip_non_tensors=True)
     name = data.draw(st.sampled_from(sorted(leaves)))
     leaf = leaves[name]
     other = data.draw(st.sampled_from([d for d in ALL_DTYPES if d != tannery.archive.leaf_dtype(leaf)]))
@@ -198,3 +198,17 @@ def replace_leaf(value: Any, prefix: str, name: str, new: torch.Tensor) -> Any:
     from tannery.names import join
 
     return rebuild(value, (), lambda path, leaf: new if join(prefix, *path) == name else leaf)
+
+
+@SETTINGS
+@given(values(ALL_DTYPES), PREFIXES)
+def test_of_value_refuses_exactly_the_values_with_a_non_tensor_leaf(value, prefix):
+    prefix = fix_prefix(value, prefix)
+    others = list(tannery.values.non_tensor_leaves(value, prefix))
+    if not others:
+        assert Archive.of_value(value, prefix).names() == sorted(named_leaves(value, prefix))
+        return
+    with pytest.raises(TypeError) as e:
+        Archive.of_value(value, prefix)
+    name, leaf = others[0]
+    assert str(e.value).startswith(f"Archive.of_value: {tannery.values.not_a_tensor(name, leaf)}; ")

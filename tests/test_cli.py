@@ -182,8 +182,9 @@ def test_push_torch_checkpoint_with_prefix_and_replace(cli: Cli, tmp_path: Path)
     path = tmp_path / "ckpt.pth"
     torch.save({"model": {"w": torch.ones(2, 2), "b": torch.zeros(2)}, "step": 10, "opt": [torch.full((3,), 0.5)]},
                path)
-    out = cli.ok("push", str(path), "--as", "run", "--prefix", "train")
-    assert out == f"pushed {path} as run: 3 entries, 36 B\n"
+    code, out, err = cli("push", str(path), "--as", "run", "--prefix", "train")
+    assert code == 0 and out == f"pushed {path} as run: 3 entries, 36 B\n"
+    assert err == "warning: left out 1 value that is not a tensor (an archive holds tensors only): step (int)\n"
     assert [e["name"] for e in cli.json("show", "run")["entries"]] == ["train.model.b", "train.model.w", "train.opt.0"]
 
     assert "already exists" in cli.fails("push", str(path), "--as", "run")

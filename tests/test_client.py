@@ -245,7 +245,7 @@ def test_store_takes_archives_mappings_modules_and_nested_values(client, tmp_pat
     assert [e.name for e in client.describe("module")] == ["0.bias", "0.weight", "2.bias", "2.weight"]
 
     nested = {"model": {"w": torch.ones(2)}, "optim": [torch.zeros(3), {"m": torch.arange(4)}], "epoch": 3}
-    client.store("nested", nested, prefix="ckpt")
+    client.store("nested", nested, prefix="ckpt", skip_non_tensors=True)  # "epoch" left out, as asked
     assert [e.name for e in client.describe("nested")] == ["ckpt.model.w", "ckpt.optim.0", "ckpt.optim.1.m"]
 
     tannery.save_safetensors(tmp_path / "a.safetensors", tannery.Archive.of_list({"x": torch.arange(6.0)}))
@@ -288,6 +288,36 @@ def test_store_refuses_values_that_are_not_tensors_before_calling(client, server
     with pytest.raises(tannery.InvalidArgument, match="Client.store: the archive's name is a non-empty str, not ''"):
         client.store("", {"w": torch.ones(1)})
     assert client.list() == []
+
+
+def test_store_refuses_a_non_tensor_leaf_naming_its_path(client):
+    """Nothing vanishes: a value with a leaf that is not a tensor is refused before the call,
+    the first such leaf named by its path; skip_non_tensors=True stores the tensors alone."""
+    state = {"optimizer": {"state": {0: {"exp_avg": torch.ones(2), "step": 5}}}}
+    with pytest.raises(TypeError) as e:
+        client.store("x1", state)
+    assert str(e.value).startswith("Client.store('x1'): optimizer.state.0.step is an int, not a tensor; ")
+    assert "skip_non_tensors=True" in str(e.value)
+    with pytest.raises(TypeError, match=r"^Client.store\('x2'\): a is a str, not a tensor; "):
+        client.store("x2", {"a": "notatensor"})
+    with pytest.raises(TypeError, match=r"^Client.store\('x1'\): ckpt.m.1 is None, not a tensor; "):
+        client.store("x1", {"m": [torch.ones(1), None]}, prefix="ckpt")
+    assert client.list() == []
+    assert client.store("x1", state, skip_non_tensors=True).entries == 1
+    assert client.fetch("x1").names() == ["optimizer.state.0.exp_avg"]
+
+
+def test_store_refuses_an_empty_archive_unless_allowed(client):
+    for value in ({}, [], {"a": []}, tannery.Archive.of_list([])):
+        with pytest.raises(tannery.ArchiveError) as e:
+            client.store("x3", value)
+        assert str(e.value) == ("Client.store('x3'): the value holds no tensors, so the archive would be empty; "
+                                "give allow_empty=True to store an empty archive")
+    with pytest.raises(tannery.ArchiveError, match="would be empty"):
+        client.store("x3", {"a": "notatensor"}, skip_non_tensors=True)
+    assert client.list() == []
+    assert client.store("x3", {}, allow_empty=True).entries == 0
+    assert client.fetch("x3").names() == []
 
 
 def test_progress_counts_every_byte_sent_and_received(client):

@@ -59,7 +59,7 @@ def contents(server) -> dict[str, dict[str, bytes]]:
 def test_migrate_copies_every_archive_and_a_replica_serves_them(source, target, tmp_path, capsys):
     code, out = migrate(source, target, capsys)
     assert code == 0, out
-    assert "migrated 3 archives (4 blobs" in out and "1 blobs already there" in out
+    assert "migrated 3 archives (4 blobs" in out and "1 blob already there" in out
     with running_server(tmp_path / "replica", **target) as replica:
         assert contents(replica) == ARCHIVES
         assert len(set(replica.storage.blobs.digests())) == 4  # the shared w is one blob
@@ -79,7 +79,7 @@ def test_migrate_run_again_skips_what_is_there_and_reports_a_conflict(source, ta
     assert code == 1
     assert "base: CONFLICT" in out and "delete or rename them there" in out
     # tuned again: both its blobs are still there (head's grace period runs), so none is copied
-    assert "migrated 1 archives (0 blobs, 0 bytes copied, 2 blobs already there)" in out
+    assert "migrated 1 archive (0 blobs, 0 bytes copied, 2 blobs already there)" in out
     with running_server(tmp_path / "replica", **target) as replica:
         assert contents(replica)["tuned"] == ARCHIVES["tuned"]
 
@@ -130,3 +130,48 @@ def test_migrate_keeps_each_archives_metadata(target, tmp_path, capsys):
     with running_server(tmp_path / "replica", **target) as replica, Client(replica.target) as client:
         assert client.describe("m").metadata == {"format": "pt"}
         assert client.describe("plain").metadata == {}
+
+
+def test_migrate_goes_on_past_a_damaged_archive_and_reports_each_at_the_end(source, target, tmp_path, capsys):
+    import hashlib
+
+    bad = {}
+    for archive, entry in (("base", "b"), ("tuned", "head")):  # base is the first archive, tuned the last
+        digest = hashlib.sha256(ARCHIVES[archive][entry]).hexdigest()
+        path = source / "blobs" / digest[:2] / digest
+        path.write_bytes(path.read_bytes()[:-1] + bytes([path.read_bytes()[-1] ^ 0x01]))
+        bad[archive] = digest
+    code, out = migrate(source, target, capsys)
+    assert code == 1, out
+    assert "big: 1 entry migrated" in out  # past base's damage, the next archive is copied
+    assert "migrated 1 archive (" in out
+    report = out[out.index("tannery migrate: 2 archives NOT migrated, damaged in the source:"):]
+    assert f"  base: archive 'base', entry 'b': blob {bad['base']} is not what it was stored as" in report
+    assert f"  tuned: archive 'tuned', entry 'head': blob {bad['tuned']}" in report
+    assert "run the same command again: it resumes" in report
+    with running_server(tmp_path / "replica", **target) as replica:
+        assert {a.name for a in replica.archives().List(pb.ListRequest()).archives} == {"big"}
+
+
+def test_migrate_keeps_each_archives_creation_time(source, target, tmp_path, capsys):
+    with running_server(tmp_path / "before", data_dir=source) as server:
+        created = {a.name: (a.created.seconds, a.created.nanos)
+                   for a in server.archives().List(pb.ListRequest()).archives}
+    import time
+
+    time.sleep(1.1)  # a migration that stamped "now" would show a later second
+    assert migrate(source, target, capsys)[0] == 0
+    with running_server(tmp_path / "replica", **target) as replica:
+        after = {a.name: (a.created.seconds, a.created.nanos)
+                 for a in replica.archives().List(pb.ListRequest()).archives}
+    assert after == created
+
+
+def test_migrate_help_names_only_its_own_options(capsys):
+    with pytest.raises(SystemExit):
+        server_main(["migrate", "--help"])
+    text = capsys.readouterr().out
+    assert "--reserve-bytes" not in text and "damaged" in text and "creation time" in text
+    with pytest.raises(SystemExit):
+        server_main(["scrub", "--help"])
+    assert "--reserve-bytes" not in capsys.readouterr().out

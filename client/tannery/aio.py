@@ -327,9 +327,11 @@ class Client:
     # -- archives ------------------------------------------------------------------------
 
     async def store(self, name: str, value: Any, *, prefix: str = "", replace: bool = False,
-                    progress: Progress = None, metadata: Mapping[str, str] | None = None) -> ArchiveInfo:
+                    progress: Progress = None, metadata: Mapping[str, str] | None = None,
+                    skip_non_tensors: bool = False, allow_empty: bool = False) -> ArchiveInfo:
         """As :meth:`tannery.Client.store`."""
-        archive, rest = archive_to_store(name, value, prefix)
+        archive, rest = archive_to_store(name, value, prefix, skip_non_tensors=skip_non_tensors,
+                                         allow_empty=allow_empty)
         return await self._retrying(
             f"Store of {name!r}", lambda retry: self._store_once(name, archive, rest, replace, progress, metadata))
 

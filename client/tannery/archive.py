@@ -28,7 +28,8 @@ from .codec import FLOAT_NAMES, format_shape
 from .errors import ArchiveError
 from .names import did_you_mean, join, owned, owns
 from .values import (
-    DTypeLike, TensorLike, as_tensor, dtype_name, is_tensor_leaf, leaf_dtype, named_leaves, rebuild,
+    DTypeLike, TensorLike, as_tensor, dtype_name, first_non_tensor, is_tensor_leaf, leaf_dtype, named_leaves,
+    not_a_tensor, rebuild,
 )
 
 # Imported on first use: listing or describing archives never imports torch.
@@ -122,13 +123,17 @@ class Archive(ABC):
         return MemoryArchive(tensors)
 
     @staticmethod
-    def of_value(value: Any, prefix: str = "") -> Archive:
+    def of_value(value: Any, prefix: str = "", *, skip_non_tensors: bool = False) -> Archive:
         """One entry per tensor of a structure of nested dicts, lists and tuples.
 
-        Each is named by its path under ``prefix`` (``"model.blocks.0.w"``); leaves
-        that are not tensors are not entries. Nothing is copied.
+        Each is named by its path under ``prefix`` (``"model.blocks.0.w"``). A leaf that
+        is not a tensor (a step count, a learning rate, None) is refused with a TypeError
+        naming its path, unless ``skip_non_tensors``: then it is left out (and
+        :meth:`to_value` puts back the like's own). Nothing is copied.
         """
         where = "Archive.of_value"
+        if not skip_non_tensors:
+            refuse_non_tensors(value, prefix, where)
         leaves = named_leaves(value, prefix, where)
         return MemoryArchive({name: as_tensor(leaf, name, where) for name, leaf in leaves.items()})
 
@@ -242,6 +247,18 @@ class Archive(ABC):
         names = self._names()
         shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
         return f"<{type(self).__name__} of {len(names)} entries: {shown}>" if names else f"<empty {type(self).__name__}>"
+
+
+#: What a refused non-tensor leaf's message says to do.
+NON_TENSOR_REMEDY = ("archives hold tensors only: keep such values elsewhere (the archive's metadata, "
+                     "another file), or give skip_non_tensors=True to leave them out")
+
+
+def refuse_non_tensors(value: Any, prefix: str, where: str, remedy: str = NON_TENSOR_REMEDY) -> None:
+    """TypeError naming the first leaf of ``value`` that is not a tensor, if there is one."""
+    found = first_non_tensor(value, prefix)
+    if found is not None:
+        raise TypeError(f"{where}: {not_a_tensor(*found)}; {remedy}")
 
 
 def tensor_info(tensor: torch.Tensor) -> TensorInfo:

@@ -2,7 +2,8 @@
 
 Every file tannery writes (``save_safetensors``, ``save_tannic``, ``tannery get -o``, ``tannery
 pull``) goes through :class:`Replacement`, so that a reader never sees half of one and an
-existing file is replaced only by a whole one. Nothing here imports numpy or torch.
+existing file is replaced only by a whole one. Missing parent directories are created, as
+``mkdir -p`` (and as the command line does for its outputs). Nothing here imports numpy or torch.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class Replacement:
         self.tmp.unlink(missing_ok=True)
 
     def __enter__(self) -> Path:
+        make_parents(self.path)
         return self.tmp
 
     def __exit__(self, kind: Any, *_: Any) -> None:
@@ -50,4 +52,16 @@ class Replacement:
             self.discard()
 
 
-__all__ = ["Replacement"]
+def make_parents(path: Path) -> None:
+    """Create the missing directories above ``path`` (``mkdir -p``), so that a write into a new
+    ``ckpt/`` works; one that cannot be made (a file in the way) is an OSError naming it."""
+    parent = path.parent
+    if parent.is_dir():
+        return
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as exc:
+        raise NotADirectoryError(exc.errno, "cannot make this directory: a file is in the way", str(parent)) from None
+
+
+__all__ = ["Replacement", "make_parents"]

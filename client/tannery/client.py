@@ -305,7 +305,8 @@ class Client:
     # -- archives ------------------------------------------------------------------------
 
     def store(self, name: str, value: Any, *, prefix: str = "", replace: bool = False,
-              progress: Progress = None, metadata: Mapping[str, str] | None = None) -> ArchiveInfo:
+              progress: Progress = None, metadata: Mapping[str, str] | None = None,
+              skip_non_tensors: bool = False, allow_empty: bool = False) -> ArchiveInfo:
         """Store ``value`` as archive ``name``: an Archive, a mapping of names to tensors, an
         ``nn.Module`` (its state_dict) or a structure ``Archive.of_value`` takes, each entry
         named under ``prefix``.
@@ -315,8 +316,13 @@ class Client:
         ``progress`` is called with the tensor bytes (payload bytes) of each message sent.
         ``metadata``, a small mapping of str to str (safetensors' ``__metadata__``), is kept
         with the archive and returned by :meth:`describe`.
+
+        Nothing vanishes silently: a leaf of ``value`` that is not a tensor (a step count,
+        None) is a TypeError naming its path unless ``skip_non_tensors`` (then it is left
+        out), and an archive of no entries is an ArchiveError unless ``allow_empty``.
         """
-        archive, rest = archive_to_store(name, value, prefix)
+        archive, rest = archive_to_store(name, value, prefix, skip_non_tensors=skip_non_tensors,
+                                         allow_empty=allow_empty)
         return self._retrying(f"Store of {name!r}",
                               lambda retry: self._store_once(name, archive, rest, replace, progress, metadata))
 

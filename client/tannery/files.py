@@ -85,6 +85,9 @@ def _map_file(path: Path, min_size: int, what: str) -> mmap.mmap:
     """A private, copy-on-write map of the whole file (FormatError if it has fewer than ``min_size`` bytes)."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            raise FormatError(f"{what}: the file is empty (0 bytes); a safetensors file starts with an "
+                              f"{min_size}-byte header length")
         if size < min_size:
             raise FormatError(f"{what}: {size} bytes, too short for the {min_size}-byte header length")
         return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)

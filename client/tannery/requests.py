@@ -80,30 +80,47 @@ class Methods:
 # -- requests --------------------------------------------------------------------------------
 
 
-def archive_to_store(name: str, value: Any, prefix: str = "") -> tuple[Archive, str]:
+def archive_to_store(name: str, value: Any, prefix: str = "", *, skip_non_tensors: bool = False,
+                     allow_empty: bool = False) -> tuple[Archive, str]:
     """The archive a ``store`` value stands for, and the prefix still to add to its names.
 
     An Archive as it is; an ``nn.Module`` by its state_dict; a mapping, list or tuple by
     :meth:`Archive.of_value` (which names each tensor by its path). Nothing is read yet.
     The archive's name is checked to be a non-empty str first (an empty one would leave the
     call without its first message, and the server's answer would not say why).
+
+    A leaf that is not a tensor is a TypeError naming its path, unless ``skip_non_tensors``;
+    an archive of no entries is an ArchiveError, unless ``allow_empty``: neither vanishes.
     """
     if not isinstance(name, str) or not name:
         raise errors.InvalidArgument(f"Client.store: the archive's name is a non-empty str, not {name!r}")
     if not isinstance(prefix, str):
         raise TypeError(f"Client.store: prefix is a str, not {type(prefix).__name__}")
-    from .archive import Archive  # not at import: catalog calls need no archive module
+    from .archive import Archive, refuse_non_tensors  # not at import: catalog calls need no archive module
 
     if isinstance(value, Archive):
-        return value, prefix
-    if isinstance(value, torch.nn.Module):
-        value = value.state_dict()
-    if not isinstance(value, (Mapping, list, tuple, torch.Tensor, np.ndarray)):
-        raise TypeError(
-            f"Client.store: a {type(value).__name__} is not something to store; give an Archive, a mapping of "
-            "names to tensors, an nn.Module or nested dicts, lists and tuples of tensors"
-        )
-    return Archive.of_value(value, prefix), ""
+        archive, rest = value, prefix
+    else:
+        if isinstance(value, torch.nn.Module):
+            value = value.state_dict()
+        if not isinstance(value, (Mapping, list, tuple, torch.Tensor, np.ndarray)):
+            raise TypeError(
+                f"Client.store: a {type(value).__name__} is not something to store; give an Archive, a mapping of "
+                "names to tensors, an nn.Module or nested dicts, lists and tuples of tensors"
+            )
+        if not skip_non_tensors:
+            refuse_non_tensors(value, prefix, f"Client.store({name!r})", _NON_TENSOR_REMEDY)
+        archive, rest = Archive.of_value(value, prefix, skip_non_tensors=True), ""
+    if not allow_empty and not len(archive):
+        raise errors.ArchiveError(
+            f"Client.store({name!r}): the value holds no tensors, so the archive would be empty; "
+            "give allow_empty=True to store an empty archive")
+    return archive, rest
+
+
+#: What ``store``'s refusal of a non-tensor leaf says to do.
+_NON_TENSOR_REMEDY = ("archives hold tensors only: keep such values elsewhere (metadata=, another file), "
+                      "or give skip_non_tensors=True to store the tensors and leave them out")
 
 
 def store_messages(

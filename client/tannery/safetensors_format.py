@@ -87,6 +87,8 @@ def read_layout(data: Buffer, what: str = "safetensors") -> SafetensorsLayout:
     """
     view = memoryview(data)
     size = view.nbytes
+    if size == 0:
+        raise FormatError(f"{what}: the file is empty (0 bytes); a safetensors file starts with an 8-byte header length")
     if size < LENGTH.size:
         raise FormatError(f"{what}: {size} bytes, too short for the {LENGTH.size}-byte header length")
     (length,) = LENGTH.unpack_from(view)
@@ -96,6 +98,8 @@ def read_layout(data: Buffer, what: str = "safetensors") -> SafetensorsLayout:
     if data_start > size:
         raise FormatError(f"{what}: truncated: a header of {length} bytes, {size - LENGTH.size} bytes after its length")
     text = bytes(view[LENGTH.size : data_start])
+    if not text:
+        raise FormatError(f"{what}: the header is empty (its length is 0); a safetensors header is a JSON object")
     if not text.startswith(b"{"):
         raise FormatError(f"{what}: the header does not start with '{{' (it starts with {text[:8]!r})")
     header = _parse_json(text, what)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from typing import Any, Callable, Union
+from typing import Any, Callable, Iterator, Union
 
 from . import codec
 from ._lazy import lazy_module
@@ -79,16 +79,40 @@ def named_leaves(value: Any, prefix: str = "", where: str = "named_leaves") -> d
     return leaves
 
 
-def _walk(value: Any, path: tuple[str, ...]):
-    """(path, leaf) for each tensor leaf of ``value``, depth first, in order."""
+def non_tensor_leaves(value: Any, prefix: str = "") -> Iterator[tuple[str, object]]:
+    """The name (path under ``prefix``) and the leaf of each leaf of ``value`` that is not a
+    tensor, depth first, in order. Empty containers are no leaves."""
+    for path, leaf in _walk(value, (), tensors_only=False):
+        if not is_tensor_leaf(leaf):
+            yield join(prefix, *path), leaf
+
+
+def first_non_tensor(value: Any, prefix: str = "") -> tuple[str, object] | None:
+    """The first of :func:`non_tensor_leaves`, or None when every leaf is a tensor."""
+    return next(non_tensor_leaves(value, prefix), None)
+
+
+def not_a_tensor(name: str, leaf: object) -> str:
+    """How a message names a non-tensor leaf: ``optimizer.state.0.step is an int, not a tensor``."""
+    kind = type(leaf).__name__
+    article = "an" if kind[:1].lower() in "aeiou" else "a"
+    what = "None" if leaf is None else f"{article} {kind}"
+    return f"{name or 'the value'} is {what}, not a tensor"
+
+
+def _walk(value: Any, path: tuple[str, ...], tensors_only: bool = True):
+    """(path, leaf) for each tensor leaf of ``value`` (each leaf, with ``tensors_only`` False),
+    depth first, in order."""
     if is_tensor_leaf(value):
         yield path, value
     elif isinstance(value, Mapping):
         for key, item in value.items():
-            yield from _walk(item, path + (str(key),))
+            yield from _walk(item, path + (str(key),), tensors_only)
     elif isinstance(value, (list, tuple)):
         for index, item in enumerate(value):
-            yield from _walk(item, path + (str(index),))
+            yield from _walk(item, path + (str(index),), tensors_only)
+    elif not tensors_only:
+        yield path, value
 
 
 def rebuild(value: Any, path: tuple[str, ...], replace: Callable[[tuple[str, ...], Any], Any]) -> Any:
@@ -151,5 +175,6 @@ def as_tensor(value: TensorLike, name: str, where: str) -> torch.Tensor:
 
 
 __all__ = [
-    "DTypeLike", "TensorLike", "as_tensor", "dtype_name", "is_tensor_leaf", "leaf_dtype", "named_leaves", "rebuild",
+    "DTypeLike", "TensorLike", "as_tensor", "dtype_name", "first_non_tensor", "is_tensor_leaf", "leaf_dtype",
+    "named_leaves", "non_tensor_leaves", "not_a_tensor", "rebuild",
 ]

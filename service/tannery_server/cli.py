@@ -137,7 +137,9 @@ def build_parser(prog: str = "tannery") -> argparse.ArgumentParser:
         "already be serving. Each blob is hashed as it streams and must match its SHA-256; a blob the target "
         "has is not copied again, and an archive it has with the same entries is skipped, so running the "
         "command again resumes an interrupted migration. An archive the target has with other entries is "
-        "left alone and reported. Exit status 0 when everything is in the target, 1 otherwise.",
+        "left alone and reported; so is an archive damaged in the source (a blob that does not match its SHA-256): "
+        "the migration goes on with the others and lists every archive it left out at the end. Each archive "
+        "keeps its creation time and metadata. Exit status 0 when everything is in the target, 1 otherwise.",
     )
     _storage_flags(migrate, defaults)
     for name, text in _FLAGS:
@@ -151,10 +153,16 @@ def build_parser(prog: str = "tannery") -> argparse.ArgumentParser:
     return parser
 
 
+#: The help of a storage flag where the tools (scrub, migrate) say other than ``serve``: they
+#: take no --reserve-bytes, so their help must not send the reader there.
+_TOOL_HELP = {"data_dir": "directory of the catalog (catalog.sqlite3) and blobs of a stopped server"}
+
+
 def _storage_flags(parser: argparse.ArgumentParser, defaults: Config) -> None:
-    """--data-dir, --catalog and --blobs, as ``serve`` reads them."""
+    """--data-dir, --catalog and --blobs, as ``serve`` reads them (the help without serve-only flags)."""
     for name, text in _FLAGS:
         if name in ("data_dir", "catalog", "blobs"):
+            text = _TOOL_HELP.get(name, text)
             parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
                                 type=_flag_type(name),
                                 help=f"{text} [env {env_name(name)}; default {_shown(name, getattr(defaults, name))}]")
@@ -186,12 +194,20 @@ def main(argv: Sequence[str] | None = None, prog: str = "tannery") -> int:
         except (CatalogTooNew, DataDirectoryInUse, TokenError, TLSError) as exc:
             print(f"tannery serve: {exc}", file=sys.stderr)
             return 1
-        except OSError as exc:  # an address in use, for the gRPC or the metrics port
-            print(f"tannery serve: {exc}", file=sys.stderr)
+        except OSError as exc:  # an address in use, for the gRPC, data or metrics port
+            print(f"tannery serve: {os_error_text(exc)}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:
             pass
     return 0
+
+
+def os_error_text(exc: OSError) -> str:
+    """An OSError in words, without Python's ``[Errno 98]`` prefix: its message (which names the
+    address or file and says what to do, where tannery raised it), then the file it names."""
+    if not exc.strerror:
+        return str(exc)
+    return f"{exc.filename}: {exc.strerror}" if exc.filename is not None else exc.strerror
 
 
 def _embedded(config: Config) -> bool:
@@ -265,10 +281,26 @@ def migrate(config: Config) -> int:
     finally:
         source.close()
         target.close()
-    print(f"migrated {done.archives} archives ({done.blobs} blobs, {done.bytes} bytes copied, {done.reused} blobs "
-          f"already there); {done.skipped} archives were there already")
+    return _migration_report(done)
+
+
+def _migration_report(done) -> int:
+    """Print what a migration did and every archive it left out; 0 when everything is in the target."""
+    from .migrate import plural
+
+    print(f"migrated {plural(done.archives, 'archive')} ({plural(done.blobs, 'blob')}, "
+          f"{plural(done.bytes, 'byte')} copied, {plural(done.reused, 'blob')} already there); "
+          f"{plural(done.skipped, 'archive')} {'was' if done.skipped == 1 else 'were'} there already")
     if done.conflicts:
-        print(f"{len(done.conflicts)} archives NOT migrated: the target has archives of these names with other "
-              f"entries: {', '.join(done.conflicts)} (delete or rename them there, then run this again)")
+        print(f"{plural(len(done.conflicts), 'archive')} NOT migrated: the target has archives of these names with "
+              f"other entries: {', '.join(done.conflicts)} (delete or rename them there, then run this again)")
+    if done.damaged:
+        print(f"tannery migrate: {plural(len(done.damaged), 'archive')} NOT migrated, damaged in the source:",
+              file=sys.stderr)
+        for name, reason in done.damaged:
+            print(f"  {name}: {reason}", file=sys.stderr)
+        print("hint: fix the cause (tannery scrub on the source names every damaged blob), then run the same "
+              "command again: it resumes", file=sys.stderr)
+    if done.conflicts or done.damaged:
         return 1
     return 0

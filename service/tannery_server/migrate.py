@@ -6,7 +6,9 @@ the blob and the entries that use it), and held by a lease until its archive com
 same path a Store takes; so replicas already serving the target never collect it midway.
 An archive the target already has is skipped when it has the same entries (a migration
 run again resumes where it stopped) and reported as a conflict when it differs. A blob the
-target already has is not uploaded again.
+target already has is not uploaded again. A damaged archive (a blob that does not match its
+name) is left out and reported, and the migration goes on with the next one; each archive
+keeps its creation time and metadata.
 """
 
 from __future__ import annotations
@@ -36,6 +38,15 @@ class Migrated:
     reused: int = 0
     bytes: int = 0
     conflicts: list[str] = field(default_factory=list)
+    #: The archives left out because of damage, each with what is wrong with it.
+    damaged: list[tuple[str, str]] = field(default_factory=list)
+
+
+def plural(count: int, word: str) -> str:
+    """``1 entry``, ``2 entries``, ``1 blob``, ``3 blobs``: a count and its noun, as English says it."""
+    if count == 1:
+        return f"{count} {word}"
+    return f"{count} {word[:-1]}ies" if word.endswith("y") else f"{count} {word}s"
 
 
 def migrate(source: Storage, target: SharedStorage, progress: Callable[[str], None] = lambda line: None) -> Migrated:
@@ -47,7 +58,11 @@ def migrate(source: Storage, target: SharedStorage, progress: Callable[[str], No
         if not page:
             return done
         for record in page:
-            _migrate_archive(source, target, record.name, done, progress)
+            try:
+                _migrate_archive(source, target, record.name, done, progress)
+            except MigrationError as exc:  # this archive only: the others are worth copying
+                done.damaged.append((record.name, str(exc)))
+                progress(f"{record.name}: NOT migrated: {exc}")
         after = page[-1].name
 
 
@@ -70,11 +85,12 @@ def _migrate_archive(source: Storage, target: SharedStorage, name: str, done: Mi
                 blobs[entry.digest] = _copy_blob(source, target, name, entry, holder, done)
         record = source.catalog.archive(name)
         target.commit_archive(name, entries, list(blobs.values()), False, holder,
-                              record.metadata if record is not None else None)
+                              record.metadata if record is not None else None,
+                              created_ns=record.created_ns if record is not None else None)
     finally:
         target.release(blobs, holder=holder)
     done.archives += 1
-    progress(f"{name}: {len(entries)} entries migrated")
+    progress(f"{name}: {plural(len(entries), 'entry')} migrated")
 
 
 def _same(ours: list[EntryRecord], theirs: list[EntryRecord]) -> bool:

@@ -85,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from tannery_server.cli import main as serve_main
 
             return serve_main(args)
-        parsed = build_parser().parse_args(args)
+        parsed = build_parser().parse_args(_dash_values(args))
         # gRPC's C core logs failed TLS handshakes and the like on stderr; the error line says it.
         os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
         if not parsed.quiet:
@@ -119,6 +119,27 @@ def _note_retries(target: str) -> None:
     logger.setLevel(logging.INFO)
 
 
+#: Options whose value may start with a dash (an archive named ``-dash``): argparse would take it
+#: for an option, so ``--as -dash`` is passed on as ``--as=-dash``.
+_NAME_OPTIONS = ("--as",)
+
+
+def _dash_values(argv: list[str]) -> list[str]:
+    """``argv`` with each ``--as VALUE`` whose value starts with a dash joined as ``--as=VALUE``."""
+    out: list[str] = []
+    index = 0
+    while index < len(argv):
+        token = argv[index]
+        if token in _NAME_OPTIONS and index + 1 < len(argv) and argv[index + 1].startswith("-") \
+                and argv[index + 1] not in ("-h", "--help"):
+            out.append(f"{token}={argv[index + 1]}")
+            index += 2
+            continue
+        out.append(token)
+        index += 1
+    return out
+
+
 def _run(args: argparse.Namespace, out: Output) -> int:
     """Run the parsed subcommand; a failure becomes one line on stderr and status 1."""
     try:
@@ -142,13 +163,36 @@ def _report(exc: Exception, args: argparse.Namespace) -> None:
     """Print a failure: what happened on one line, then what to do (``hint: ...``) when there
     is something to do."""
     where = Where(target_of(args), target_source(args), _using_tls(args), args.command)
-    message, advice = error_message(exc, where.target), remedy(exc, where)
+    message, advice = error_message(exc, where.target) + _close_archives(exc, args), remedy(exc, where)
     if not _expected(exc):
         message = f"an unexpected {type(exc).__name__}: {message}"
         advice = f"this is a bug in tannery; run again with {DEBUG_ENV}=1 for the traceback to report"
     print(f"tannery {args.command}: error: {message}", file=sys.stderr)
     if advice:
         print(f"hint: {one_line(advice)}", file=sys.stderr)
+
+
+def _close_archives(exc: Exception, args: argparse.Namespace) -> str:
+    """For an archive that is not found, ``"; did you mean 'resnet50'?"`` with the server's close
+    names (one List, as a mistyped entry name gets the archive's); "" otherwise, or when the
+    server cannot be asked."""
+    import ast
+    import re
+
+    from ..errors import NotFound
+
+    found = re.match(r"archive ('.*'|\".*\") not found", str(exc)) if isinstance(exc, NotFound) else None
+    if found is None:
+        return ""
+    try:
+        missing = ast.literal_eval(found.group(1))
+        from ..names import did_you_mean
+        from .connection import connect
+
+        with connect(args) as client:
+            return did_you_mean(missing, [info.name for info in client.list()])
+    except Exception:  # a suggestion is a courtesy: the error itself is what matters
+        return ""
 
 
 def _using_tls(args: argparse.Namespace) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import shlex
 from typing import Any
 
 from pathlib import Path
@@ -17,13 +18,17 @@ from ..codec import WRITER_CODES
 from ..names import did_you_mean
 from .connection import connect
 from .errors import CommandError
-from .output import Output, human_size, iso_time, local_time
+from .output import Output, human_size, iso_time, local_time, shorten
+
+#: Columns a name takes at most in ls's table (longer ones end with an ellipsis; --json has them whole).
+NAME_COLUMNS = 60
 
 
 def cmd_push(args: argparse.Namespace, out: Output) -> int:
-    from .tensorfiles import checkpoint_kind, payload_total, read_checkpoint
+    from .tensorfiles import checkpoint_kind, describe_skipped, payload_total, read_checkpoint_skipping
 
     metadata: dict[str, str] = {}
+    skipped: list[tuple[str, str]] = []
     what = args.file
     if Path(args.file).is_dir():
         from .hf import read_folder
@@ -37,11 +42,17 @@ def cmd_push(args: argparse.Namespace, out: Output) -> int:
 
         archive, metadata = read_shard(Path(args.file))
     else:
-        archive = read_checkpoint(args.file)
+        archive, skipped = read_checkpoint_skipping(args.file)
     total = payload_total(archive)
     with connect(args) as client, out.transfer(f"push {args.name}", total) as progress:
         info = client.store(args.name, archive, prefix=args.prefix, replace=args.replace, progress=progress,
                             metadata=metadata)
+    if skipped:
+        left = "1 value that is not a tensor" if len(skipped) == 1 else f"{len(skipped)} values that are not tensors"
+        out.warning(f"left out {left} (an archive holds tensors only): {describe_skipped(skipped)}")
+    if args.json:
+        out.json(archive_json(info) | {"skipped": [{"name": name, "type": kind} for name, kind in skipped]})
+        return 0
     out.result(f"pushed {what} as {info.name}: {_entries(info.entries)}, {human_size(info.nbytes)}")
     return 0
 
@@ -79,13 +90,13 @@ def cmd_pull(args: argparse.Namespace, out: Output) -> int:
             missing = [name for name in names if name not in described]
             if missing:
                 raise CommandError(f"{args.name}: no entry {', '.join(map(repr, missing))} in the archive"
-                                   + did_you_mean(missing[0], list(described)), hint=_SHOW_HINT.format(args.name))
+                                   + did_you_mean(missing[0], list(described)), hint=show_hint(args.name))
             selected = names
         else:
             selected = [name for name in described if owns(args.prefix or "", name)]
             if not selected:
                 raise CommandError(f"{args.name}: no entry under the prefix {args.prefix!r}",
-                                   hint=_SHOW_HINT.format(args.name))
+                                   hint=show_hint(args.name))
         dtypes = sorted({described[name].dtype for name in selected})
         if folder:
             from .hf import ShardedWriter, check_dtypes, folder_outputs, plan_shards
@@ -125,7 +136,8 @@ def cmd_ls(args: argparse.Namespace, out: Output) -> int:
     elif not archives:
         out.note("no archives" + (f" named {args.prefix}..." if args.prefix else ""))
     else:
-        rows = [(a.name, str(a.entries), human_size(a.nbytes), local_time(getattr(a, "created", None))) for a in archives]
+        rows = [(shorten(a.name, NAME_COLUMNS), str(a.entries), human_size(a.nbytes),
+                 local_time(getattr(a, "created", None))) for a in archives]
         out.table([("NAME", "left"), ("ENTRIES", "right"), ("SIZE", "right"), ("CREATED", "left")], rows)
     return 0
 
@@ -166,7 +178,7 @@ def cmd_get(args: argparse.Namespace, out: Output) -> int:
         remote = client.archive(args.name)
         if args.entry not in remote:
             raise CommandError(f"{args.name}: no entry {args.entry!r} in the archive{did_you_mean(args.entry, remote.names())}",
-                               hint=_SHOW_HINT.format(args.name))
+                               hint=show_hint(args.name))
         info = remote.info(args.entry)
         if args.output is not None:
             check_npy_dtype(args.output, info.dtype)  # before the transfer
@@ -253,8 +265,10 @@ def entries_of(description: Any) -> list[Any]:
     return list(entries.values() if isinstance(entries, dict) else entries)
 
 
-#: The remedy of a name that is not in an archive.
-_SHOW_HINT = "tannery show {} lists its entries"
+def show_hint(archive: str) -> str:
+    """The remedy of a name that is not in an archive: the command that lists its entries, the
+    archive's name quoted for the shell (``tannery show 'my model'``), ready to paste."""
+    return f"tannery show {shlex.quote(archive)} lists its entries"
 
 
 def _split_names(text: str) -> list[str]:
@@ -277,6 +291,8 @@ def _entries(count: int) -> str:
 
 # -- the parser ----------------------------------------------------------------------------------
 
+JSON_PUSH = ("push --json prints {name, entries, nbytes, payload_bytes, created, skipped: [{name, type}]} "
+             "(skipped: the torch checkpoint's non-tensor values left out).")
 JSON_LS = "ls --json prints a list of {name, entries, nbytes, payload_bytes, created (ISO 8601 UTC)}."
 JSON_SHOW = ("show --json prints {name, entries: [{name, dtype, shape, nbytes, payload_bytes, digest}], "
              "nbytes, payload_bytes, metadata: {key: value}} (sizes in bytes: nbytes of tensor data, "
@@ -309,7 +325,10 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
         "entries are stored 1-D) or a torch checkpoint (.pt, .pth, .bin) read with "
         "torch.load(weights_only=True): every tensor of its dicts and lists becomes an entry named by its "
         "path (model.layers.0.weight). A safetensors file's __metadata__ (a folder's: its first shard's) is "
-        "kept as the archive's metadata. A progress bar shows bytes, rate and time left.",
+        "kept as the archive's metadata. A torch checkpoint's values that are not tensors (a step count, a "
+        "name, None) cannot be entries: push stores the tensors and lists the values it left out, with their "
+        "types, on stderr (and under \"skipped\" with --json). A progress bar shows bytes, rate and time left. "
+        + JSON_PUSH,
         "  tannery push model.safetensors --as resnet50\n"
         "  tannery push ./llama-3-8b/ --as llama3\n"
         "  tannery push encoder.pt --as bert --prefix encoder --replace\n",
@@ -319,6 +338,7 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
     push.add_argument("--as", dest="name", metavar="NAME", type=name_arg, required=True, help="the archive's name")
     push.add_argument("--prefix", metavar="P", default="", help="store every entry under P (w becomes P.w)")
     push.add_argument("--replace", action="store_true", help="replace an archive of that name (default: refuse)")
+    push.add_argument("--json", action="store_true", help="print JSON (keys above)")
 
     pull = command(
         "pull", "write an archive (or part of it) to a file",

@@ -51,6 +51,25 @@ def target_of(args: argparse.Namespace) -> str:
     return getattr(args, "target", None) or os.environ.get("TANNERY_TARGET") or DEFAULT_TARGET
 
 
+#: gRPC target schemes whose part after the colon is no port (``unix:/run/t.sock``).
+_SCHEMES = frozenset({"unix", "unix-abstract", "vsock", "ipv4", "ipv6", "dns"})
+
+
+def check_target(target: str, source: str) -> str:
+    """``target``, or a CommandError when it is a malformed HOST:PORT (a port that is not a
+    number): that is no server to wait for, so the message says so, with no retry hint."""
+    host, sep, port = target.rpartition(":")
+    bare_ipv6 = ":" in host and not host.startswith("[")
+    if not sep or "/" in target or host in _SCHEMES or bare_ipv6:
+        return target
+    if not port.isdigit():
+        where = {"--target": "--target ", "TANNERY_TARGET": "TANNERY_TARGET="}.get(source, "the address ")
+        raise CommandError(f"{where}{target}: a malformed address: HOST:PORT expected, the port a number",
+                           hint="give the server's address as HOST:PORT, e.g. --target localhost:50051 "
+                                "(or TANNERY_TARGET)")
+    return target
+
+
 def target_source(args: argparse.Namespace) -> str:
     """Where :func:`target_of` found the address: ``"--target"``, ``"TANNERY_TARGET"`` or ``"default"``."""
     if getattr(args, "target", None):
@@ -96,11 +115,12 @@ def connect(args: argparse.Namespace) -> Any:
     if transport is not None and transport not in ("auto", "local", "tcp", "grpc"):
         raise CommandError(f"TANNERY_TRANSPORT={transport!r}: not a transport",
                            hint="set it to auto, local, tcp or grpc (or unset it)")
+    target = check_target(target_of(args), target_source(args))
     retries = getattr(args, "retries", None)
     if retries is not None and retries < 0:
         raise CommandError(f"--retries {retries}: not a number of retries", hint="give 0 (no retries) or more")
     try:
-        return Client(target_of(args), token=token, tls=TLS(**tls) if tls is not None else None, transport=transport,
+        return Client(target, token=token, tls=TLS(**tls) if tls is not None else None, transport=transport,
                       retries=retries)
     except ValueError as exc:
         if "TANNERY_RETRIES" not in str(exc):

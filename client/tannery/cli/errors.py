@@ -46,7 +46,12 @@ _REASONS = (
     ("Deadline Exceeded", "timed out"),
     ("Timeout occurred", "timed out"),
     ("failed to connect to all addresses", "no connection"),
+    ("Failed to parse", "a malformed address: HOST:PORT expected"),
 )
+
+#: What to do about a DATA_LOSS: the server refused bytes that no longer match their digest.
+DATA_LOSS_REMEDY = ("the server's stored copy is damaged: run 'tannery scrub' on the server side to find the damaged "
+                    "blobs and the archives using them, then push those archives again")
 
 
 def error_message(exc: BaseException, target: str | None = None) -> str:
@@ -106,7 +111,7 @@ def one_line(text: Any) -> str:
 def remedy(exc: BaseException, where: Where) -> str | None:
     """What to do about ``exc``, in one line, or None when there is nothing the user can do
     from the command line (the message says it all)."""
-    from ..errors import AlreadyExists, NotFound, PermissionDenied, Unauthenticated, Unavailable
+    from ..errors import AlreadyExists, DataLoss, NotFound, PermissionDenied, Unauthenticated, Unavailable
 
     if isinstance(exc, CommandError):
         return exc.hint
@@ -121,6 +126,8 @@ def remedy(exc: BaseException, where: Where) -> str | None:
         return f"give --replace to replace it, or choose {other}" if other else None
     if isinstance(exc, NotFound) and str(exc).startswith("archive "):
         return "tannery ls lists the archives on the server"
+    if isinstance(exc, DataLoss):
+        return DATA_LOSS_REMEDY
     if isinstance(exc, Unavailable):
         return _unreachable_remedy(str(exc), where)
     return None
@@ -135,6 +142,8 @@ def _unreachable_remedy(text: str, where: Where) -> str | None:
         return "try again, or give --transport grpc to move the bytes over gRPC"
     if connection_failure(text) is None:
         return "try again in a moment; the server's log says why it is unavailable"
+    if "Failed to parse" in text:
+        return "give the server's address as HOST:PORT, e.g. --target localhost:50051 (or TANNERY_TARGET)"
     if not where.using_tls and "Socket closed" in text:
         return "if the server uses TLS, give --tls-ca CA.pem (or --tls for a publicly trusted certificate)"
     if where.using_tls and "Socket closed" in text:

@@ -94,6 +94,11 @@ class Output:
         if not self.quiet:
             print(text, file=self.stderr, flush=True)
 
+    def warning(self, text: str) -> None:
+        """A line about something the user should know of (data left out), on stderr, printed
+        with --quiet too: it is not progress."""
+        print(f"warning: {text}", file=self.stderr, flush=True)
+
     def json(self, value: Any) -> None:
         """``value`` as indented JSON on stdout, lists of numbers (shapes) on one line."""
         print(compact_json(value), file=self.stdout)
@@ -192,6 +197,21 @@ def cell_width(text: str) -> int:
             continue
         width += 2 if unicodedata.east_asian_width(char) in ("W", "F") else 1
     return width
+
+
+def shorten(text: str, most: int) -> str:
+    """``text`` cut to at most ``most`` terminal columns, ending with an ellipsis when cut (wide
+    characters count two); a table of long names stays readable, --json keeps them whole."""
+    if cell_width(text) <= most:
+        return text
+    kept, width = [], 0
+    for char in text:
+        step = cell_width(char)
+        if width + step > most - 1:
+            break
+        kept.append(char)
+        width += step
+    return "".join(kept) + "…"
 
 
 def _terminal_width() -> int:

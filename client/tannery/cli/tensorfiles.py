@@ -24,7 +24,7 @@ from .._lazy import lazy_module
 from ..archive import Archive
 from ..atomic import Replacement
 from ..files import load_safetensors, load_tannic
-from ..values import named_leaves
+from ..values import named_leaves, non_tensor_leaves
 from .errors import CommandError
 
 np = lazy_module("numpy")
@@ -72,27 +72,46 @@ def check_exists(path: str | os.PathLike[str]) -> None:
 
 
 def read_checkpoint(path: str | os.PathLike[str]) -> Archive:
-    """The archive of a checkpoint file, by extension. Safetensors files and .tannic pairs are
-    memory-mapped (their entries are read as they are sent); a torch checkpoint is loaded.
+    """The archive of a checkpoint file (:func:`read_checkpoint_skipping` without its list)."""
+    return read_checkpoint_skipping(path)[0]
+
+
+def read_checkpoint_skipping(path: str | os.PathLike[str]) -> tuple[Archive, list[tuple[str, str]]]:
+    """The archive of a checkpoint file, by extension, and the values it leaves out: the name
+    and type of each non-tensor value of a torch checkpoint (``("step", "int")``), which an
+    archive cannot hold. Safetensors files and .tannic pairs are memory-mapped (their entries
+    are read as they are sent); a torch checkpoint is loaded.
 
     A .tannic pair stores no shapes: its entries are 1-D.
     """
     kind = checkpoint_kind(path)
     if kind == "safetensors":
-        return load_safetensors(path)
+        return load_safetensors(path), []
     if kind == "tannic":
-        return load_tannic(path)
+        return load_tannic(path), []
     value = load_torch(path)
     if isinstance(value, torch.Tensor):
         raise CommandError(f"{path}: one tensor, not a checkpoint of named tensors",
                            hint="publish it (tannery publish CHANNEL FILE), or save a dict of tensors to push")
     try:
-        archive = Archive.of_value(value)
+        archive = Archive.of_value(value, skip_non_tensors=True)
     except (TypeError, ValueError) as exc:
         raise CommandError(f"{path}: {exc}") from None
+    skipped = [(name, type(leaf).__name__) for name, leaf in non_tensor_leaves(value)]
     if not len(archive):
-        raise CommandError(f"{path}: no tensors in the checkpoint (a {type(value).__name__})")
-    return archive
+        if not isinstance(value, (dict, list, tuple)):
+            found = f": it holds a {type(value).__name__}, not a dict of tensors"
+        else:
+            found = f" (a {type(value).__name__}" + (f" of {describe_skipped(skipped)})" if skipped else ")")
+        raise CommandError(f"{path}: no tensors in the checkpoint{found}",
+                           hint="push a file saved from a dict of tensors (torch.save(model.state_dict(), FILE))")
+    return archive, skipped
+
+
+def describe_skipped(skipped: list[tuple[str, str]], most: int = 8) -> str:
+    """``step (int), name (str)``: the values a push left out, the first ``most`` of them."""
+    shown = ", ".join(f"{name} ({kind})" for name, kind in skipped[:most])
+    return shown + (f" and {len(skipped) - most} more" if len(skipped) > most else "")
 
 
 def load_torch(path: str | os.PathLike[str]) -> Any:
@@ -131,7 +150,43 @@ def _torch_error(path: Path, exc: BaseException) -> CommandError:
         text = text.split(marker, 1)[1]
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     detail = lines[0].split(". ")[0].rstrip(".") if lines else type(exc).__name__
-    return CommandError(f"{path}: not a checkpoint torch.load(weights_only=True) can read: {detail}")
+    return CommandError(f"{path}: not a checkpoint torch.load(weights_only=True) can read: "
+                        f"{_what_the_file_is(path, explain_unpickling(detail))}",
+                        hint="push a file torch.save wrote from a dict of tensors (a state_dict), or a .safetensors file")
+
+
+def _what_the_file_is(path: Path, detail: str) -> str:
+    """Why torch.load refused, told by the file's first bytes where they say more than torch:
+    an empty file, or one that is neither a zip archive (what torch.save writes) nor a pickle."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError:
+        return detail
+    if not head:
+        return "the file is empty (0 bytes)"
+    if head.startswith((b"PK", b"\x80")):  # a zip archive or a pickle: torch's reason is the one
+        return detail
+    return f"it is not a file torch.save wrote: it starts with {head!r}, neither a zip archive (torch.save's format) nor a pickle torch.load reads"
+
+
+def explain_unpickling(detail: str) -> str:
+    """torch.load's reason in words: an opcode number (``Unsupported operand 101``, or a bare
+    ``101``) says which pickle instruction stopped the safe unpickler, and what that means."""
+    import pickletools
+
+    opcode = re.fullmatch(r"(?:Unsupported operand )?(\d+)", detail)
+    if opcode is not None:
+        code = int(opcode.group(1))
+        op = pickletools.code2op.get(chr(code)) if code < 256 else None
+        name = f" {op.name}" if op is not None else ""
+        return (f"a pickle, not a file torch.save wrote (a zip archive of tensors): the safe unpickler stops at "
+                f"its instruction{name} (byte {code}), which no torch.save file holds; a plain pickle.dump, perhaps")
+    if detail.startswith("Invalid magic number"):
+        return "it is not a file torch.save wrote (an unknown beginning: a plain pickle, or a damaged file)"
+    if "failed finding central directory" in detail or "zip archive" in detail:
+        return f"it is not a whole torch.save file: its zip archive is damaged or cut short ({detail})"
+    return detail
 
 
 def payload_total(archive: Archive, names: list[str] | None = None) -> int:
@@ -287,7 +342,9 @@ __all__ = [
     "load_torch",
     "output_directory",
     "payload_total",
+    "describe_skipped",
     "read_checkpoint",
+    "read_checkpoint_skipping",
     "read_tensors",
     "refuse_existing",
     "save_tensor",

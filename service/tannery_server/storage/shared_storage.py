@@ -112,13 +112,16 @@ class SharedStorage(Storage):
         return True
 
     def commit_archive(self, name: str, entries: Sequence[EntryRecord], blobs: Sequence[BlobInfo], replace: bool,
-                       holder: str | None = None, metadata: Mapping[str, str] | None = None) -> ArchiveRecord:
-        """Commit an archive whose blobs ``holder`` leased (the catalog checks the leases are live)."""
+                       holder: str | None = None, metadata: Mapping[str, str] | None = None,
+                       created_ns: int | None = None) -> ArchiveRecord:
+        """Commit an archive whose blobs ``holder`` leased (the catalog checks the leases are live),
+        created now, or at ``created_ns`` (a migrated archive keeps its creation time)."""
         if holder is None:
             raise ValueError("a shared store commits leased blobs only: pass the holder that sealed them")
         self.blobs.make_durable(b.digest for b in blobs)
         now = time.time_ns()
-        record, _released = self.catalog.commit_leased(name, entries, replace, now, self.replica, holder, now,
+        created = now if created_ns is None else created_ns
+        record, _released = self.catalog.commit_leased(name, entries, replace, created, self.replica, holder, now,
                                                         metadata)
         return record  # what the replaced archive released is collected after the grace period
 
