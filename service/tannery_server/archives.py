@@ -44,8 +44,16 @@ def archive_info(record: ArchiveRecord) -> archives_pb2.ArchiveInfo:
     created.FromNanoseconds(record.created_ns)
     return archives_pb2.ArchiveInfo(
         name=record.name, entries=record.entries, nbytes=record.nbytes, payload_bytes=record.payload_bytes,
-        created=created,
+        created=created, already_stored=record.already_stored,
     )
+
+
+def written(record: ArchiveRecord) -> archives_pb2.ArchiveInfo:
+    """The answer of a Store or Union; the call's log line says when it found the archive
+    already holding exactly its content (and stored nothing)."""
+    if record.already_stored:
+        current_call().note("already_stored", True)
+    return archive_info(record)
 
 
 class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
@@ -84,7 +92,7 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
         pending: asyncio.Future | None = None
         transport = self._transport(context)
         try:
-            await self._run(session.check_name_free)
+            await self._run(session.check_existing)
             # Each message is written by a worker thread while the next one is received.
             # Shielded: a cancelled call must not abandon a thread still writing the session.
             pending = self._run_future(session.feed, first, True)
@@ -107,7 +115,7 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
         except BaseException:
             await asyncio.shield(self._abort_store(session, pending))
             raise
-        return archive_info(record)
+        return written(record)
 
     async def _abort_store(self, session: StoreSession, pending: asyncio.Future | None) -> None:
         """Wait for the thread writing the session (it must be done with it), then remove what it wrote."""
@@ -132,7 +140,7 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
             sources.append((source.archive, check_prefix(source.prefix, self.config.max_name_bytes)))
         metadata = check_metadata(request.metadata)
         record = await self._run(self.storage.union, target, sources, request.replace, self._limits, metadata)
-        return archive_info(record)
+        return written(record)
 
     def _transport(self, context) -> str | None:
         """The data path a Store or Fetch asks for (None: the gRPC stream); DataPathOff when it is off."""
