@@ -101,7 +101,10 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
                 await asyncio.shield(pending)
                 await self._over_data_path(transport, context, receive_store, session)
                 current_call().note("data_bytes", session.bytes_received)
-            async for message in request_iterator:
+            messages = aiter(request_iterator)
+            # Compared with an archive there, any message may be refused: say so at once.
+            watch = session.existing is not None
+            while (message := await _next_request(messages, pending, watch)) is not None:
                 await asyncio.shield(pending)
                 pending = self._run_future(session.feed, message)
             await asyncio.shield(pending)
@@ -281,6 +284,24 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
         return archives_pb2.DeleteResponse(
             deleted=archive_info(record), blobs_removed=collected.blobs, bytes_freed=collected.bytes
         )
+
+
+async def _next_request(messages: AsyncIterator, pending: asyncio.Future, watch: bool) -> Any:
+    """The call's next request (None at its end), received while a worker thread feeds the one
+    before (``pending``). With ``watch``, a refusal of that one is raised as soon as it comes,
+    without waiting for the next request (a client whose entry is refused at its name or its
+    digest hears it before it sends the payload)."""
+    if not watch or pending.done():
+        return await anext(messages, None)
+    receiving = asyncio.ensure_future(anext(messages, None))
+    try:
+        await asyncio.wait((receiving, pending), return_when=asyncio.FIRST_COMPLETED)
+        if not receiving.done() and not pending.cancelled() and pending.exception() is not None:
+            raise pending.exception()
+        return await receiving
+    finally:
+        if not receiving.done():
+            receiving.cancel()
 
 
 async def _settle(future: asyncio.Future | None) -> None:

@@ -26,6 +26,15 @@ def short(digest: str) -> str:
     return f"{digest[:DIGEST_SHOWN]}..."
 
 
+def count(n: int, word: str) -> str:
+    """``n`` and ``word`` in the plural it needs: "1 entry", "3 entries", "2 keys"."""
+    if n == 1:
+        return f"1 {word}"
+    if word.endswith("y") and word[-2:-1] not in "aeiou":
+        return f"{n} {word[:-1]}ies"
+    return f"{n} {word}s"
+
+
 def other_content(archive: str, difference: str) -> NameTaken:
     """The refusal of a Store or Union whose content differs from the archive of that name."""
     return NameTaken(f"archive {archive!r} already exists with other content: {difference}")
@@ -36,7 +45,7 @@ def metadata_difference(there: Mapping[str, str], sent: Mapping[str, str], side:
     when both are equal. ``side`` names the new content ("sent", "in the union")."""
     if dict(there) == dict(sent):
         return None
-    counts = f"{len(there)} keys there, {len(sent)} {side}"
+    counts = f"{count(len(there), 'key')} there, {len(sent)} {side}"
     for key in sorted(set(there) | set(sent)):
         if key not in there:
             return f"metadata key {key!r} is not there ({counts})"
@@ -49,7 +58,7 @@ def metadata_difference(there: Mapping[str, str], sent: Mapping[str, str], side:
 
 def unknown_entry(name: str, there_count: int, side: str = "sent") -> str:
     """The difference of an entry the archive there does not have."""
-    return f"entry {name!r} {side} is not there (it has {there_count} entr{'y' if there_count == 1 else 'ies'})"
+    return f"entry {name!r} {side} is not there (it has {count(there_count, 'entry')})"
 
 
 def header_difference(there: EntryRecord, dtype: str, shape: Sequence[int], side: str = "sent") -> str | None:
@@ -72,7 +81,7 @@ def entries_difference(there: Sequence[EntryRecord], new: Sequence[EntryRecord],
     has, or another dtype, shape or payload digest; None when they are the same."""
     old = {e.name: e for e in there}
     made = {e.name: e for e in new}
-    counts = f"{len(old)} entries there, {len(made)} {side}"
+    counts = f"{count(len(old), 'entry')} there, {len(made)} {side}"
     for name in sorted(set(old) | set(made)):
         if name not in old:
             return f"entry {name!r} {side} is not there ({counts})"
