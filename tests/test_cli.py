@@ -193,6 +193,35 @@ def test_push_torch_checkpoint_with_prefix_and_replace(cli: Cli, tmp_path: Path)
     assert [e["name"] for e in cli.json("show", "run")["entries"]] == ["only"]
 
 
+def test_pushing_the_same_checkpoint_again_stores_nothing_new_and_says_so(cli: Cli, server, tmp_path: Path) -> None:
+    body = tmp_path / "body.safetensors"
+    safetensors.torch.save_file({"w": torch.ones(2, 3), "b": torch.zeros(3)}, body, metadata={"format": "pt"})
+    first = cli.json("push", str(body), "--as", "body")
+    assert first["already_stored"] is False and first["entries"] == 2
+    blobs = sorted(p.name for p in (server.data_dir / "blobs").rglob("*") if p.is_file())
+    assert cli.ok("push", str(body), "--as", "body") == (
+        f"body is already stored with this content ({body}: 2 entries, 36 B): nothing new stored\n")
+    again = cli.json("push", str(body), "--as", "body")
+    assert again == {**first, "already_stored": True}
+    assert sorted(p.name for p in (server.data_dir / "blobs").rglob("*") if p.is_file()) == blobs
+    assert list((server.data_dir / "tmp").iterdir()) == []
+    safetensors.torch.save_file({"w": torch.ones(2, 3), "b": torch.ones(3)}, body, metadata={"format": "pt"})
+    assert cli.fails("push", str(body), "--as", "body") == (
+        "tannery push: error: archive 'body' already exists with other content: entry 'b' differs (sha256 "
+        f"{_sha(torch.zeros(3))[:16]}... there, {_sha(torch.ones(3))[:16]}... sent)\n"
+        "hint: give --replace to replace it, or choose another name with --as\n")
+    assert cli.json("push", str(body), "--as", "body", "--replace")["already_stored"] is False
+
+
+def _sha(tensor: torch.Tensor) -> str:
+    """The SHA-256 of a tensor's payload as the server stores it."""
+    import hashlib
+
+    from tannery.torch import serialize
+
+    return hashlib.sha256(serialize(tensor)).hexdigest()
+
+
 def test_push_bin_and_pt_extensions(cli: Cli, tmp_path: Path) -> None:
     for suffix in (".pt", ".bin"):
         torch.save({"w": torch.arange(4)}, tmp_path / f"m{suffix}")
@@ -363,7 +392,8 @@ def test_union_plain_and_prefixed(cli: Cli, tmp_path: Path) -> None:
     cli.ok("union", "pre", "a", "--prefix", "enc=b", "--prefix", "dec=b")
     assert [e["name"] for e in cli.json("show", "pre")["entries"]] == ["dec.v", "enc.v", "w"]
     assert "'w' is in two sources" in cli.fails("union", "clash", "a", "a")
-    assert "already exists" in cli.fails("union", "ab", "a")
+    assert "already exists with other content: entry 'v' is missing" in cli.fails("union", "ab", "a")
+    assert cli.ok("union", "ab", "b", "a") == "ab already holds this union: 2 entries, 20 B (nothing new stored)\n"
     cli.ok("union", "ab", "a", "--replace")
     assert [e["name"] for e in cli.json("show", "ab")["entries"]] == ["w"]
     assert "archive 'nope' not found" in cli.fails("union", "x", "nope")

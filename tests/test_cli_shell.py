@@ -217,11 +217,18 @@ def test_quiet_push_still_prints_its_result(server, tmp_path: Path) -> None:
 
 def test_a_refused_push_names_replace(server, model: str, tmp_path: Path) -> None:
     run = tannery("push", str(tmp_path / "m.safetensors"), "--as", model, target=server.target, tmp=tmp_path)
-    assert run.code == 1 and run.lines == [f"tannery push: error: archive '{model}' already exists",
-                                           "hint: give --replace to replace it, or choose another name with --as"]
-    run = tannery("push", str(tmp_path / "m.safetensors"), "--as", model, "--replace", target=server.target, tmp=tmp_path)
+    assert (run.code, run.out) == (0, f"{model} is already stored with this content ({tmp_path / 'm.safetensors'}: "
+                                      "2 entries, 48 B): nothing new stored\n"), run.err
+    safetensors.torch.save_file({"2.bias": torch.arange(4.0), "2.weight": torch.zeros(4, 2)}, tmp_path / "m2.safetensors")
+    run = tannery("push", str(tmp_path / "m2.safetensors"), "--as", model, target=server.target, tmp=tmp_path)
+    assert run.code == 1 and len(run.lines) == 2, run.err
+    assert run.lines[0].startswith(f"tannery push: error: archive '{model}' already exists with other content: "
+                                   "entry '2.weight' differs (sha256 "), run.lines
+    assert run.lines[1] == "hint: give --replace to replace it, or choose another name with --as"
+    run = tannery("push", str(tmp_path / "m2.safetensors"), "--as", model, "--replace", target=server.target,
+                  tmp=tmp_path)
     assert run.code == 0, run.err
-    run = tannery("union", model, model, target=server.target, tmp=tmp_path)
+    run = tannery("union", model, model, "--prefix", f"x={model}", target=server.target, tmp=tmp_path)
     assert run.code == 1 and run.lines[1] == "hint: give --replace to replace it, or choose another TARGET"
 
 
@@ -230,7 +237,8 @@ def test_a_refused_store_in_python_names_replace_true(server, model: str) -> Non
             f"    try: c.store({model!r}, {{'w': torch.ones(1)}})\n"
             "    except tannery.AlreadyExists as e: print(e)\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=_env())
-    assert result.stdout == f"archive '{model}' already exists (give replace=True to replace it)\n", result.stderr
+    assert result.stdout == (f"archive '{model}' already exists with other content: entry 'w' sent is not there "
+                             "(it has 2 entries) (give replace=True to replace it)\n"), result.stderr
 
 
 def test_push_of_a_missing_file_says_no_such_file(server, tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ so the two stay at parity. Bytes transferred are counted with the ``progress`` h
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 import hashlib
 import inspect
@@ -271,11 +272,38 @@ def test_non_contiguous_and_non_cpu_layouts_are_stored_as_their_values(client):
 
 def test_a_stored_name_is_refused_unless_replaced(client):
     client.store("a", {"w": torch.zeros(2)})
-    with pytest.raises(tannery.AlreadyExists, match="archive 'a' already exists"):
+    with pytest.raises(tannery.AlreadyExists, match=r"archive 'a' already exists with other content: entry 'w' "
+                                                    r"differs \(sha256 [0-9a-f]{16}\.\.\. there, [0-9a-f]{16}\.\.\. "
+                                                    r"sent\) \(give replace=True to replace it\)"):
         client.store("a", {"w": torch.ones(2)})
     assert torch.equal(client.fetch("a").find("w"), torch.zeros(2))
     client.store("a", {"w": torch.ones(2)}, replace=True)
     assert torch.equal(client.fetch("a").find("w"), torch.ones(2))
+
+
+def test_the_same_store_again_returns_the_archive_already_stored_and_stores_nothing(client, server):
+    state = {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(3, dtype=torch.float16)}
+    first = client.store("ckpt", state, metadata={"format": "pt"})
+    assert first.already_stored is False
+    files = blob_files(server)
+    again = client.store("ckpt", {"b": state["b"].clone(), "w": state["w"].clone()}, metadata={"format": "pt"})
+    assert again.already_stored is True
+    assert again == dataclasses.replace(first, already_stored=True)
+    assert blob_files(server) == files
+    assert list((server.data_dir / "tmp").iterdir()) == []
+    fetched = client.fetch("ckpt")
+    assert torch.equal(fetched.find("w"), state["w"]) and torch.equal(fetched.find("b"), state["b"])
+    with pytest.raises(tannery.AlreadyExists, match=r"entry 'b' differs \(float16 \[3\] there, float32 \[3\] sent\)"):
+        client.store("ckpt", {**state, "b": torch.ones(3)}, metadata={"format": "pt"})
+    with pytest.raises(tannery.AlreadyExists, match=r"entry 'x' sent is not there \(it has 2 entries\)"):
+        client.store("ckpt", {**state, "x": torch.ones(1)}, metadata={"format": "pt"})
+    with pytest.raises(tannery.AlreadyExists, match=r"entry 'w' is missing \(2 entries there, 1 sent\)"):
+        client.store("ckpt", {"b": state["b"]}, metadata={"format": "pt"})
+    with pytest.raises(tannery.AlreadyExists, match=r"metadata key 'format' is missing \(1 key there, 0 sent\)"):
+        client.store("ckpt", state)
+    assert blob_files(server) == files
+    assert list((server.data_dir / "tmp").iterdir()) == []
+    assert client.store("ckpt", state, replace=True).already_stored is False
 
 
 def test_store_refuses_values_that_are_not_tensors_before_calling(client, server):
@@ -512,8 +540,10 @@ def test_union_of_a_mapping_or_a_list_copies_no_bytes(client, server, caplog):
     assert client.fetch("ckpt").names() == ["model.w", "optim.m"]
     assert client.union("flat", ["model", "optim"]).entries == 2
     assert client.fetch("flat").names() == ["m", "w"]
-    with pytest.raises(tannery.AlreadyExists):
+    with pytest.raises(tannery.AlreadyExists, match="entry 'm' is missing"):
         client.union("flat", ["model"])
+    again = client.union("flat", ["optim", "model"])
+    assert again.already_stored and again.entries == 2 and not info.already_stored
     assert client.union("flat", ["model"], replace=True).entries == 1
     with pytest.raises(tannery.NotFound, match="nope"):
         client.union("x", ["model", "nope"])
@@ -529,7 +559,7 @@ def test_union_of_a_mapping_or_a_list_copies_no_bytes(client, server, caplog):
     # Nor sent: the unions' messages are small, and no Store or Fetch carried a payload for them.
     calls = [r.fields for r in caplog.records if r.name == "tannery_server.calls"]
     unions = [c for c in calls if c["method"] == "Union"]
-    assert len(unions) == 6 and all(c["bytes"] < 1 * KiB for c in unions), unions
+    assert len(unions) == 7 and all(c["bytes"] < 1 * KiB for c in unions), unions
     assert [c for c in calls if c["method"] not in ("Union", "Fetch", "Describe")] == []  # no Store
 
 

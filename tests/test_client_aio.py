@@ -47,7 +47,8 @@ def test_tannery_aio_is_a_submodule_reachable_as_an_attribute():
 
 
 def test_a_refused_store_reports_the_servers_status_while_the_client_writes(server):
-    """The server refuses the name before reading the 4 MiB still being written."""
+    """The server refuses the entry at its header (another shape than the one stored) before
+    reading the 4 MiB still being written."""
 
     async def main() -> list[str]:
         async with tannery.aio.Client(server.target) as client:
@@ -60,7 +61,8 @@ def test_a_refused_store_reports_the_servers_status_while_the_client_writes(serv
             return kinds
 
     kinds = run(main())
-    assert set(kinds) == {"AlreadyExists: archive 'taken' already exists (give replace=True to replace it)"}
+    assert set(kinds) == {"AlreadyExists: archive 'taken' already exists with other content: entry 'w' differs "
+                          "(float32 [1] there, float32 [1048576] sent) (give replace=True to replace it)"}
 
 
 def test_a_refused_publish_reports_the_servers_status_while_the_client_writes(server):

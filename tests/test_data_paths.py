@@ -503,10 +503,14 @@ def test_an_entry_that_changed_since_it_was_described_is_refused_by_the_server_n
 def test_a_stored_name_is_refused_unless_replaced_and_nothing_is_stored(client, connect, shared, calls):
     name = fresh()
     first = {"w": random_tensor("float32", (1000,), 400)}
-    client.store(name, first)
+    stored = client.store(name, first)
     blobs = sorted(p.name for p in (shared.data_dir / "blobs").rglob("*") if p.is_file())
+    again = client.store(name, {"w": first["w"].clone()})  # the same content: stored nothing, said so
+    assert again.already_stored and again.created == stored.created and not stored.already_stored
+    assert sorted(p.name for p in (shared.data_dir / "blobs").rglob("*") if p.is_file()) == blobs
+    assert list((shared.data_dir / "tmp").iterdir()) == []
     second = {"w": random_tensor("float32", (1000,), 401), "x": random_tensor("int8", (7,), 402)}
-    with pytest.raises(tannery.AlreadyExists, match=repr(name)):
+    with pytest.raises(tannery.AlreadyExists, match=f"{name!r} already exists with other content: entry 'w' differs"):
         client.store(name, second)
     assert sorted(p.name for p in (shared.data_dir / "blobs").rglob("*") if p.is_file()) == blobs
     assert list((shared.data_dir / "tmp").iterdir()) == []

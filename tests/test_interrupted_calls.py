@@ -165,7 +165,8 @@ def test_a_message_over_the_size_limit_commits_nothing(tmp_path, big_first):
 
 
 def test_an_existing_name_is_refused_before_any_tensor_byte(tmp_path):
-    """ALREADY_EXISTS at begin: the client's upload stops at once, not after 512 MiB."""
+    """ALREADY_EXISTS at the entry's header (another shape than the one stored): the client's
+    upload stops at once, not after 512 MiB."""
     with running_server(tmp_path) as srv:
         with tannery.Client(srv.target) as client:
             client.store("taken", {"w": torch.ones(3)})

@@ -165,11 +165,218 @@ def test_equal_tensors_are_stored_once(srv, stub):
 def test_already_exists_unless_replace(srv, stub):
     store(stub, "a", {"w": serialize(torch.ones(3))})
     error = failure(store, stub, "a", {"w": serialize(torch.zeros(3))})
-    expect(error, grpc.StatusCode.ALREADY_EXISTS, "archive 'a' already exists")
+    expect(error, grpc.StatusCode.ALREADY_EXISTS, "archive 'a' already exists with other content: entry 'w' differs")
     assert fetch(stub, "a")["w"] == serialize(torch.ones(3))
     store(stub, "a", {"v": serialize(torch.zeros(3))}, replace=True)
     assert fetch(stub, "a") == {"v": serialize(torch.zeros(3))}
     assert blobs_become(srv, 1), "the replaced archive's blob is collected"
+
+
+# A Store repeated: idempotent -----------------------------------------------------------
+
+W = serialize(tensor_of(torch.float32, (4, 8), seed=1))
+B = serialize(tensor_of(torch.float32, (8,), seed=2))
+CKPT = {"layer.0.bias": B, "layer.0.weight": W}
+META = {"format": "pt"}
+
+
+def sha(payload: bytes) -> str:
+    return hashlib.sha256(payload).hexdigest()
+
+
+def shown(payload: bytes) -> str:
+    """A payload's digest as a refusal shows it (its first 16 hex digits)."""
+    return sha(payload)[:16] + "..."
+
+
+def ckpt_requests(entries, metadata=META, name="ckpt", digests=False, chunk=CHUNK // 2):
+    """A Store of ``entries`` (in this order) with ``metadata``, each entry's SHA-256 sent ahead
+    with ``digests``, payloads in chunks of ``chunk`` bytes, then the commit."""
+    yield pb.StoreRequest(begin=pb.StoreBegin(archive=name, metadata=metadata))
+    sent = 0
+    for entry, payload in entries.items():
+        for start in range(0, len(payload), chunk):
+            piece = payload[start:start + chunk]
+            yield (pb.StoreRequest(entry=entry, chunk=piece, entry_sha256=hashlib.sha256(payload).digest() if digests
+                                   else b"") if start == 0 else pb.StoreRequest(chunk=piece))
+            sent += len(piece)
+    yield commit_request(len(entries), sent)
+
+
+def blob_count(srv) -> int:
+    """The blobs the store holds: files under data_dir/blobs (embedded), objects in the bucket (shared)."""
+    if shared(srv):
+        return len(stored_blobs(srv))
+    return sum(1 for p in (srv.data_dir / "blobs").rglob("*") if p.is_file())
+
+
+def calls_logged(caplog, method: str) -> list[dict]:
+    return [r.fields for r in caplog.records if r.name == "tannery_server.calls" and r.fields["method"] == method]
+
+
+@pytest.mark.parametrize("digests", [False, True], ids=["hashed-on-arrival", "digests-ahead"])
+def test_a_store_repeated_identically_answers_ok_flagged_and_stores_nothing(srv, stub, digests, caplog):
+    caplog.set_level("INFO", logger="tannery_server.calls")
+    first = stub.Store(ckpt_requests(CKPT))
+    assert not first.already_stored
+    blobs, totals = blob_count(srv), srv.storage.catalog.totals()
+    again = stub.Store(ckpt_requests(CKPT, digests=digests))
+    assert again.already_stored
+    assert (again.name, again.entries, again.nbytes, again.payload_bytes, again.created) == (
+        first.name, first.entries, first.nbytes, first.payload_bytes, first.created)
+    assert blob_count(srv) == blobs == 2
+    assert srv.storage.catalog.totals() == totals
+    assert leftovers(srv) == []
+    assert fetch(stub, "ckpt") == CKPT
+    assert stub.Describe(pb.DescribeRequest(archive="ckpt")).metadata == META
+    stores = calls_logged(caplog, "Store")
+    assert [c.get("already_stored") for c in stores] == [None, True], stores
+
+
+def test_an_identical_store_in_another_entry_order_and_chunking_is_the_same_content(srv, stub):
+    stub.Store(ckpt_requests(CKPT))
+    reordered = dict(reversed(list(CKPT.items())))
+    assert stub.Store(ckpt_requests(reordered, chunk=7)).already_stored
+    assert fetch(stub, "ckpt") == CKPT
+
+
+W_BYTES = serialize(tensor_of(torch.float32, (4, 8), seed=3))
+W_DTYPE = serialize(tensor_of(torch.float64, (4, 8), seed=1))
+W_SHAPE = serialize(tensor_of(torch.float32, (8, 4), seed=1))
+
+
+def digest_differs(payload: bytes) -> str:
+    """The refusal's words for entry layer.0.weight sent as ``payload``, compared by digest."""
+    return f"entry 'layer.0.weight' differs (sha256 {shown(W)} there, {shown(payload)} sent)"
+
+
+@pytest.mark.parametrize(
+    "entries, metadata, message",
+    [
+        ({**CKPT, "layer.0.weight": W_BYTES}, META, digest_differs(W_BYTES)),
+        ({**CKPT, "layer.0.weight": W_DTYPE}, META,
+         "entry 'layer.0.weight' differs (float32 [4, 8] there, float64 [4, 8] sent)"),
+        ({**CKPT, "layer.0.weight": W_SHAPE}, META,
+         "entry 'layer.0.weight' differs (float32 [4, 8] there, float32 [8, 4] sent)"),
+        ({**CKPT, "layer.1.weight": W}, META, "entry 'layer.1.weight' sent is not there (it has 2 entries)"),
+        ({"layer.0.bias": B}, META, "entry 'layer.0.weight' is missing (2 entries there, 1 sent)"),
+        (CKPT, {"format": "np"}, "metadata key 'format' differs ('pt' there, 'np' sent)"),
+        (CKPT, {**META, "step": "7"}, "metadata key 'step' is not there (1 key there, 2 sent)"),
+        (CKPT, {}, "metadata key 'format' is missing (1 key there, 0 sent)"),
+    ],
+    ids=["bytes", "dtype", "shape", "extra-entry", "missing-entry", "metadata-value", "metadata-extra",
+         "metadata-missing"],
+)
+@pytest.mark.parametrize("digests", [False, True], ids=["hashed-on-arrival", "digests-ahead"])
+def test_other_content_under_the_name_is_already_exists_naming_what_differs_and_stores_nothing(
+        srv, stub, entries, metadata, message, digests):
+    stub.Store(ckpt_requests(CKPT))
+    blobs = blob_count(srv)
+    if digests and "float" in message:  # the digest sent ahead differs first, before the header arrives
+        message = digest_differs(entries["layer.0.weight"])
+    error = failure(stub.Store, ckpt_requests(entries, metadata, digests=digests))
+    expect(error, grpc.StatusCode.ALREADY_EXISTS, f"archive 'ckpt' already exists with other content: {message}")
+    assert blob_count(srv) == blobs
+    assert leftovers(srv) == []
+    assert fetch(stub, "ckpt") == CKPT
+    assert stub.Describe(pb.DescribeRequest(archive="ckpt")).metadata == META
+
+
+def test_a_digest_sent_ahead_that_the_bytes_do_not_match_is_invalid_even_when_it_is_the_stored_one(srv, stub):
+    """The digest ahead is checked against the bytes: a client cannot pass other bytes off as the stored entry."""
+    stub.Store(ckpt_requests(CKPT))
+    other = serialize(tensor_of(torch.float32, (4, 8), seed=9))
+    messages = [pb.StoreRequest(begin=pb.StoreBegin(archive="ckpt", metadata=META)),
+                pb.StoreRequest(entry="layer.0.bias", chunk=B, entry_sha256=hashlib.sha256(B).digest()),
+                pb.StoreRequest(entry="layer.0.weight", chunk=other, entry_sha256=hashlib.sha256(W).digest()),
+                commit_request(2, len(B) + len(other))]
+    expect(failure(stub.Store, iter(messages)), grpc.StatusCode.INVALID_ARGUMENT,
+           f"entry 'layer.0.weight': its {len(other)} bytes hash to SHA-256 {sha(other)}, not to {sha(W)}")
+    assert fetch(stub, "ckpt") == CKPT
+    assert leftovers(srv) == []
+
+
+def held_store(messages_before, messages_after, reached: list[str], release):
+    """Requests that record in ``reached`` what they handed to gRPC (``messages_before``: (label,
+    message) pairs), then wait for ``release`` before the rest (the payload still unsent)."""
+    for label, message in messages_before:
+        reached.append(label)
+        yield message
+    if release.wait(20):
+        reached.append("payload")
+        yield from messages_after
+
+
+@pytest.mark.parametrize(
+    "entry, sha256, first_chunk, message",
+    [
+        ("layer.0.weight", hashlib.sha256(W[:-4] + b"\0\0\0\0").digest(), b"",
+         f"entry 'layer.0.weight' differs (sha256 {shown(W)} there, {shown(W[:-4] + bytes(4))} sent)"),
+        ("layer.9.weight", b"", b"", "entry 'layer.9.weight' sent is not there (it has 2 entries)"),
+        ("layer.0.weight", b"", codec.encode_prefix(codec.DTYPES["float32"], [1 << 16]),  # its header only
+         "entry 'layer.0.weight' differs (float32 [4, 8] there, float32 [65536] sent)"),
+    ],
+    ids=["digest-ahead", "unknown-name", "header"],
+)
+def test_other_content_is_refused_before_the_entrys_payload_is_sent(srv, stub, entry, sha256, first_chunk, message):
+    import threading
+    import time
+
+    stub.Store(ckpt_requests(CKPT))
+    blobs = blob_count(srv)
+    reached: list[str] = []
+    release = threading.Event()
+    rest = serialize(torch.zeros(1 << 16))[len(first_chunk):]
+    before = [("begin", pb.StoreRequest(begin=pb.StoreBegin(archive="ckpt", metadata=META))),
+              ("entry", pb.StoreRequest(entry=entry, entry_sha256=sha256, chunk=first_chunk))]
+    started = time.monotonic()
+    try:
+        error = failure(stub.Store, held_store(before, [pb.StoreRequest(chunk=rest), commit_request(1, 1 << 18)],
+                                               reached, release))
+    finally:
+        release.set()
+    assert time.monotonic() - started < 15, "the refusal waited for the payload"
+    assert reached == ["begin", "entry"], "refused before the payload was sent"
+    expect(error, grpc.StatusCode.ALREADY_EXISTS, f"archive 'ckpt' already exists with other content: {message}")
+    assert blob_count(srv) == blobs
+    assert wait_for(lambda: leftovers(srv) == [])
+
+
+@pytest.mark.parametrize("identical", [True, False], ids=["identical", "different"])
+def test_a_name_taken_by_another_store_before_commit_is_compared_then(srv, stub, identical):
+    """Two Stores of one name at once, both begun before either committed: the second to commit
+    finds the name taken, and answers OK flagged when the first stored exactly its content."""
+    import threading
+
+    other = {**CKPT, "layer.0.bias": serialize(tensor_of(torch.float32, (8,), seed=5))}
+    mine = CKPT if identical else other
+    release, reached = threading.Event(), []
+    messages = list(ckpt_requests(mine))
+    held = stub.Store.future(held_store([(str(i), m) for i, m in enumerate(messages[:-1])], messages[-1:],
+                                        reached, release))
+    try:
+        # Its payloads are written as blobs (no archive there to compare with when it began).
+        assert wait_for(lambda: blob_count(srv) == len(mine))
+        assert not stub.Store(ckpt_requests(CKPT)).already_stored  # begun after the held one, committed first
+    finally:
+        release.set()
+    if identical:
+        assert held.result(timeout=30).already_stored
+    else:
+        expect(held.exception(timeout=30), grpc.StatusCode.ALREADY_EXISTS,
+               f"archive 'ckpt' already exists with other content: entry 'layer.0.bias' differs (sha256 {shown(B)} "
+               f"there, {shown(other['layer.0.bias'])} sent)")
+    assert fetch(stub, "ckpt") == CKPT
+    assert wait_for(lambda: leftovers(srv) == [])
+    assert blobs_become(srv, len(CKPT)), "the refused Store's blob is collected; an identical one's were the same"
+
+
+def test_replace_still_replaces_whatever_is_there(srv, stub):
+    stub.Store(ckpt_requests(CKPT))
+    info = stub.Store(store_requests("ckpt", {"w": B}, replace=True))
+    assert not info.already_stored and info.entries == 1
+    assert not stub.Store(store_requests("ckpt", {"w": B}, replace=True)).already_stored
+    assert fetch(stub, "ckpt") == {"w": B}
 
 
 # Store errors -------------------------------------------------------------------------
@@ -460,6 +667,68 @@ def test_union_errors_create_nothing(stub):
     info = union("a", ("a", "old"), ("c", ""), replace=True)
     assert info.entries == 3
     assert list(fetch(stub, "a")) == ["old.w", "v", "w"]
+
+
+def union_of(stub, target, *sources, metadata=None, replace=False):
+    return stub.Union(pb.UnionRequest(target=target, replace=replace, metadata=metadata or {},
+                                      sources=[pb.UnionSource(archive=a, prefix=p) for a, p in sources]))
+
+
+def test_a_union_repeated_identically_answers_ok_flagged_and_writes_nothing(srv, stub, caplog):
+    caplog.set_level("INFO", logger="tannery_server.calls")
+    stub.Store(ckpt_requests(CKPT, name="model"))
+    store(stub, "optim", {"m": B})
+    sources = (("model", "model"), ("optim", "optim"))
+    first = union_of(stub, "both", *sources, metadata=META)
+    assert not first.already_stored
+    totals, blobs = srv.storage.catalog.totals(), blob_count(srv)
+    again = union_of(stub, "both", *reversed(sources), metadata=META)
+    assert again.already_stored
+    assert (again.entries, again.nbytes, again.created) == (first.entries, first.nbytes, first.created)
+    assert (srv.storage.catalog.totals(), blob_count(srv)) == (totals, blobs)
+    assert fetch(stub, "both") == {"model.layer.0.bias": B, "model.layer.0.weight": W, "optim.m": B}
+    assert [c.get("already_stored") for c in calls_logged(caplog, "Union")] == [None, True]
+
+
+def test_a_union_to_a_stored_archive_of_the_same_content_is_already_there(stub):
+    """A Union whose result is exactly an archive a Store made (entries, digests, metadata)."""
+    stub.Store(ckpt_requests(CKPT, name="model"))
+    stub.Store(ckpt_requests(CKPT, name="copy"))
+    assert union_of(stub, "copy", ("model", ""), metadata=META).already_stored
+    expect(failure(union_of, stub, "copy", ("model", "")), grpc.StatusCode.ALREADY_EXISTS,
+           "archive 'copy' already exists with other content: metadata key 'format' is missing "
+           "(1 key there, 0 in the union)")
+
+
+def test_a_union_with_other_content_is_already_exists_naming_the_entry(srv, stub):
+    stub.Store(ckpt_requests(CKPT, name="model"))
+    store(stub, "optim", {"m": B})
+    store(stub, "optim2", {"m": W})
+    union_of(stub, "both", ("model", "model"), ("optim", "optim"))
+    totals = srv.storage.catalog.totals()
+    prefix = "archive 'both' already exists with other content: "
+    expect(failure(union_of, stub, "both", ("model", "model")), grpc.StatusCode.ALREADY_EXISTS,
+           prefix + "entry 'optim.m' is missing (3 entries there, 2 in the union)")
+    expect(failure(union_of, stub, "both", ("model", "model"), ("optim", "optim"), ("optim2", "extra")),
+           grpc.StatusCode.ALREADY_EXISTS, prefix + "entry 'extra.m' in the union is not there (3 entries there, 4 in "
+           "the union)")
+    expect(failure(union_of, stub, "both", ("model", "model"), ("optim2", "optim")), grpc.StatusCode.ALREADY_EXISTS,
+           prefix + f"entry 'optim.m' differs (float32 [8] there, float32 [4, 8] in the union)")
+    expect(failure(union_of, stub, "both", ("model", "model"), ("optim", "optim"), metadata={"step": "1"}),
+           grpc.StatusCode.ALREADY_EXISTS, prefix + "metadata key 'step' is not there (0 keys there, 1 in the union)")
+    assert srv.storage.catalog.totals() == totals
+    assert fetch(stub, "both") == {"model.layer.0.bias": B, "model.layer.0.weight": W, "optim.m": B}
+
+
+def test_a_union_whose_entry_has_the_same_shape_but_other_bytes_is_refused_by_digest(stub):
+    store(stub, "one", {"w": W})
+    store(stub, "two", {"w": W_BYTES})
+    union_of(stub, "u", ("one", ""))
+    expect(failure(union_of, stub, "u", ("two", "")), grpc.StatusCode.ALREADY_EXISTS,
+           f"archive 'u' already exists with other content: entry 'w' differs (sha256 {shown(W)} there, "
+           f"{shown(W_BYTES)} in the union)")
+    assert union_of(stub, "u", ("two", ""), replace=True).entries == 1
+    assert fetch(stub, "u") == {"w": W_BYTES}
 
 
 # Describe, List, Delete ---------------------------------------------------------------

@@ -292,9 +292,16 @@ class ArchiveFuzzer:
             if result.value.entries != len(stored) or result.value.name != archive:
                 self.tally.violation(f"Store answered {result.value.name!r} of {result.value.entries} entries, "
                                      f"{len(stored)} were sent to {archive!r}")
+            there = self.model.get(archive) if not replace else None
+            if there is not None and (there != stored or not result.value.already_stored):
+                self.tally.violation(f"a Store to existing {archive!r} answered OK (already_stored="
+                                     f"{result.value.already_stored}) for {'the same' if there == stored else 'other'} "
+                                     "content")
             self.model[archive] = stored
         elif must_succeed:
-            exists = result.code is grpc.StatusCode.ALREADY_EXISTS and archive in self.model and not replace
+            # Without replace, only other content than the archive there is refused.
+            exists = (result.code is grpc.StatusCode.ALREADY_EXISTS and not replace and archive in self.model
+                      and self.model[archive] != {str(n): p for n, p in entries})
             if not exists:
                 self.tally.violation(f"a valid Store of {archive!r} was refused: {result.code.name} "
                                      f"{result.details[:200]!r}")
@@ -604,14 +611,17 @@ class ArchiveFuzzer:
                 return
             if result.value.entries != len(expected):
                 self.tally.violation(f"Union {target!r} answered {result.value.entries} entries, {len(expected)} due")
+            if result.value.already_stored != (target in self.model and not replace):
+                self.tally.violation(f"Union {target!r} answered already_stored={result.value.already_stored}")
             self.model[target] = expected
         elif expected is not None:
             self.tally.violation(f"a valid Union {target!r} <- {sources} (replace={replace}) was refused: "
                                  f"{result.code.name} {result.details[:200]!r}")
 
     def union_of(self, target: str, sources: list[tuple[str, str]], replace: bool) -> dict[str, bytes] | None:
-        """What a Union must make of the model, or None when it must fail."""
-        if target not in ARCHIVE_POOL or (target in self.model and not replace):
+        """What a Union must make of the model, or None when it must fail (without ``replace``, an
+        existing target must already hold exactly what it makes: then it is OK, flagged)."""
+        if target not in ARCHIVE_POOL:
             return None
         merged: dict[str, bytes] = {}
         for archive, prefix in sources:
@@ -622,6 +632,8 @@ class ArchiveFuzzer:
                 if joined in merged:
                     return None
                 merged[joined] = payload
+        if target in self.model and not replace and self.model[target] != merged:
+            return None
         return merged
 
     def delete(self) -> None:

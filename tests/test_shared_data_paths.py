@@ -69,6 +69,25 @@ def test_every_transport_stores_and_fetches_through_the_bucket(replica, transpor
     assert set(replica.storage.blobs.digests()) == set(replica.storage.catalog.referenced_digests())
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_the_same_store_again_on_a_replica_stores_nothing_and_other_content_is_refused_before_its_bytes(
+        replica, transport):
+    """With digests sent ahead, a repeated Store is compared digest by digest; a differing entry
+    is refused at its name, on every transport, and nothing reaches the bucket."""
+    tensors = state(2)
+    with tannery.Client(replica.target, transport=transport) as client:
+        first = client.store("m", tensors)
+        objects = set(replica.storage.blobs.digests())
+        again = client.store("m", {name: t.clone() for name, t in tensors.items()})
+        assert again.already_stored and again.created == first.created
+        with pytest.raises(tannery.AlreadyExists, match=r"'m' already exists with other content: entry 'big' differs "
+                                                        r"\(sha256 [0-9a-f]{16}\.\.\. there"):
+            client.store("m", {**tensors, "big": tensors["big"] + 1})
+        assert same(client.fetch("m"), tensors)
+    assert set(replica.storage.blobs.digests()) == objects
+    assert wait_for(lambda: list(replica.storage.blobs.temporaries()) == [])
+
+
 def test_the_replica_asks_for_digests_ahead_and_an_embedded_server_does_not(replica, tmp_path):
     with tannery.Client(replica.target, transport="grpc") as client:
         assert client._wants_digests()

@@ -312,7 +312,11 @@ class Client:
         named under ``prefix``.
 
         Entries stream one at a time, each tensor's bytes copied once, into its messages.
-        AlreadyExists unless ``replace``; the archive appears whole or not at all.
+        The archive appears whole or not at all. Without ``replace``, a name that already holds
+        exactly this content (entries, bytes and metadata) is no error: the server stores
+        nothing and the info returned says ``already_stored`` (so a store whose answer was lost
+        may be sent again); other content under that name raises AlreadyExists naming the
+        first entry (or metadata key) that differs.
         ``progress`` is called with the tensor bytes (payload bytes) of each message sent.
         ``metadata``, a small mapping of str to str (safetensors' ``__metadata__``), is kept
         with the archive and returned by :meth:`describe`.
@@ -428,7 +432,9 @@ class Client:
     def union(self, target: str, sources: Mapping[str, str] | Sequence[str], *, replace: bool = False,
               metadata: Mapping[str, str] | None = None) -> ArchiveInfo:
         """A new archive ``target`` of the entries of ``sources``: a mapping of prefix to archive
-        name, or a list of names. No tensor bytes are copied (on the server either)."""
+        name, or a list of names. No tensor bytes are copied (on the server either). Without
+        ``replace``, a ``target`` that already holds exactly what the union gives is returned
+        with ``already_stored``; other content there raises AlreadyExists naming the entry."""
         return ArchiveInfo.of(self._unary(self._methods.union, union_request(target, sources, replace, metadata)))
 
     def describe(self, name: str) -> ArchiveDescription:

@@ -22,18 +22,25 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class ArchiveInfo:
     """An archive as the catalog knows it: entries, tensor bytes, payload bytes (as stored and
-    sent), and when it was created (UTC)."""
+    sent), and when it was created (UTC).
+
+    ``already_stored`` is true on what a store or union returns when the server found the
+    archive already holding exactly that content (same entries, digests and metadata) and
+    stored nothing: a Store sent again after its answer was lost, say. ``created`` is then
+    when the archive was first stored."""
 
     name: str
     entries: int
     nbytes: int
     payload_bytes: int
     created: dt.datetime
+    already_stored: bool = False
 
     @staticmethod
     def of(message: archives_pb2.ArchiveInfo) -> "ArchiveInfo":
         created = dt.datetime.fromtimestamp(message.created.ToNanoseconds() / 1e9, dt.timezone.utc)
-        return ArchiveInfo(message.name, message.entries, message.nbytes, message.payload_bytes, created)
+        return ArchiveInfo(message.name, message.entries, message.nbytes, message.payload_bytes, created,
+                           message.already_stored)
 
 
 @dataclass(frozen=True)

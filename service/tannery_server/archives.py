@@ -44,8 +44,16 @@ def archive_info(record: ArchiveRecord) -> archives_pb2.ArchiveInfo:
     created.FromNanoseconds(record.created_ns)
     return archives_pb2.ArchiveInfo(
         name=record.name, entries=record.entries, nbytes=record.nbytes, payload_bytes=record.payload_bytes,
-        created=created,
+        created=created, already_stored=record.already_stored,
     )
+
+
+def written(record: ArchiveRecord) -> archives_pb2.ArchiveInfo:
+    """The answer of a Store or Union; the call's log line says when it found the archive
+    already holding exactly its content (and stored nothing)."""
+    if record.already_stored:
+        current_call().note("already_stored", True)
+    return archive_info(record)
 
 
 class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
@@ -84,7 +92,7 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
         pending: asyncio.Future | None = None
         transport = self._transport(context)
         try:
-            await self._run(session.check_name_free)
+            await self._run(session.check_existing)
             # Each message is written by a worker thread while the next one is received.
             # Shielded: a cancelled call must not abandon a thread still writing the session.
             pending = self._run_future(session.feed, first, True)
@@ -93,7 +101,10 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
                 await asyncio.shield(pending)
                 await self._over_data_path(transport, context, receive_store, session)
                 current_call().note("data_bytes", session.bytes_received)
-            async for message in request_iterator:
+            messages = aiter(request_iterator)
+            # Compared with an archive there, any message may be refused: say so at once.
+            watch = session.existing is not None
+            while (message := await _next_request(messages, pending, watch)) is not None:
                 await asyncio.shield(pending)
                 pending = self._run_future(session.feed, message)
             await asyncio.shield(pending)
@@ -110,7 +121,7 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
             if session.stored:  # cancelled after the client's half-close, while the commit ran
                 current_call().note("stored", "yes")
             raise
-        return archive_info(record)
+        return written(record)
 
     async def _abort_store(self, session: StoreSession, pending: asyncio.Future | None) -> None:
         """Wait for the thread writing the session (it must be done with it), then remove what it wrote."""
@@ -135,7 +146,7 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
             sources.append((source.archive, check_prefix(source.prefix, self.config.max_name_bytes)))
         metadata = check_metadata(request.metadata)
         record = await self._run(self.storage.union, target, sources, request.replace, self._limits, metadata)
-        return archive_info(record)
+        return written(record)
 
     def _transport(self, context) -> str | None:
         """The data path a Store or Fetch asks for (None: the gRPC stream); DataPathOff when it is off."""
@@ -276,6 +287,24 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
         return archives_pb2.DeleteResponse(
             deleted=archive_info(record), blobs_removed=collected.blobs, bytes_freed=collected.bytes
         )
+
+
+async def _next_request(messages: AsyncIterator, pending: asyncio.Future, watch: bool) -> Any:
+    """The call's next request (None at its end), received while a worker thread feeds the one
+    before (``pending``). With ``watch``, a refusal of that one is raised as soon as it comes,
+    without waiting for the next request (a client whose entry is refused at its name or its
+    digest hears it before it sends the payload)."""
+    if not watch or pending.done():
+        return await anext(messages, None)
+    receiving = asyncio.ensure_future(anext(messages, None))
+    try:
+        await asyncio.wait((receiving, pending), return_when=asyncio.FIRST_COMPLETED)
+        if not receiving.done() and not pending.cancelled() and pending.exception() is not None:
+            raise pending.exception()
+        return await receiving
+    finally:
+        if not receiving.done():
+            receiving.cancel()
 
 
 async def _settle(future: asyncio.Future | None) -> None:

@@ -7,20 +7,29 @@ is visible until :meth:`StoreSession.finish` commits the archive in one transact
 it does only after the client's ``commit`` message agreed with what arrived; on any
 failure (a stream that ended without it included) :meth:`StoreSession.abort` removes what
 was written.
+
+Without ``replace``, a name that exists is compared instead (:mod:`.storage.same_content`):
+its metadata at ``begin``, each entry's name (and the digest sent ahead) at its first
+message, its dtype and shape at its payload's header, its payload's digest at its end, and
+the whole archive again at commit. Payloads are then only hashed, never written: the same
+content answers OK with ``already_stored`` and stores nothing; other content is refused
+(ALREADY_EXISTS) at the first difference, naming it.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping
-
+from dataclasses import dataclass
 
 from tannery.codec import FormatError, Limits, OverLimit
 from tannery.framing import Deframer
 
 from .config import Config
-from .failures import BadPayload, LimitExceeded, Malformed, NameTaken
+from .failures import BadPayload, LimitExceeded, Malformed, NameTaken, Unavailable
 from .storage import ArchiveRecord, BlobInfo, DigestMismatch, EntryRecord, PayloadWriter, Storage
+from .storage.same_content import (digest_difference, header_difference, metadata_difference, other_content,
+                                   require_same, unknown_entry)
 from .validation import check_entry_name
 from tannery.v1.archives_pb2 import StoreCommit
 from tannery.wire import StoreMessage
@@ -29,6 +38,14 @@ from tannery.wire import StoreMessage
 #: payload size limit is checked separately, so that it answers RESOURCE_EXHAUSTED and a
 #: malformed payload INVALID_ARGUMENT.
 _ANY_SIZE = 1 << 64
+
+
+@dataclass(frozen=True)
+class Existing:
+    """The archive a Store without ``replace`` found under its name, which it compares with."""
+
+    record: ArchiveRecord
+    entries: Mapping[str, EntryRecord]
 
 
 class StoreSession:
@@ -56,11 +73,26 @@ class StoreSession:
         self.stored = False
         #: Names this call's hold on the blobs it sealed (a shared store's leases).
         self._holder = uuid.uuid4().hex
+        #: The archive already under this name (no ``replace``): payloads are compared with it.
+        self.existing: Existing | None = None
 
-    def check_name_free(self) -> None:
-        """ALREADY_EXISTS before any data is received (checked again at commit)."""
-        if not self.replace and self.storage.catalog.archive(self.archive) is not None:
-            raise NameTaken(f"archive {self.archive!r} already exists")
+    def check_existing(self) -> None:
+        """Before any data is received: find an archive of this name (unless ``replace``), and
+        refuse at once when its metadata differs (ALREADY_EXISTS naming the key). Checked
+        again at commit."""
+        if self.replace:
+            return
+        record = self.storage.catalog.archive(self.archive)
+        if record is None:
+            return
+        self._refuse_if(metadata_difference(record.metadata, self.metadata))
+        entries = self.storage.catalog.entries_under(self.archive, "")
+        self.existing = Existing(record, {e.name: e for e in entries})
+
+    def _refuse_if(self, difference: str | None) -> None:
+        """ALREADY_EXISTS naming ``difference`` (with other content than the archive there), if any."""
+        if difference is not None:
+            raise other_content(self.archive, difference)
 
     def feed(self, message: StoreMessage, first: bool = False) -> None:
         if self._commit is not None:
@@ -117,6 +149,18 @@ class StoreSession:
         self._entry = name
         self._entry_has_payload = False
         self._entry_sha256 = sha256.hex() if sha256 else None
+        if self.existing is not None:
+            self._compare_entry(name)
+
+    def _compare_entry(self, name: str) -> None:
+        """At an entry's first message, before its payload: refuse a name the archive there
+        lacks, or a digest sent ahead that differs from the stored entry's."""
+        assert self.existing is not None
+        there = self.existing.entries.get(name)
+        if there is None:
+            self._refuse_if(unknown_entry(name, len(self.existing.entries)))
+        elif self._entry_sha256 is not None:
+            self._refuse_if(digest_difference(there, self._entry_sha256))
 
     def _require_payload(self) -> None:
         if self._entry is not None and not self._entry_has_payload:
@@ -132,20 +176,36 @@ class StoreSession:
             )
         self._entry_has_payload = True
         self._payload_size = info.size
-        self._writer = self.storage.new_payload(self._entry_sha256)
+        if self.existing is None:
+            self._writer = self.storage.new_payload(self._entry_sha256)
+            return
+        # Compared, never stored: its dtype and shape now, its digest at its end.
+        self._refuse_if(header_difference(self.existing.entries[self._entry], info.dtype.name, info.shape))
+        self._writer = self.storage.hashing_payload(self._entry_sha256)
 
     def _finish_payload(self, info) -> None:
         assert self._writer is not None and self._entry is not None
         writer, self._writer = self._writer, None
         try:
-            blob = self.storage.seal(writer, self._holder)
+            blob = self._seal_or_compare(writer)
         except DigestMismatch as exc:
             raise Malformed(f"entry {self._entry!r}: {exc}; nothing was stored") from None
-        self._blobs.append(blob)
         self._entries.append(
             EntryRecord(self._entry, info.dtype.name, tuple(info.shape), info.nbytes, info.size, info.data_offset,
                         blob.digest)
         )
+
+    def _seal_or_compare(self, writer: PayloadWriter) -> BlobInfo:
+        """The current entry's payload, complete: sealed as a blob (pinned for this call), or,
+        compared with the archive there, its digest checked against the stored entry's."""
+        if self.existing is None:
+            blob = self.storage.seal(writer, self._holder)
+            self._blobs.append(blob)
+            return blob
+        blob = writer.finish()
+        assert self._entry is not None
+        self._refuse_if(digest_difference(self.existing.entries[self._entry], blob.digest))
+        return blob
 
     def _take_commit(self, message: StoreMessage) -> None:
         """The client's final word: every payload complete, and its counts those received."""
@@ -178,12 +238,34 @@ class StoreSession:
                 f"({self.bytes_received} payload bytes): nothing was stored (a client that sent everything "
                 "sends commit as its last message)"
             )
-        record = self.storage.commit_archive(self.archive, self._entries, self._blobs, self.replace, self._holder,
-                                             self.metadata)
-        self.stored = True
+        record = self._commit_archive() if self.existing is None else self._already_there()
+        self.stored = not record.already_stored
         self._closed = True
         self.storage.release((b.digest for b in self._blobs), holder=self._holder)
         return record
+
+    def _commit_archive(self) -> ArchiveRecord:
+        """Commit the archive; when another call took the name meanwhile, the archive it made,
+        flagged ``already_stored``, if it holds exactly this content (ALREADY_EXISTS otherwise)."""
+        try:
+            return self.storage.commit_archive(self.archive, self._entries, self._blobs, self.replace,
+                                               self._holder, self.metadata)
+        except NameTaken:
+            if self.replace:
+                raise
+            return self._already_there()
+
+    def _already_there(self) -> ArchiveRecord:
+        """The archive under this name, flagged ``already_stored``, when it holds exactly what
+        this Store sent, compared in the catalog now (it may have changed since ``begin``);
+        ALREADY_EXISTS naming the first difference otherwise."""
+        record = self.storage.catalog.archive(self.archive)
+        if record is None:
+            raise Unavailable(
+                f"archive {self.archive!r} was deleted while this Store compared its {len(self._entries)} entries "
+                "with it: nothing was stored; send the Store again")
+        entries = self.storage.catalog.entries_under(self.archive, "")
+        return require_same(record, entries, self._entries, self.metadata)
 
     def abort(self) -> None:
         """Remove everything this call wrote; safe to call more than once."""

@@ -51,10 +51,19 @@ def cmd_push(args: argparse.Namespace, out: Output) -> int:
         left = "1 value that is not a tensor" if len(skipped) == 1 else f"{len(skipped)} values that are not tensors"
         out.warning(f"left out {left} (an archive holds tensors only): {describe_skipped(skipped)}")
     if args.json:
-        out.json(archive_json(info) | {"skipped": [{"name": name, "type": kind} for name, kind in skipped]})
-        return 0
-    out.result(f"pushed {what} as {info.name}: {_entries(info.entries)}, {human_size(info.nbytes)}")
+        out.json({**archive_json(info), "already_stored": bool(getattr(info, "already_stored", False)),
+                  "skipped": [{"name": name, "type": kind} for name, kind in skipped]})
+    else:
+        out.result(push_line(what, info))
     return 0
+
+
+def push_line(what: str, info: Any) -> str:
+    """What ``push`` did: stored the archive, or found it already there with this very content."""
+    size = f"{_entries(info.entries)}, {human_size(info.nbytes)}"
+    if getattr(info, "already_stored", False):
+        return f"{info.name} is already stored with this content ({what}: {size}): nothing new stored"
+    return f"pushed {what} as {info.name}: {size}"
 
 
 def _is_folder(output: str) -> bool:
@@ -211,7 +220,12 @@ def cmd_union(args: argparse.Namespace, out: Output) -> int:
     sources = union_sources(args.sources, args.prefixed or [])
     with connect(args) as client:
         info = client.union(args.target_name, sources, replace=args.replace)
-    out.result(f"created {info.name}: {_entries(info.entries)}, {human_size(info.nbytes)} (no tensor bytes copied)")
+    if getattr(info, "already_stored", False):
+        out.result(f"{info.name} already holds this union: {_entries(info.entries)}, {human_size(info.nbytes)} "
+                   "(nothing new stored)")
+    else:
+        out.result(f"created {info.name}: {_entries(info.entries)}, {human_size(info.nbytes)} "
+                   "(no tensor bytes copied)")
     return 0
 
 
@@ -291,8 +305,10 @@ def _entries(count: int) -> str:
 
 # -- the parser ----------------------------------------------------------------------------------
 
-JSON_PUSH = ("push --json prints {name, entries, nbytes, payload_bytes, created, skipped: [{name, type}]} "
-             "(skipped: the torch checkpoint's non-tensor values left out).")
+JSON_PUSH = ("push --json prints {name, entries, nbytes, payload_bytes, created (ISO 8601 UTC), already_stored, "
+             "skipped: [{name, type}]}; already_stored is true when the archive already held exactly this content "
+             "and nothing new was stored (created is then when it was first stored); skipped lists the torch "
+             "checkpoint's non-tensor values left out.")
 JSON_LS = "ls --json prints a list of {name, entries, nbytes, payload_bytes, created (ISO 8601 UTC)}."
 JSON_SHOW = ("show --json prints {name, entries: [{name, dtype, shape, nbytes, payload_bytes, digest}], "
              "nbytes, payload_bytes, metadata: {key: value}} (sizes in bytes: nbytes of tensor data, "
@@ -328,7 +344,9 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
         "kept as the archive's metadata. A torch checkpoint's values that are not tensors (a step count, a "
         "name, None) cannot be entries: push stores the tensors and lists the values it left out, with their "
         "types, on stderr (and under \"skipped\" with --json). A progress bar shows bytes, rate and time left. "
-        + JSON_PUSH,
+        "Pushing again to a name that holds exactly this content (entries, bytes, metadata) succeeds and stores "
+        "nothing new (\"is already stored with this content\"); other content under that name is refused, naming "
+        "the first entry that differs. " + JSON_PUSH,
         "  tannery push model.safetensors --as resnet50\n"
         "  tannery push ./llama-3-8b/ --as llama3\n"
         "  tannery push encoder.pt --as bert --prefix encoder --replace\n",
@@ -337,7 +355,8 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
     push.add_argument("file", metavar="FILE", help="the checkpoint file, or a Hugging Face checkpoint folder")
     push.add_argument("--as", dest="name", metavar="NAME", type=name_arg, required=True, help="the archive's name")
     push.add_argument("--prefix", metavar="P", default="", help="store every entry under P (w becomes P.w)")
-    push.add_argument("--replace", action="store_true", help="replace an archive of that name (default: refuse)")
+    push.add_argument("--replace", action="store_true",
+                      help="replace an archive of that name (default: refuse it unless it holds this very content)")
     push.add_argument("--json", action="store_true", help="print JSON (keys above)")
 
     pull = command(

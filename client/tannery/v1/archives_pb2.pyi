@@ -67,18 +67,20 @@ class StoreRequest(_message.Message):
     def __init__(self, begin: _Optional[_Union[StoreBegin, _Mapping]] = ..., entry: _Optional[str] = ..., chunk: _Optional[bytes] = ..., commit: _Optional[_Union[StoreCommit, _Mapping]] = ..., entry_sha256: _Optional[bytes] = ...) -> None: ...
 
 class ArchiveInfo(_message.Message):
-    __slots__ = ("name", "entries", "nbytes", "payload_bytes", "created")
+    __slots__ = ("name", "entries", "nbytes", "payload_bytes", "created", "already_stored")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_STORED_FIELD_NUMBER: _ClassVar[int]
     name: str
     entries: int
     nbytes: int
     payload_bytes: int
     created: _timestamp_pb2.Timestamp
-    def __init__(self, name: _Optional[str] = ..., entries: _Optional[int] = ..., nbytes: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., created: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    already_stored: bool
+    def __init__(self, name: _Optional[str] = ..., entries: _Optional[int] = ..., nbytes: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., created: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., already_stored: _Optional[bool] = ...) -> None: ...
 
 class UnionSource(_message.Message):
     __slots__ = ("archive", "prefix")

@@ -79,10 +79,21 @@ class ArchivesServicer:
         message that sets `entry` (its name), and its payload follows in `chunk`s (the first
         chunk may ride in the same message as the name). The last message carries `commit`,
         the client's word that it sent everything: the server commits only after it, only
-        when its counts agree with what arrived, and only while the call is alive. Atomic: the
-        archive appears whole when the call succeeds, and not at all otherwise (a stream that
-        ends without `commit`, a cancelled call, an expired deadline and a refused message
-        store nothing). ALREADY_EXISTS is answered at `begin`, before any tensor byte.
+        when its counts agree with what arrived, only once the client has ended its request
+        stream (half-close), and only while the call is alive. Atomic: the archive appears
+        whole when the call succeeds, and not at all otherwise (a stream that ends without
+        `commit`, a call cancelled or a client gone before its half-close, an expired deadline
+        and a refused message store nothing).
+
+        Idempotent without `replace`: a Store to a name that already holds exactly the same
+        content (the same entry names, each with the same payload SHA-256, hence dtype and
+        shape, and the same metadata) answers OK with `ArchiveInfo.already_stored` set and
+        stores nothing (a client whose answer was lost sends the same Store again). Other
+        content under an existing name is ALREADY_EXISTS, naming the first entry (or metadata
+        key) that differs, with the numbers. It is answered as early as the difference shows:
+        metadata at `begin`; an entry the archive lacks, or whose `entry_sha256` differs from
+        the stored digest, at the entry's first message, before its payload; a dtype or shape
+        at the payload's header; other bytes at the payload's end; a missing entry at `commit`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -90,7 +101,10 @@ class ArchivesServicer:
 
     def Union(self, request, context):
         """A new archive from the entries of others, each source under an optional prefix.
-        A catalog operation: no tensor bytes are copied.
+        A catalog operation: no tensor bytes are copied. Idempotent without `replace`, like
+        Store: a target that already holds exactly the entries (names and digests) and the
+        metadata this union would give answers OK with `ArchiveInfo.already_stored` set;
+        otherwise ALREADY_EXISTS names the first entry (or metadata key) that differs.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -65,6 +65,9 @@ class ArchiveRecord:
     created_ns: int
     #: The archive's string-to-string metadata (safetensors' ``__metadata__``), set on Store or Union.
     metadata: Mapping[str, str] = field(default_factory=dict, hash=False)
+    #: Set on the record a Store or Union returns when it found the archive already holding
+    #: exactly its content and stored nothing (never kept in the catalog).
+    already_stored: bool = False
 
 
 @dataclass(frozen=True)
@@ -124,9 +127,11 @@ class Catalog(Protocol):
         """Create ``target`` from the entries of ``(archive, prefix)`` sources, without blob writes;
         its metadata is ``metadata`` (not the sources').
 
-
         Missing for a missing source, Malformed for a name in two sources or too
-        long, LimitExceeded for too many entries, NameTaken unless ``replace``.
+        long, LimitExceeded for too many entries. When ``target`` exists and not ``replace``:
+        the archive there (``already_stored`` set, nothing written) when it holds exactly the
+        entries (names and digests) and metadata the union gives, else NameTaken naming the
+        first difference.
         """
         ...
 

@@ -25,7 +25,7 @@ from .base import ArchiveLimits, ArchiveRecord, BlobFile, BlobInfo, BlobStore, C
 from .errors import EXHAUSTED_ERRNOS, StorageFull, StorageUnavailable, is_disk_full
 from .file_blobs import FileBlobStore
 from .lock import DataDirectoryLock
-from .payload_writer import PayloadWriter
+from .payload_writer import PayloadHash, PayloadWriter
 from .integrity import BLOCK_SIZE, verify_digest
 from .reserve import DEFAULT_CAP, SpaceReserve, free_bytes
 from .sqlite_catalog import SqliteCatalog
@@ -259,6 +259,11 @@ class Storage:
         except OSError as exc:
             raise self.full_error(exc) from exc
         return PayloadWriter(temp, BLOCK_SIZE, self, expected)
+
+    def hashing_payload(self, expected: str | None = None) -> PayloadWriter:
+        """A payload only hashed, written nowhere (``expected``: its SHA-256 given ahead, which it
+        must hash to): what a Store compares with an entry already stored, and never stores."""
+        return PayloadHash(BLOCK_SIZE, expected)
 
     def seal(self, writer: PayloadWriter, holder: str | None = None) -> BlobInfo:
         """Make a written payload a blob, pinned until :meth:`release` (``holder``: see there)."""

@@ -86,3 +86,32 @@ class PayloadWriter:
             raise DigestMismatch(f"its {self.size} bytes hash to SHA-256 {blob.digest}, not to {self.expected}, "
                                  "the digest given ahead of them")
         return blob
+
+
+class _Nowhere:
+    """A temporary blob that keeps nothing: the bytes of a payload that is only hashed."""
+
+    def write(self, data: memoryview | bytes) -> None:
+        pass
+
+    def seal(self, digest: str) -> bool:
+        raise AssertionError("a payload that is only hashed is never sealed")
+
+    def discard(self) -> None:
+        pass
+
+
+class PayloadHash(PayloadWriter):
+    """A payload hashed (SHA-256 only) and written nowhere: one a Store compares with an entry
+    already stored under its name, which it never stores (equal, it is there already; not,
+    the Store is refused). No disk, bucket or space reserve is touched, on any blob store."""
+
+    def __init__(self, block_size: int, expected: str | None = None) -> None:
+        super().__init__(_Nowhere(), block_size, None, expected)
+
+    def write(self, data: memoryview | bytes) -> None:
+        """Hash a piece (hashlib releases the GIL); nothing of it is read once this returns."""
+        view = memoryview(data).cast("B")
+        self.digest.update_sha256(view)
+        self.digest.size += view.nbytes
+        self.size += view.nbytes

@@ -50,6 +50,7 @@ except ImportError as _error:  # pragma: no cover: the embedded server never imp
 from ..failures import Malformed, Missing, NameTaken
 from .base import ArchiveLimits, ArchiveRecord, BlobInfo, CatalogTotals, EntryRecord
 from .errors import StorageUnavailable
+from .same_content import AlreadyThere, require_same
 from .sqlite_catalog import (CatalogTooNew, archive_from_row, check_union_limits, duplicate_error, entry_from_row,
                              entry_values, metadata_text)
 
@@ -426,7 +427,8 @@ class PostgresCatalog:
         def work(cur: psycopg.Cursor) -> tuple[ArchiveRecord, list[str]]:
             self._lock_name(cur, target)
             ids = [self._source_id(cur, archive) for archive, _prefix in sources]
-            archive_id = self._begin_archive(cur, target, replace, created_ns, metadata)
+            # An existing target is compared with the union once it is built (below).
+            archive_id = self._begin_archive(cur, target, True, created_ns, metadata)
             for index, (prefix, source_id) in enumerate((prefix, i) for (_a, prefix), i in zip(sources, ids)):
                 try:
                     with cur.connection.transaction():  # a savepoint: the duplicate is looked up after
@@ -442,9 +444,28 @@ class PostgresCatalog:
             check_union_limits(target, count, longest, lambda: cur.execute(
                 "SELECT name FROM entries WHERE archive_id = %s ORDER BY octet_length(name) DESC LIMIT 1",
                 (archive_id,)).fetchone()[0], limits)
+            if not replace:
+                self._compare_existing(cur, target, archive_id, metadata)
             return self._finish_archive(cur, archive_id, target, time.time_ns())
 
-        return self._write(f"making union {target!r}", work)
+        try:
+            return self._write(f"making union {target!r}", work)
+        except AlreadyThere as there:  # rolled back: nothing written
+            return there.record, []
+
+    @staticmethod
+    def _compare_existing(cur: psycopg.Cursor, name: str, archive_id: int,
+                          metadata: Mapping[str, str] | None) -> None:
+        """Return when no archive ``name`` exists; raise AlreadyThere when it holds exactly the
+        entries of archive ``archive_id`` (being built) and ``metadata``, NameTaken otherwise."""
+        row = cur.execute(f"SELECT {_ARCHIVE_COLUMNS} FROM archives WHERE name = %s", (name,)).fetchone()
+        if row is None:
+            return
+        there = cur.execute(f"SELECT {_ENTRY_COLUMNS} FROM entries e JOIN archives a ON a.id = e.archive_id "
+                            "WHERE a.name = %s", (name,)).fetchall()
+        new = cur.execute(f"SELECT {_ENTRY_COLUMNS} FROM entries e WHERE e.archive_id = %s", (archive_id,)).fetchall()
+        raise AlreadyThere(require_same(archive_from_row(row), [entry_from_row(r) for r in there],
+                                        [entry_from_row(r) for r in new], metadata, "in the union"))
 
     @staticmethod
     def _source_id(cur: psycopg.Cursor, archive: str) -> int:

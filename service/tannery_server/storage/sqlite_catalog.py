@@ -17,6 +17,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 from ..failures import LimitExceeded, Malformed, Missing, NameTaken
 from .base import ArchiveRecord, BlobInfo, CatalogTotals, EntryRecord, ArchiveLimits
+from .same_content import AlreadyThere, require_same
 
 #: The first schema (version 0, before versions were kept): its block checksums are all
 #: zlib CRC-32s.
@@ -368,6 +369,17 @@ class SqliteCatalog:
         self, target: str, sources: Sequence[tuple[str, str]], replace: bool, created_ns: int, limits: ArchiveLimits,
         metadata: Mapping[str, str] | None = None,
     ) -> tuple[ArchiveRecord, list[str]]:
+        try:
+            return self._union(target, sources, replace, created_ns, limits, metadata)
+        except AlreadyThere as there:  # rolled back: nothing written
+            return there.record, []
+
+    def _union(
+        self, target: str, sources: Sequence[tuple[str, str]], replace: bool, created_ns: int, limits: ArchiveLimits,
+        metadata: Mapping[str, str] | None = None,
+    ) -> tuple[ArchiveRecord, list[str]]:
+        """The union built under a temporary name, checked, then compared with an archive of
+        that name (unless ``replace``), then named."""
         with self._transaction() as conn:
             ids = []
             for archive, _prefix in sources:
@@ -375,7 +387,8 @@ class SqliteCatalog:
                 if row is None:
                     raise Missing(f"archive {archive!r} not found (a source of the union)")
                 ids.append(row[0])
-            archive_id = self._begin_archive(conn, target, replace, created_ns, metadata)
+            # An existing target is compared with the union once it is built (below).
+            archive_id = self._begin_archive(conn, target, True, created_ns, metadata)
             for index, ((archive, prefix), source_id) in enumerate(zip(sources, ids)):
                 try:
                     conn.execute(
@@ -394,7 +407,23 @@ class SqliteCatalog:
                 "SELECT name FROM entries WHERE archive_id = ? ORDER BY length(CAST(name AS BLOB)) DESC LIMIT 1",
                 (archive_id,),
             ).fetchone()[0], limits)
+            if not replace:
+                self._compare_existing(conn, target, archive_id, metadata)
             return self._finish_archive(conn, archive_id, target)
+
+    @staticmethod
+    def _compare_existing(conn: sqlite3.Connection, name: str, archive_id: int,
+                          metadata: Mapping[str, str] | None) -> None:
+        """Return when no archive ``name`` exists; raise AlreadyThere when it holds exactly the
+        entries of archive ``archive_id`` (being built) and ``metadata``, NameTaken otherwise."""
+        row = conn.execute(f"SELECT {_ARCHIVE_COLUMNS} FROM archives WHERE name = ?", (name,)).fetchone()
+        if row is None:
+            return
+        there = conn.execute(f"SELECT {_ENTRY_COLUMNS} FROM entries e JOIN archives a ON a.id = e.archive_id "
+                             "WHERE a.name = ?", (name,)).fetchall()
+        new = conn.execute(f"SELECT {_ENTRY_COLUMNS} FROM entries e WHERE e.archive_id = ?", (archive_id,)).fetchall()
+        raise AlreadyThere(require_same(archive_from_row(row), [entry_from_row(r) for r in there],
+                                        [entry_from_row(r) for r in new], metadata, "in the union"))
 
     @staticmethod
     def _duplicate(conn, archive_id: int, sources: Sequence[tuple[str, str]], ids: Sequence[int]) -> Malformed:
