@@ -17,21 +17,23 @@ PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.t
 setup: $(STAMP)
 
 # `make serve` and `make test` may start at once on a fresh clone: each step of the set-up holds
-# the lock directory $(LOCK) (mkdir is atomic), so the second make waits for the first to finish
-# installing, then finds its step done (its stamp newer than what it was made from) instead of
-# installing into the environment at the same time. A lock left by a set-up killed with SIGKILL
-# is reported after a minute; remove it then. The installs of STAMP add packages and never
-# replace one the server has loaded (the same pins), so a server may run while they do.
+# the lock directory $(LOCK) (mkdir is atomic), so the second make waits for the first instead
+# of installing into the environment at the same time. It stops waiting as soon as the step it
+# needs is done (its stamp, touched last, newer than what it was made from): `make serve` starts
+# the server while `make test` goes on installing what STAMP adds. Those installs add packages and
+# never replace one the server loaded (the same pins; not the project itself), so they may.
+# A lock left by a set-up killed with SIGKILL is reported after a minute; remove it then.
 LOCK := $(VENV).lock
+# Exits the recipe when its stamp is newer than all its prerequisites: another make did the step.
+done_already = up=yes; for f in $^; do [ $@ -nt $$f ] || up=; done; [ -z "$$up" ] || exit 0
 take_lock = waited=0; until mkdir $(LOCK) 2>/dev/null; do \
+	  $(done_already); \
 	  if [ $$waited -eq 0 ]; then echo "waiting for another make to finish setting up $(VENV) ($(LOCK))"; fi; \
 	  waited=$$((waited + 1)); \
 	  if [ $$waited -eq 60 ]; then echo "still waiting: if no other make runs, rmdir $(LOCK)"; fi; \
 	  sleep 1; \
 	done; \
 	trap 'rmdir $(LOCK)' EXIT; trap 'exit 130' INT TERM
-# Inside the lock: exits when another make did this step while this one waited.
-done_already = up=yes; for f in $^; do [ $@ -nt $$f ] || up=; done; [ -z "$$up" ] || exit 0
 
 $(SERVER_STAMP): pyproject.toml constraints.txt
 	@$(take_lock); $(done_already); \
@@ -40,12 +42,16 @@ $(SERVER_STAMP): pyproject.toml constraints.txt
 	$(PIP) -e .; \
 	touch $@
 
-# pytannic goes in with --no-deps --ignore-requires-python: its metadata asks for Python 3.12,
-# although it runs on 3.11.
+# The extras' requirements alone, read from pyproject.toml (as docker/Dockerfile reads the core
+# ones), not `-e '.[client,dev]'`, which would reinstall the project under a server starting
+# from it. pytannic goes in with --no-deps --ignore-requires-python: its metadata asks for
+# Python 3.12, although it runs on 3.11.
 $(STAMP): $(SERVER_STAMP) pyproject.toml constraints.txt
 	@$(take_lock); $(done_already); \
 	set -ex; \
-	$(PIP) -e '.[client,dev]'; \
+	$(PY) -c 'import tomllib; extras = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]; \
+	          print("\n".join(extras["client"] + extras["dev"]))' > $(VENV)/dev-requirements.txt; \
+	$(PIP) -r $(VENV)/dev-requirements.txt; \
 	$(PIP) --no-deps --ignore-requires-python pytannic; \
 	touch $@
 
