@@ -2,37 +2,61 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-stamp
+# One environment, set up in two steps, each with its stamp: make serve needs only the first.
+#   SERVER_STAMP: the project (editable) with its core dependencies: the server (grpcio,
+#     protobuf, numpy...) and the `tannery` command, no torch: the server never imports it.
+#   STAMP: the rest, on top: the client library's [client] extra (torch, safetensors, rich),
+#     the [dev] extra the tests need and pytannic. make setup/test/bench/fuzz/proto use it.
+# Both are pinned by constraints.txt (torch==2.13.0 among them).
+SERVER_STAMP := $(VENV)/.server-stamp
+STAMP := $(VENV)/.dev-stamp
+PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
 .PHONY: setup serve test postgresql nats-server bench fuzz proto clean
 
 setup: $(STAMP)
 
-# The environment: the project (editable) with everything the tests need, pinned by
-# constraints.txt (torch==2.13.0 among them), and pytannic, whose metadata asks for
-# Python 3.12 although it runs on 3.11.
-#
-# `make serve` and `make test` may start at once on a fresh clone: the set-up holds the lock
-# directory $(LOCK) (mkdir is atomic), so the second waits for the first to finish installing
-# and then finds the environment ready instead of installing into it at the same time. A lock
-# left by a set-up killed with SIGKILL is reported after a minute; remove it then.
+# `make serve` and `make test` may start at once on a fresh clone: each step of the set-up holds
+# the lock directory $(LOCK) (mkdir is atomic), so the second make waits for the first instead
+# of installing into the environment at the same time. It stops waiting as soon as the step it
+# needs is done (its stamp, touched last, newer than what it was made from): `make serve` starts
+# the server while `make test` goes on installing what STAMP adds. Those installs add packages and
+# never replace one the server loaded (the same pins; not the project itself), so they may.
+# A lock left by a set-up killed with SIGKILL is reported after a minute; remove it then.
 LOCK := $(VENV).lock
-$(STAMP): pyproject.toml constraints.txt
-	@waited=0; until mkdir $(LOCK) 2>/dev/null; do \
+# Exits the recipe when its stamp is newer than all its prerequisites: another make did the step.
+done_already = up=yes; for f in $^; do [ $@ -nt $$f ] || up=; done; [ -z "$$up" ] || exit 0
+take_lock = waited=0; until mkdir $(LOCK) 2>/dev/null; do \
+	  $(done_already); \
 	  if [ $$waited -eq 0 ]; then echo "waiting for another make to finish setting up $(VENV) ($(LOCK))"; fi; \
 	  waited=$$((waited + 1)); \
 	  if [ $$waited -eq 60 ]; then echo "still waiting: if no other make runs, rmdir $(LOCK)"; fi; \
 	  sleep 1; \
 	done; \
-	trap 'rmdir $(LOCK)' EXIT; trap 'exit 130' INT TERM; \
-	if [ -f $@ ] && [ $@ -nt pyproject.toml ] && [ $@ -nt constraints.txt ]; then exit 0; fi; \
+	trap 'rmdir $(LOCK)' EXIT; trap 'exit 130' INT TERM
+
+$(SERVER_STAMP): pyproject.toml constraints.txt
+	@$(take_lock); $(done_already); \
 	set -ex; \
 	$(PYTHON) -m venv $(VENV); \
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[client,dev]'; \
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --ignore-requires-python -c constraints.txt pytannic; \
+	$(PIP) -e .; \
 	touch $@
 
-serve: $(STAMP)
+# The extras' requirements alone, read from pyproject.toml (as docker/Dockerfile reads the core
+# ones), not `-e '.[client,dev]'`, which would reinstall the project under a server starting
+# from it. pytannic goes in with --no-deps --ignore-requires-python: its metadata asks for
+# Python 3.12, although it runs on 3.11.
+$(STAMP): $(SERVER_STAMP) pyproject.toml constraints.txt
+	@$(take_lock); $(done_already); \
+	set -ex; \
+	$(PY) -c 'import tomllib; extras = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]; \
+	          print("\n".join(extras["client"] + extras["dev"]))' > $(VENV)/dev-requirements.txt; \
+	$(PIP) -r $(VENV)/dev-requirements.txt; \
+	$(PIP) --no-deps --ignore-requires-python pytannic; \
+	touch $@
+
+# The server alone: it never needs what STAMP adds (tests/test_cli_process.py runs it without torch).
+serve: $(SERVER_STAMP)
 	$(VENV)/bin/tannery serve
 
 test: $(STAMP) postgresql nats-server

@@ -14,8 +14,9 @@ from .s3_fixtures import s3_url, seaweedfs  # noqa: F401  (the S3 bucket fixture
 ROOT = Path(__file__).resolve().parents[1]
 #: The atheris targets of ``make fuzz`` are scripts run under libFuzzer, not tests.
 collect_ignore = ["fuzz"]
-#: Fixtures of the backends that run as servers of their own (PostgreSQL).
-pytest_plugins = ["tests.backends"]
+#: Fixtures of the backends that run as servers of their own (PostgreSQL); the default ports
+#: held for the session under TANNERY_CI_BUSY_PORTS=1 (.ci/run), beside a default server.
+pytest_plugins = ["tests.backends", "tests.busy_ports"]
 #: Read-only data from other programs, beside the project; tests that use it skip without it.
 SHARED = ROOT.parent / "shared"
 FIXTURES = SHARED / "fixtures" / "tannic-nn"

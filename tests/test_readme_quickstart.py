@@ -30,8 +30,9 @@ def quickstart_blocks() -> list[tuple[str, str]]:
 
 def _commands(block: str) -> str:
     """A block's commands, less what the test does itself (make serve: the test's server;
-    activating .venv: this interpreter's bin directory is first on PATH)."""
-    skipped = ("make serve", ". .venv/bin/activate")
+    make setup: this interpreter's environment, set up by make test; activating .venv: this
+    interpreter's bin directory is first on PATH)."""
+    skipped = ("make serve", "make setup", ". .venv/bin/activate")
     return "".join(line + "\n" for line in block.splitlines() if line.strip() not in skipped)
 
 
