@@ -1,5 +1,6 @@
-"""The benchmark suite's report (``make bench``, tests/benchmarks/): where a run writes. Fast:
-no case is run; a fake case with a tiny result stands in for them."""
+"""The benchmark suite's report (``make bench``, tests/benchmarks/): where a run writes, and the
+looks of the plotted series. Fast: no case is run; a fake case with a tiny result stands in
+for them."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 import tests.benchmarks
 from tests.benchmarks import __main__ as bench
 from tests.benchmarks.harness import CaseResult, Table
+from tests.benchmarks.styles import COLOURS, SERIES, SLOTS, looks
 
 from .conftest import ROOT
 
@@ -86,3 +88,36 @@ def test_out_and_plots_choose_the_folders(fake_suite: list[tuple[Path, Path]], t
     assert not (tmp_path / "docs").exists()
     with pytest.raises(SystemExit):
         bench.parse_args(["--docs", "--plots", "there"])
+
+
+def test_every_series_has_a_look_of_its_own() -> None:
+    registered = list(SLOTS)
+    all_looks = looks(registered)
+    assert len(set(all_looks.values())) == len(registered)  # no two series look the same anywhere
+    for plot, names in SERIES.items():
+        colours = [look.colour for look in looks(names).values()]
+        assert len(set(colours)) == len(names), f"two series of the {plot} plot share a colour"
+        for name in names:  # the same look in every plot, whatever else it holds
+            assert looks([name])[name] == looks(names)[name] == all_looks[name]
+
+
+def test_a_series_not_registered_still_gets_a_colour_of_its_own_in_its_plot() -> None:
+    names = [*SERIES["transport"], "raw grpcio ceiling, 2 MiB messages"]
+    chosen = looks(names)
+    assert len({look.colour for look in chosen.values()}) == len(names) <= len(COLOURS)
+    assert chosen == looks(names)  # the same every time
+    assert chosen["raw grpcio ceiling"] == looks(["raw grpcio ceiling"])["raw grpcio ceiling"]
+
+
+def test_the_plots_are_drawn_where_asked(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")  # the bench extra
+    from tests.benchmarks import plots
+
+    results = tmp_path / "results"
+    results.mkdir()
+    series = {name: [[1 << 20, 1e8, 5e7, 2e8], [1 << 25, 1e9, 5e8, 2e9]] for name in SERIES["transport"]}
+    (results / "transport.json").write_text(json.dumps(
+        {"case": "transport", "environment": "a test", "seconds": 1,
+         "data": {"series": {"upload": series, "download": series}, "sizes": [1 << 20, 1 << 25]}}))
+    assert plots.draw(results, results, ["transport", "codec"]) == [results / "transport_throughput.png"]
+    assert (results / "transport_throughput.png").read_bytes().startswith(b"\x89PNG")
