@@ -1,6 +1,6 @@
-"""The benchmark suite's report (``make bench``, tests/benchmarks/): where a run writes, and the
-looks of the plotted series. Fast: no case is run; a fake case with a tiny result stands in
-for them."""
+"""The benchmark suite's report (``make bench``, tests/benchmarks/): where a run writes, the
+looks of the plotted series, and that docs/benchmarks.md documents every case. Fast: no case
+is run; a fake case with a tiny result stands in for them."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from tests.benchmarks.styles import COLOURS, SERIES, SLOTS, looks
 
 from .conftest import ROOT
 
+DOC = ROOT / "docs" / "benchmarks.md"
 COMMITTED_PLOTS = ROOT / "docs" / "bench"
 
 
@@ -107,6 +108,22 @@ def test_a_series_not_registered_still_gets_a_colour_of_its_own_in_its_plot() ->
     assert len({look.colour for look in chosen.values()}) == len(names) <= len(COLOURS)
     assert chosen == looks(names)  # the same every time
     assert chosen["raw grpcio ceiling"] == looks(["raw grpcio ceiling"])["raw grpcio ceiling"]
+
+
+def test_every_case_is_documented_with_the_command_that_runs_it() -> None:
+    doc = DOC.read_text()
+    headings = re.findall(r"^## (.*)$", doc, re.M)
+    for case, module in bench.CASES.items():
+        assert (ROOT / "tests" / "benchmarks" / f"{module}.py").exists()
+        assert any(f"`{case}`" in heading for heading in headings), f"no section of docs/benchmarks.md for {case}"
+        assert re.search(rf"--cases {re.escape(case)}\b", doc), f"docs/benchmarks.md does not say how to run {case}"
+
+
+def test_every_plot_the_docs_show_is_committed() -> None:
+    shown = re.findall(r"\]\((?:docs/)?(bench/[\w.-]+\.png)\)", DOC.read_text() + (ROOT / "README.md").read_text())
+    assert shown
+    for path in shown:
+        assert (ROOT / "docs" / path).exists(), path
 
 
 def test_the_plots_are_drawn_where_asked(tmp_path: Path) -> None:
