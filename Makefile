@@ -12,7 +12,7 @@ SERVER_STAMP := $(VENV)/.server-stamp
 STAMP := $(VENV)/.dev-stamp
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: setup serve test postgresql nats-server bench fuzz proto clean
+.PHONY: setup serve test postgresql nats-server bench bench-docs fuzz proto clean
 
 setup: $(STAMP)
 
@@ -85,9 +85,16 @@ nats-server:
 	  || echo "could not install nats-server: the NATS tests will skip (and fail under CI)"; \
 	fi
 
+# The benchmarks (docs/benchmarks.md): tables and plots go to a new folder bench-results/<UTC time>/
+# (git-ignored). `make bench-docs` runs the same but draws the plots into docs/bench/, replacing
+# the committed ones the README and docs/benchmarks.md show (its tables still go to bench-results/).
 bench: $(STAMP)
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[client,dev,bench]'
 	$(PY) -m tests.benchmarks $(BENCH_ARGS)
+
+bench-docs: $(STAMP)
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[client,dev,bench]'
+	$(PY) -m tests.benchmarks --docs $(BENCH_ARGS)
 
 # Longer fuzzing than CI's: the server fuzz test with FUZZ_CASES seeded cases (FUZZ_SEED), then
 # each atheris target of tests/fuzz/ for FUZZ_SECONDS on its kept corpus (new inputs go to

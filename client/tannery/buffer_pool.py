@@ -4,7 +4,7 @@ it from its start.
 
 A fresh map costs a page fault and a zeroed page for every 4 KiB a receive writes: 0.2-0.3
 client CPU-s per GiB here, and up to 2 s when the virtual machine's host must back the pages
-again (docs/benchmarks.md, "Data paths: fourth measurement"). A stream of payloads (a
+again (docs/benchmarks.md, "Client memory"). A stream of payloads (a
 ``fetch_iter``, a subscription) whose tensors are dropped as they come gets pages it already
 has instead: each reader owns a :class:`ReceivePool`; a map is handed out through an owner (a
 numpy array over it) and comes back to that pool when the owner is gone, and with it every
@@ -147,7 +147,7 @@ CHEAP_PAGES = 2e9
 #: step: the free pages a fresh map gets are often a warm patch of 80-190 MiB (what was freed
 #: last), then cold ones. On cold memory, 1 GiB TCP Fetches took 1.25-3.2 s (9 rounds) when
 #: it stopped at the first cheap step, 1.49-1.95 s (3 rounds) with this rule; on warm memory
-#: it cost about 1% (docs/benchmarks.md, "Data paths: fifth measurement").
+#: it cost about 1% (docs/benchmarks.md, "Client memory").
 CHEAP_SHARE = 0.25
 _MADV_POPULATE_WRITE = 23  # Linux 5.14
 

@@ -164,7 +164,7 @@ MAP_GATHER = 4 << 20
 #: a header, and the map grows as the bytes arrive.
 EAGER_GATHER = 32 << 20
 #: Advise transparent huge pages (``MADV_HUGEPAGE``) for gather maps. Off: zeroing fresh huge pages
-#: cost a receiving client 2.5x the CPU (docs/benchmarks.md, "Measurements behind the code").
+#: cost a receiving client 2.5x the CPU (docs/benchmarks.md, "Client memory").
 HUGE_PAGES = False
 #: Bytes of a gather map faulted in ahead of the data, in one call (``MADV_POPULATE_WRITE``,
 #: Linux 5.14+), instead of one page fault per 4 KiB page the copy touches: 0.05-0.2 client

@@ -260,12 +260,12 @@ def tune_malloc() -> bool:
 
     Every message is a new buffer of about a chunk (1 to 3 MiB). By default glibc maps such a
     buffer and unmaps it when freed (or trims the heap), so the next one page-faults
-    again (what that cost: docs/benchmarks.md, "Measurements behind the code"). With these
+    again (what that cost: docs/benchmarks.md, "Server memory"). With these
     two settings freed chunks are reused. And at most two heaps (arenas): by default glibc
     gives threads up to 8 per core, each keeping what its thread freed, so the buffers of a
     bucket's many reading and uploading threads piled up (a 2 GiB Store and Fetch through a
     replica on S3 peaked at 370 MiB anonymous memory, 243 MiB with two arenas, no slower:
-    docs/benchmarks.md, "Replicas on PostgreSQL and S3"). Returns False where glibc is not
+    docs/benchmarks.md, "Server memory"). Returns False where glibc is not
     the allocator.
     """
     try:

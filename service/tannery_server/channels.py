@@ -21,7 +21,7 @@ The relayed pieces are the chunk objects received (a chunk holding the end of on
 and the start of the next is sliced), at most ``chunk_size`` bytes each. Each piece
 becomes a ``SubscribeResponse`` once, at the publisher, and every subscriber writes that
 same message (gRPC serializes it once per subscriber: pre-serializing it once for all did
-not pay, see docs/benchmarks.md, "Measurements behind the code"). The buffering and
+not pay, see docs/benchmarks.md, "Channels" under "Why the code is like this"). The buffering and
 ordering rules live in :mod:`tannery_server.hub`; what joins the channels of several
 replicas (nothing, or NATS) in :mod:`tannery_server.fabric`.
 

@@ -48,7 +48,7 @@ class Config:
     #: Given as text (``"off"``, ``"auto"``, ``"50052"``), it is read by :func:`parse_port`.
     data_port: int | None = 0
     #: Bytes of tensor data per message the server sends (Fetch, Subscribe). 1 MiB: 2 MiB
-    #: cost the server a little less CPU per byte (docs/benchmarks.md, round 4) but let a
+    #: cost the server a little less CPU per byte (docs/benchmarks.md, "Fetch path") but let a
     #: client that writes what it receives to disk (tannery pull) hold about twice as many
     #: bytes in gRPC's buffers, over the 64 MiB its memory test allows. At most 3 MiB.
     chunk_size: int = MiB

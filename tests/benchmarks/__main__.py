@@ -1,8 +1,10 @@
 """Run the benchmark suite: ``python -m tests.benchmarks [--quick] [--cases ...] [--sizes ...]``.
 
-Each case writes ``bench-results/<case>.md`` (printed too) and ``<case>.json``; the plots
-are drawn from the JSON into ``docs/bench/`` (``--no-plots`` to skip). ``make bench`` runs
-this with ``BENCH_ARGS``, for example ``make bench BENCH_ARGS="--quick --cases transport"``.
+Each run writes into a folder of its own, ``bench-results/<UTC time>/`` (git-ignored; ``--out``
+to choose another): per case ``<case>.md`` (printed too) and ``<case>.json``, and the PNG
+plots drawn from the JSON (``--no-plots`` to skip). The committed plots in ``docs/bench/``
+are written only when asked, with ``--docs`` (``make bench-docs``). ``make bench`` runs this
+with ``BENCH_ARGS``, for example ``make bench BENCH_ARGS="--quick --cases transport"``.
 """
 
 from __future__ import annotations
@@ -11,9 +13,15 @@ import argparse
 import importlib
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 from .harness import Options, environment, free_memory, load_average, parse_size
+
+#: Where each run's folder goes, and where ``--docs`` puts the plots (committed, shown by the
+#: README and docs/benchmarks.md): relative to the current directory, the top of the tree.
+RESULTS = Path("bench-results")
+DOCS_PLOTS = Path("docs/bench")
 
 #: Case name -> module (each has ``run(options) -> CaseResult``), in the order they run.
 CASES = {
@@ -40,11 +48,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, help="repetitions of each competitor (default 5, 3 with --quick)")
     parser.add_argument("--only", nargs="+", metavar="WORD",
                         help="only the competitors whose names contain one of these words (baselines always run)")
-    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="where the tables go")
-    parser.add_argument("--plots", type=Path, default=Path("docs/bench"), help="where the PNG plots go")
-    parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"where the tables go (default: a new folder {RESULTS}/<UTC time>/)")
+    plots = parser.add_mutually_exclusive_group()
+    plots.add_argument("--plots", type=Path, default=None, help="where the PNG plots go (default: --out)")
+    plots.add_argument("--docs", action="store_true",
+                       help=f"draw the plots into {DOCS_PLOTS}/, replacing the committed ones (make bench-docs)")
+    plots.add_argument("--no-plots", action="store_true")
     parser.add_argument("--tmp", type=Path, default=None, help="parent of the temporary data (default: $TMPDIR)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = RESULTS / datetime.now(timezone.utc).strftime("%Y-%m-%dT%H%M%SZ")
+    if args.plots is None:
+        args.plots = DOCS_PLOTS if args.docs else args.out
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,9 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_plots:
         from . import plots
 
-        for path in plots.draw(args.out, args.plots, [c for c in args.cases]):
+        for path in plots.draw(args.out, args.plots, args.cases):
             print(f"plot: {path}")
-    print(f"\n{len(written)} cases in {time.perf_counter() - started:.0f} s; tables in {args.out}/; "
+    plotted = "" if args.no_plots else f", plots in {args.plots}/"
+    print(f"\n{len(written)} cases in {time.perf_counter() - started:.0f} s; tables in {args.out}/{plotted}; "
           f"load average {load_average()}")
     return 0
 

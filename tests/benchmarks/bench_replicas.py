@@ -77,7 +77,7 @@ def run(options: Options) -> CaseResult:
     sizes = options.sizes or ([128 * MiB, 256 * MiB] if options.quick else [GiB, 2 * GiB])
     archive_bytes, big_bytes = sizes[0], sizes[-1]
     reps = options.reps or 3
-    result = CaseResult("replicas", "Replicas on PostgreSQL and S3 (issue 15)", __doc__.split("\n\n", 1)[1].strip())
+    result = CaseResult("replicas", "Replicas on PostgreSQL and S3", __doc__.split("\n\n", 1)[1].strip())
     from tests.postgres_harness import PostgresServer
     from tests.s3_harness import SeaweedFS
 

@@ -4,8 +4,9 @@ Competitors (every server a subprocess, every client in this process, 1 MiB mess
 tannery's Fetch, which the server sends in chunks of its default size):
 
 - the raw grpcio ceiling: bytes messages through a bare generic handler, no work on
-  either side (the baseline of every ratio), and the same with 2 MiB messages (what
-  tannery's Fetch compares with message for message);
+  either side (the baseline of every ratio), and, when tannery's server sends messages of
+  another size than 1 MiB, the same with its size (what its Fetch compares with message for
+  message);
 - the ceiling plus what a store must do with the bytes: written to a file and fsynced
   (upload), read from a file in the page cache with ``pread`` (download);
 - tannery Store/Fetch with pre-built request bytes and raw response bytes: the server's
@@ -76,7 +77,6 @@ def run(options: Options) -> CaseResult:
             payload = clients.tannic_payload(tensor)
             competitors = {
                 CEILING: clients.RawCeiling(raw_channel, payload),
-                CEILING_LARGE: clients.RawCeiling(raw_channel, payload, chunk=clients.TANNERY_SERVER_CHUNK),
                 CEILING_DISK: clients.RawCeiling(raw_channel, payload, durable_dir=tmp),
                 TANNERY_RAW: clients.TanneryMessages(tannery_channel, payload),
                 TANNERY: clients.TanneryClient(server.target),
@@ -86,6 +86,8 @@ def run(options: Options) -> CaseResult:
                 TORCH: clients.TorchSaveGrpc(raw_channel),
                 FLIGHT: clients.ArrowFlight(flight.target),
             }
+            if clients.TANNERY_SERVER_CHUNK != clients.CHUNK:  # else it is the ceiling itself
+                competitors[CEILING_LARGE] = clients.RawCeiling(raw_channel, payload, chunk=clients.TANNERY_SERVER_CHUNK)
             if size <= SHIPPED_RECEIVE_MAX:
                 competitors[PYTANNIC_SHIPPED] = clients.PytannicTcp(tcp.target, shipped_receive=True)
             del payload

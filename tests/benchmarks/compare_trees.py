@@ -7,7 +7,7 @@ checkout, each storing the same tensor in turn (the order flipped every round).
 Each server runs in a subprocess on its own data directory (``--metrics-port 0``, a free
 ``--data-port`` given as a number, which trees from before ``auto`` read too); the client is this checkout's ``tannery.Client``. Prints each tree's median
 time, every round's time and the server's CPU seconds per round. This is how the Store
-changes of docs/benchmarks.md ("Data paths: third measurement") were measured; the
+changes of docs/benchmarks.md ("Why the code is like this: Store path") were measured; the
 transport case of ``make bench`` gives the figures against Arrow Flight.
 """
 

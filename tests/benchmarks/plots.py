@@ -1,8 +1,13 @@
-"""PNG plots (matplotlib) of the cases' JSON results: ``bench-results/<case>.json`` -> ``docs/bench/``."""
+"""PNG plots (matplotlib) of the cases' JSON results: ``<results>/<case>.json`` -> ``<out>/<plot>.png``.
+
+``python -m tests.benchmarks.plots RESULTS [OUT]`` redraws them from a run's folder (into
+that folder unless OUT is given; OUT ``docs/bench`` replaces the committed plots).
+"""
 
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 from typing import Any, Callable
 
@@ -11,6 +16,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 from matplotlib.ticker import FuncFormatter  # noqa: E402
+
+from .styles import looks  # noqa: E402
 
 MiB = 1 << 20
 
@@ -30,27 +37,34 @@ def _sizes_axis(ax) -> None:
 
 def _title(fig, title: str, environment: str) -> None:
     fig.suptitle(title, fontsize=11)
-    fig.text(0.5, 0.005, environment[:180], ha="center", fontsize=6, color="grey")
+    fig.text(0.5, 0.005, "\n".join(textwrap.wrap(environment, 200)), ha="center", va="bottom", fontsize=6,
+             color="grey")
 
 
 def _throughput_lines(ax, series: dict[str, list], label_y: str) -> None:
+    style = looks(series)
     for name, points in series.items():
         xs = [p[0] for p in points]
-        ax.plot(xs, [p[1] / 1e9 for p in points], marker="o", label=name)
+        ax.plot(xs, [p[1] / 1e9 for p in points], label=name, **style[name].line())
         if len(points[0]) >= 4:
-            ax.fill_between(xs, [p[2] / 1e9 for p in points], [p[3] / 1e9 for p in points], alpha=0.15)
+            ax.fill_between(xs, [p[2] / 1e9 for p in points], [p[3] / 1e9 for p in points],
+                            color=style[name].colour, alpha=0.12)
     _sizes_axis(ax)
     ax.set_ylabel(label_y)
 
 
 def transport(data: dict, environment: str, out: Path) -> list[Path]:
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5.5), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 7), sharey=True)
     for ax, direction in zip(axes, ("upload", "download")):
         _throughput_lines(ax, data["series"][direction], "GB/s (median; band: slowest – fastest)")
+        ax.set_yscale("log")  # the same-host Fetch runs 5-10x the others
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _pos: f"{value:g}"))
         ax.set_title(f"{direction} of one float32 tensor, loopback")
         ax.set_xlabel("tensor size")
-    axes[1].legend(fontsize=7, loc="upper left")
+    handles, labels = axes[1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, bbox_to_anchor=(0.5, 0.04))
     _title(fig, "Transport: throughput against size", environment)
+    fig.tight_layout(rect=(0, 0.2, 1, 0.96))
     return [_save(fig, out / "transport_throughput.png")]
 
 
@@ -66,8 +80,9 @@ def codec(data: dict, environment: str, out: Path) -> list[Path]:
 def fetch(data: dict, environment: str, out: Path) -> list[Path]:
     fig, axes = plt.subplots(1, 2, figsize=(13, 5.5))
     for ax, kind, title in ((axes[0], "small", "the 4 KiB entry"), (axes[1], "big", "the 64 MiB entry")):
+        style = looks(data["series"][kind])
         for name, points in data["series"][kind].items():
-            ax.plot([p[0] for p in points], [p[1] * 1e3 for p in points], marker="o", label=name)
+            ax.plot([p[0] for p in points], [p[1] * 1e3 for p in points], label=name, **style[name].line())
         _sizes_axis(ax)
         ax.set_yscale("log")
         ax.set_xlabel("archive size")
@@ -80,8 +95,9 @@ def fetch(data: dict, environment: str, out: Path) -> list[Path]:
 
 def channels(data: dict, environment: str, out: Path) -> list[Path]:
     fig, axes = plt.subplots(1, 2, figsize=(13, 5.5))
+    style = looks([*data["throughput"], *data["latency"]])
     for name, points in data["throughput"].items():
-        axes[0].plot([p[0] for p in points], [p[1] / MiB for p in points], marker="o", label=name)
+        axes[0].plot([p[0] for p in points], [p[1] / MiB for p in points], label=name, **style[name].line())
     axes[0].set_xscale("log", base=2)
     counts = [p[0] for p in next(iter(data["throughput"].values()))]
     axes[0].set_xticks(counts, [str(c) for c in counts])
@@ -95,7 +111,8 @@ def channels(data: dict, environment: str, out: Path) -> list[Path]:
     width = 0.8 / len(names)
     for index, name in enumerate(names):
         values = [data["latency"][name][q] * 1e6 for q in quantiles]
-        axes[1].bar([i + index * width for i in range(len(quantiles))], values, width, label=name)
+        axes[1].bar([i + index * width for i in range(len(quantiles))], values, width, label=name,
+                    color=style[name].colour)
     axes[1].set_xticks([i + width * (len(names) - 1) / 2 for i in range(len(quantiles))])
     axes[1].set_xticklabels([f"p{q}" for q in quantiles])
     axes[1].set_yscale("log")
@@ -132,8 +149,9 @@ def memory(data: dict, environment: str, out: Path) -> list[Path]:
 
 def scale(data: dict, environment: str, out: Path) -> list[Path]:
     fig, axes = plt.subplots(1, 2, figsize=(13, 5.5))
+    style = looks([*data.get("growth", {}), *data.get("concurrency", {})])
     for name, points in data.get("growth", {}).items():
-        axes[0].plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+        axes[0].plot([p[0] for p in points], [p[1] for p in points], label=name, **style[name].line())
     _sizes_axis(axes[0])
     axes[0].set_yscale("log")
     axes[0].set_xlabel("entry size")
@@ -141,7 +159,7 @@ def scale(data: dict, environment: str, out: Path) -> list[Path]:
     axes[0].set_title("Time against size (Store/Fetch vs Sink/Source ceiling)")
     axes[0].legend()
     for name, points in data.get("concurrency", {}).items():
-        axes[1].plot([p[0] for p in points], [p[1] / 1e9 for p in points], marker="o", label=name)
+        axes[1].plot([p[0] for p in points], [p[1] / 1e9 for p in points], label=name, **style[name].line())
     axes[1].set_xscale("log", base=2)
     if data.get("concurrency"):
         counts = [p[0] for p in next(iter(data["concurrency"].values()))]
@@ -183,6 +201,8 @@ def draw(results: Path, out: Path, cases: list[str]) -> list[Path]:
 if __name__ == "__main__":
     import sys
 
-    for written in draw(Path(sys.argv[1] if len(sys.argv) > 1 else "bench-results"),
-                        Path(sys.argv[2] if len(sys.argv) > 2 else "docs/bench"), list(DRAWERS)):
+    if len(sys.argv) not in (2, 3):
+        sys.exit("usage: python -m tests.benchmarks.plots RESULTS [OUT]")
+    results = Path(sys.argv[1])
+    for written in draw(results, Path(sys.argv[2]) if len(sys.argv) == 3 else results, list(DRAWERS)):
         print(written)

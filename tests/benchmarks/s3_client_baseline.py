@@ -6,7 +6,7 @@ client (boto3: a multipart upload by s3transfer, then parallel ranged GETs into 
 A later benchmark case calls it beside tannery, in one run.
 
 Run as a script it also compares the two candidate libraries, boto3 and obstore, side by
-side against one SeaweedFS (that comparison chose boto3; ``docs/benchmarks.md``, "S3 client"):
+side against one SeaweedFS (that comparison chose boto3; ``docs/benchmarks.md``, "S3 blob store"):
 
     python -m tests.benchmarks.s3_client_baseline --sizes 256MiB 1GiB --reps 3 [--compare]
 

@@ -17,14 +17,14 @@ if TYPE_CHECKING:
 
 #: Bytes written and checksummed (and, in a small piece, hashed) at a time. The write brings a
 #: slice this small into the CPU's cache, where the CRC and SHA-256 then read it (SHA-256 runs
-#: at 2 GB/s on cached bytes here, 1.2-1.6 GB/s from memory; docs/benchmarks.md, "Data
-#: paths: third measurement").
+#: at 2 GB/s on cached bytes here, 1.2-1.6 GB/s from memory; docs/benchmarks.md, "Store
+#: path").
 SLICE = 64 << 10
 #: Pieces from this size are hashed (SHA-256) on a thread of :data:`_HASHING` while the caller
 #: writes and checksums them, so that the Store's slowest thread does half the work: on 2
 #: vCPUs, 1 GiB Stores took 7-14% less time over gRPC and the same-host socket (TCP's
 #: receive thread leaves no core free), for 0.1-0.2 server CPU-s more, as SHA-256 then reads
-#: from memory (docs/benchmarks.md, "Data paths: fifth measurement"). A hand-over costs tens
+#: from memory (docs/benchmarks.md, "Store path"). A hand-over costs tens
 #: of microseconds: as much as hashing 64 KiB, a 60th of hashing 1 MiB.
 PARALLEL_FROM = 1 << 20
 #: The threads that hash large pieces; a payload has at most one piece there at a time.

@@ -9,7 +9,7 @@ are refused, so the space it held stays for Deletes.
 
 Its size follows the catalog: one transaction's WAL holds each page it changes once, so
 a Delete never appends more than the database file's size (what it appends in practice:
-docs/benchmarks.md, "Measurements behind the code"), plus the WAL index (32 KiB per 4096 pages). The
+docs/benchmarks.md, "Server memory"), plus the WAL index (32 KiB per 4096 pages). The
 reserve is the catalog's size plus :data:`SLACK`, at least :data:`MINIMUM`, in whole
 MiB, and at most the configured cap (64 MiB by default: a Delete of any archive in a
 catalog up to that size), 1/32 of the filesystem and the process's file size limit.

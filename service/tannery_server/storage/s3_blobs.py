@@ -26,7 +26,7 @@ endpoint and credentials come from the standard AWS variables (``AWS_ENDPOINT_UR
   what still fails is raised as :class:`StorageUnavailable` naming the bucket, the endpoint
   and the failure, and a missing blob as FileNotFoundError, as the file store does.
 
-boto3 was chosen over obstore by measurement (docs/benchmarks.md, "S3 client"): within the
+boto3 was chosen over obstore by measurement (docs/benchmarks.md, "S3 blob store"): within the
 noise of each other on SeaweedFS, and boto3 also lists and aborts multipart uploads, copies
 parts server-side and reads into a given buffer.
 """
@@ -56,7 +56,7 @@ from .errors import StorageUnavailable
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 _T = TypeVar("_T")
 MiB = 1 << 20
-# Sizes measured on SeaweedFS (docs/benchmarks.md, "S3 client"): 16 MiB parts stored 1 GiB
+# Sizes measured on SeaweedFS (docs/benchmarks.md, "S3 blob store"): 16 MiB parts stored 1 GiB
 # about 10 % faster than 8 MiB ones; 4 ranges of 8 MiB read ahead match a plain client's GETs.
 #: Part size of uploads.
 PART_SIZE = 16 * MiB
