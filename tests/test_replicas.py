@@ -287,3 +287,16 @@ def test_the_tools_name_a_missing_bucket_too(tmp_path, postgres_url, seaweedfs, 
     assert done.returncode == 1
     assert done.stderr == (f"tannery {command}: bucket '{bucket}' does not exist at {seaweedfs.endpoint}: "
                            + remedy.format(bucket=bucket, endpoint=seaweedfs.endpoint) + "\n")
+
+
+def test_a_catalog_unreachable_or_missing_at_start_fails_the_start_with_a_line_naming_it(tmp_path, postgres_server):
+    unreachable = f"postgresql://tannery@127.0.0.1:{free_port()}/tannery"
+    missing = postgres_server.url(f"missing_{uuid.uuid4().hex[:8]}")
+    for url, reason in ((unreachable, "unreachable: connection refused"),
+                        (missing, f'unreachable: database "{missing.rsplit("/", 1)[1]}" does not exist')):
+        done = subprocess.run([*ServerProcess(tmp_path / "data", catalog=url).command()], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 1
+        last = done.stderr.splitlines()[-1]
+        assert last == f"tannery serve: catalog {url} {reason} (creating or migrating the schema)", done.stderr
+        assert "Traceback" not in done.stderr

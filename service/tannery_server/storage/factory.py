@@ -43,7 +43,9 @@ def open_storage(config: Config, collecting: bool = True, offer_create: bool = T
     try:
         catalog = PostgresCatalog(config.catalog)
     except BaseException:
-        blobs.close()
+        close = getattr(blobs, "close", None)  # a bucket's threads; a directory has none
+        if close is not None:
+            close()
         raise
     storage = SharedStorage(catalog, blobs, grace_seconds=config.gc_grace_seconds,
                             lease_seconds=config.lease_seconds, collecting=collecting)
