@@ -239,7 +239,8 @@ def test_a_replica_whose_bucket_does_not_exist_fails_its_start_with_one_line_nam
 
 def test_an_unreachable_bucket_fails_the_start_with_one_line_naming_it(tmp_path, postgres_url, seaweedfs):
     endpoint = f"http://127.0.0.1:{free_port()}"
-    done = _serve(tmp_path, postgres_url, "s3://checkpoints/tannery", {**seaweedfs.env(), "AWS_ENDPOINT_URL_S3": endpoint})
+    nowhere = {**seaweedfs.env(), "AWS_ENDPOINT_URL_S3": endpoint}
+    done = _serve(tmp_path, postgres_url, "s3://checkpoints/tannery", nowhere)
     assert done.returncode == 1
     assert done.stderr.startswith(f"tannery serve: S3 bucket 'checkpoints' at {endpoint}: check the bucket failed: "
                                   "connection refused"), done.stderr
