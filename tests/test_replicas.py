@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -22,7 +25,7 @@ from tannery.codec import encode_numpy
 from tannery.names import join
 from tannery.v1 import archives_pb2 as pb
 
-from .server_harness import ServerProcess, collect_fetch, running_server, store_requests, wait_for
+from .server_harness import ServerProcess, collect_fetch, free_port, running_server, store_requests, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -215,3 +218,86 @@ def test_a_replica_killed_mid_store_leaves_no_archive_the_other_serves_and_the_u
         assert wait_for(lambda: objects(survivor) == kept_digests, timeout=30)
         assert wait_for(lambda: survivor.storage.blobs.temporaries() == [], timeout=30)
         assert fetch(survivor, "kept") == kept
+
+
+def _serve(tmp_path, catalog: str, blobs: str, env: dict[str, str], *flags: str) -> subprocess.CompletedProcess:
+    """``tannery serve`` on ``catalog`` and ``blobs`` with ``flags``, run to its end (a start that fails)."""
+    command = [*ServerProcess(tmp_path / "data", catalog=catalog, blobs=blobs).command(), *flags]
+    return subprocess.run(command, env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
+
+
+def test_a_replica_whose_bucket_does_not_exist_fails_its_start_with_one_line_naming_it_and_the_remedy(
+        tmp_path, postgres_url, seaweedfs):
+    bucket = f"missing-{uuid.uuid4().hex[:12]}"
+    done = _serve(tmp_path, postgres_url, f"s3://{bucket}/tannery", seaweedfs.env())
+    assert done.returncode == 1
+    assert done.stdout == ""
+    assert done.stderr == (f"tannery serve: bucket '{bucket}' does not exist at {seaweedfs.endpoint}: create it "
+                           f"(aws s3 mb s3://{bucket} --endpoint-url {seaweedfs.endpoint}) or start with "
+                           "--create-bucket\n")
+
+
+def test_an_unreachable_bucket_fails_the_start_with_one_line_naming_it(tmp_path, postgres_url, seaweedfs):
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    nowhere = {**seaweedfs.env(), "AWS_ENDPOINT_URL_S3": endpoint}
+    done = _serve(tmp_path, postgres_url, "s3://checkpoints/tannery", nowhere)
+    assert done.returncode == 1
+    assert done.stderr.startswith(f"tannery serve: S3 bucket 'checkpoints' at {endpoint}: check the bucket failed: "
+                                  "connection refused"), done.stderr
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+
+
+def test_with_create_bucket_a_replica_creates_its_missing_bucket_and_serves(tmp_path, postgres_url, seaweedfs,
+                                                                              monkeypatch):
+    for name, value in seaweedfs.env().items():
+        monkeypatch.setenv(name, value)
+    bucket = f"created-{uuid.uuid4().hex[:12]}"
+    try:
+        with running_server(tmp_path / "a", catalog=postgres_url, blobs=f"s3://{bucket}/tannery", create_bucket=True,
+                            **SHORT) as a, \
+                running_server(tmp_path / "b", catalog=postgres_url, blobs=f"s3://{bucket}/tannery",
+                               create_bucket=True, **SHORT) as b:  # the bucket there already: nothing to do
+            seaweedfs.client().head_bucket(Bucket=bucket)
+            store(a, "m", {"w": payload(700)})
+            assert fetch(b, "m") == {"w": payload(700)}
+    finally:
+        seaweedfs.client().delete_bucket(Bucket=bucket)
+
+
+def test_create_bucket_is_a_flag_that_may_stand_alone():
+    from tannery_server.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve", "--create-bucket"]).create_bucket is True
+    assert parser.parse_args(["serve", "--create-bucket", "off"]).create_bucket is False
+    assert parser.parse_args(["serve"]).create_bucket is None  # not given: TANNERY_CREATE_BUCKET, then off
+    assert parser.parse_args(["migrate", "--create-bucket"]).create_bucket is True
+
+
+@pytest.mark.parametrize("command, remedy", [
+    ("migrate", "create it (aws s3 mb s3://{bucket} --endpoint-url {endpoint}) or start with --create-bucket"),
+    ("scrub", "check --blobs and AWS_ENDPOINT_URL_S3"),
+])
+def test_the_tools_name_a_missing_bucket_too(tmp_path, postgres_url, seaweedfs, command, remedy):
+    bucket = f"missing-{uuid.uuid4().hex[:12]}"
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "catalog.sqlite3").touch()  # migrate's source, never opened: the target fails first
+    done = subprocess.run([sys.executable, "-m", "tannery_server", command, "--data-dir", str(tmp_path / "data"),
+                           "--catalog", postgres_url, "--blobs", f"s3://{bucket}/tannery"],
+                          env={**os.environ, **seaweedfs.env()}, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr == (f"tannery {command}: bucket '{bucket}' does not exist at {seaweedfs.endpoint}: "
+                           + remedy.format(bucket=bucket, endpoint=seaweedfs.endpoint) + "\n")
+
+
+def test_a_catalog_unreachable_or_missing_at_start_fails_the_start_with_a_line_naming_it(tmp_path, postgres_server):
+    unreachable = f"postgresql://tannery@127.0.0.1:{free_port()}/tannery"
+    missing = postgres_server.url(f"missing_{uuid.uuid4().hex[:8]}")
+    for url, reason in ((unreachable, "unreachable: connection refused"),
+                        (missing, f'unreachable: database "{missing.rsplit("/", 1)[1]}" does not exist')):
+        done = subprocess.run([*ServerProcess(tmp_path / "data", catalog=url).command()], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 1
+        last = done.stderr.splitlines()[-1]
+        assert last == f"tannery serve: catalog {url} {reason} (creating or migrating the schema)", done.stderr
+        assert "Traceback" not in done.stderr

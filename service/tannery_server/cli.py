@@ -23,6 +23,8 @@ _FLAGS = [
     ("blobs", "where tensor bytes live: empty for DATA_DIR/blobs, or s3://BUCKET/PREFIX (endpoint and "
               "credentials from AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, "
               "AWS_SECRET_ACCESS_KEY, AWS_REGION: AWS S3, SeaweedFS, MinIO, Ceph RGW, R2)"),
+    ("create_bucket", "with --blobs s3://: create the bucket at start when it does not exist (on AWS in "
+                      "AWS_REGION); without it a missing bucket stops the start, naming it. Alone, the flag means on"),
     ("cache_dir", "a directory for a local read cache of blobs from a bucket (least recently used whole blobs, "
                   "checked like any read): a hot checkpoint is served at local-disk speed after its first Fetch"),
     ("cache_size", "most bytes the read cache holds"),
@@ -141,13 +143,14 @@ def build_parser(prog: str = "tannery") -> argparse.ArgumentParser:
         "the migration goes on with the others and lists every archive it left out at the end. Each archive "
         "keeps its creation time and metadata. Exit status 0 when everything is in the target, 1 otherwise.",
     )
-    _storage_flags(migrate, defaults)
+    _storage_flags(migrate, defaults, "create_bucket")
     for name, text in _FLAGS:
         serve.add_argument(
             "--" + name.replace("_", "-"),
             dest=name,
             type=_flag_type(name),
             default=None,
+            **_alone_means_on(name, defaults),
             help=f"{text} [env {env_name(name)}" + ("]" if name in _SECRET else f"; default {_shown(name, getattr(defaults, name))}]"),
         )
     return parser
@@ -158,13 +161,19 @@ def build_parser(prog: str = "tannery") -> argparse.ArgumentParser:
 _TOOL_HELP = {"data_dir": "directory of the catalog (catalog.sqlite3) and blobs of a stopped server"}
 
 
-def _storage_flags(parser: argparse.ArgumentParser, defaults: Config) -> None:
-    """--data-dir, --catalog and --blobs, as ``serve`` reads them (the help without serve-only flags)."""
+def _alone_means_on(name: str, defaults: Config) -> dict:
+    """argparse keywords that let an on/off setting's flag stand alone for on (``--create-bucket``)."""
+    return {"nargs": "?", "const": True, "metavar": "on|off"} if isinstance(getattr(defaults, name), bool) else {}
+
+
+def _storage_flags(parser: argparse.ArgumentParser, defaults: Config, *extra: str) -> None:
+    """--data-dir, --catalog and --blobs (and ``extra``), as ``serve`` reads them (the help without
+    serve-only flags)."""
     for name, text in _FLAGS:
-        if name in ("data_dir", "catalog", "blobs"):
+        if name in ("data_dir", "catalog", "blobs", *extra):
             text = _TOOL_HELP.get(name, text)
             parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
-                                type=_flag_type(name),
+                                type=_flag_type(name), **_alone_means_on(name, defaults),
                                 help=f"{text} [env {env_name(name)}; default {_shown(name, getattr(defaults, name))}]")
 
 
@@ -173,7 +182,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "tannery") -> int:
     args = parser.parse_args(argv)
     if args.command in ("scrub", "migrate"):
         try:
-            config = Config.from_env(data_dir=args.data_dir, catalog=args.catalog, blobs=args.blobs)
+            config = Config.from_env(data_dir=args.data_dir, catalog=args.catalog, blobs=args.blobs,
+                                     create_bucket=getattr(args, "create_bucket", None))
         except ValueError as exc:
             parser.error(str(exc))
         return scrub(config) if args.command == "scrub" else migrate(config)
@@ -185,13 +195,14 @@ def main(argv: Sequence[str] | None = None, prog: str = "tannery") -> int:
         from . import app
         from .auth import TokenError
         from .calllog import configure_logging
-        from .storage import CatalogTooNew, DataDirectoryInUse
+        from .storage import CatalogTooNew, DataDirectoryInUse, StorageUnavailable
         from .tls import TLSError
 
         configure_logging(config.log_format)
         try:
             app.run(config)
-        except (CatalogTooNew, DataDirectoryInUse, TokenError, TLSError) as exc:
+        except (CatalogTooNew, DataDirectoryInUse, TokenError, TLSError, StorageUnavailable) as exc:
+            # StorageUnavailable: the catalog or bucket unreachable at start, or the bucket missing
             print(f"tannery serve: {exc}", file=sys.stderr)
             return 1
         except OSError as exc:  # an address in use, for the gRPC, data or metrics port
@@ -224,7 +235,7 @@ def _open(command: str, config: Config):
               "set --data-dir (or --catalog and --blobs)", file=sys.stderr)
         return None
     try:
-        return open_storage(config, collecting=False)
+        return open_storage(config, collecting=False, offer_create=command == "migrate")
     except DataDirectoryInUse as exc:
         print(f"tannery {command}: {exc}; stop the server first", file=sys.stderr)
     except (CatalogTooNew, StorageUnavailable, ValueError, ModuleNotFoundError) as exc:

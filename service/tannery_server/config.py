@@ -29,6 +29,9 @@ class Config:
     #: Where blobs live: empty (or ``file:``) for ``data_dir/blobs``, ``s3://BUCKET/PREFIX``
     #: for a bucket (endpoint and credentials from the AWS_* variables).
     blobs: str = ""
+    #: With ``blobs`` in a bucket: create the bucket at start when it does not exist (else a
+    #: missing bucket fails the start, naming it and the remedy).
+    create_bucket: bool = False
     #: A local read cache of blobs from a bucket: its directory (None: no cache) and size.
     cache_dir: Path | None = None
     cache_size: int = 10 * GiB

@@ -13,6 +13,7 @@ remote store (psycopg, the S3 client) are imported only when one is asked for.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -21,22 +22,31 @@ from .base import BlobStore
 from .catalog_and_blobs import Storage
 from .file_blobs import FileBlobStore
 
+log = logging.getLogger("tannery_server.storage")
 
-def open_storage(config: Config, collecting: bool = True) -> Storage:
+
+def open_storage(config: Config, collecting: bool = True, offer_create: bool = True) -> Storage:
     """The storage ``config`` names, opened and recovered (ready to serve). ``collecting=False``
-    for a tool beside running servers: a shared store then collects nothing itself."""
+    for a tool beside running servers: a shared store then collects nothing itself.
+    ``offer_create=False`` for a tool without ``--create-bucket`` (see :func:`open_blobs`)."""
     catalog_scheme = _scheme(config.catalog, "sqlite")
     blobs_scheme = _scheme(config.blobs, "file")
     if catalog_scheme == "sqlite":
         _check_same_directory(config)
         if blobs_scheme == "file":
             return Storage.open_local(config.data_dir, config.reserve_bytes)
-        return Storage.open_local(config.data_dir, config.reserve_bytes, blobs=open_blobs(config))
+        return Storage.open_local(config.data_dir, config.reserve_bytes, blobs=open_blobs(config, offer_create))
     from .postgres_catalog import PostgresCatalog
     from .shared_storage import SharedStorage
 
-    blobs = open_blobs(config)
-    catalog = PostgresCatalog(config.catalog)
+    blobs = open_blobs(config, offer_create)
+    try:
+        catalog = PostgresCatalog(config.catalog)
+    except BaseException:
+        close = getattr(blobs, "close", None)  # a bucket's threads; a directory has none
+        if close is not None:
+            close()
+        raise
     storage = SharedStorage(catalog, blobs, grace_seconds=config.gc_grace_seconds,
                             lease_seconds=config.lease_seconds, collecting=collecting)
     try:
@@ -58,14 +68,27 @@ def describe(config: Config) -> str:
     return f"catalog {catalog}, blobs {config.blobs or config.data_dir}{cache}"
 
 
-def open_blobs(config: Config) -> BlobStore:
-    """The blob store of ``config.blobs``, behind the read cache when ``cache_dir`` is set."""
+def open_blobs(config: Config, offer_create: bool = True) -> BlobStore:
+    """The blob store of ``config.blobs``, behind the read cache when ``cache_dir`` is set.
+
+    A bucket is checked first: one that does not exist is created with ``config.create_bucket``,
+    else the start fails with :class:`~.s3_blobs.MissingBucket` naming the bucket, the endpoint
+    and the remedy (``--create-bucket`` among them when ``offer_create``); an unreachable one
+    fails it with StorageUnavailable naming it.
+    """
     scheme = _scheme(config.blobs, "file")
     if scheme == "file":
         return FileBlobStore(_file_path(config.blobs) or config.data_dir)
     from .s3_blobs import S3BlobStore
 
-    store: BlobStore = S3BlobStore(config.blobs)
+    bucket = S3BlobStore(config.blobs)
+    try:
+        if bucket.ensure_bucket(create=config.create_bucket, offer_create=offer_create):
+            log.info("created the bucket %r at %s", bucket.bucket, bucket.endpoint or "AWS S3")
+    except BaseException:
+        bucket.close()
+        raise
+    store: BlobStore = bucket
     if config.cache_dir is not None and config.cache_size > 0:
         from .blob_cache import CachedBlobStore
 

@@ -34,6 +34,7 @@ agree to well within the collection's grace period.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from typing import Callable, Iterable, Mapping, Sequence, TypeVar
 
@@ -142,9 +143,11 @@ def safe_name(url: str) -> str:
 
 
 def _reason(exc: BaseException) -> str:
-    """The first line of a driver's message, without libpq's "connection to server ... failed: "."""
+    """The first line of a driver's message, without libpq's "connection to server ... failed: "
+    nor the server's severity ("FATAL:  database "x" does not exist" is "database "x" does not exist")."""
     text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     text = text.rsplit("failed: ", 1)[-1].strip() or text
+    text = re.sub(r"^(FATAL|ERROR|PANIC):\s+", "", text)
     return text[:1].lower() + text[1:]
 
 

@@ -81,6 +81,15 @@ def _ns(when) -> int:
     return int(when.timestamp() * 1e9)
 
 
+class MissingBucket(StorageUnavailable):
+    """The bucket of ``--blobs`` does not exist: the message names it, the endpoint and the remedy."""
+
+
+def _make_bucket(bucket: str, endpoint: str | None) -> str:
+    """The command that creates ``bucket`` (the AWS CLI's; any S3 client does)."""
+    return f"aws s3 mb s3://{bucket}" + (f" --endpoint-url {endpoint}" if endpoint else "")
+
+
 def _is_missing(exc: BaseException) -> bool:
     return isinstance(exc, ClientError) and _error_code(exc) in _MISSING
 
@@ -528,10 +537,11 @@ class S3BlobStore:
             # Reads are checked by the block CRCs of the catalog instead.
             response_checksum_validation="when_required",
         )
+        self.region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1"
         session = boto3.session.Session(
             aws_access_key_id=env.get("AWS_ACCESS_KEY_ID"), aws_secret_access_key=env.get("AWS_SECRET_ACCESS_KEY"),
             aws_session_token=env.get("AWS_SESSION_TOKEN"),
-            region_name=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1")
+            region_name=self.region)
         self.client = session.client("s3", endpoint_url=self.endpoint, config=config)
         self._reading = ThreadPoolExecutor(readers, thread_name_prefix="tannery-s3-read")
         self._uploading = ThreadPoolExecutor(uploaders, thread_name_prefix="tannery-s3-upload")
@@ -684,11 +694,47 @@ class S3BlobStore:
         return newest
 
     def check(self) -> None:
-        """HeadBucket: StorageUnavailable naming the bucket and the endpoint unless it answers."""
+        """HeadBucket: StorageUnavailable naming the bucket and the endpoint unless it answers
+        (:class:`MissingBucket`, with the remedy, when it answers that the bucket does not exist)."""
         try:
             self._call("check the bucket", self.client.head_bucket, Bucket=self.bucket, not_found=True)
         except FileNotFoundError:
-            raise StorageUnavailable(f"S3 {self.where()}: no such bucket") from None
+            raise MissingBucket(f"S3 {self.where()}: no such bucket (create it: "
+                                f"{_make_bucket(self.bucket, self.endpoint)})") from None
+
+    def ensure_bucket(self, create: bool = False, offer_create: bool = True) -> bool:
+        """At start: the bucket is there, or is created when ``create``; True when it was created.
+
+        A missing bucket otherwise raises :class:`MissingBucket`, one line naming the bucket, the
+        endpoint and the remedy (``--create-bucket`` among it when ``offer_create``); an
+        unreachable one, StorageUnavailable naming it.
+        """
+        try:
+            self.check()
+            return False
+        except MissingBucket:
+            if not create:
+                where = self.endpoint or "AWS S3"
+                remedy = (f"create it ({_make_bucket(self.bucket, self.endpoint)}) or start with --create-bucket"
+                          if offer_create else "check --blobs and AWS_ENDPOINT_URL_S3")
+                raise MissingBucket(f"bucket {self.bucket!r} does not exist at {where}: {remedy}") from None
+        self._create_bucket()
+        self.check()  # created (by us, or meanwhile by another replica), and ours to use
+        return True
+
+    def _create_bucket(self) -> None:
+        """CreateBucket in this store's region. Another replica creating it at the same moment is
+        no failure (S3 answers "already owned by you"; SeaweedFS "already exists")."""
+        where = {} if self.region == "us-east-1" else {"CreateBucketConfiguration": {"LocationConstraint": self.region}}
+        try:
+            self.client.create_bucket(Bucket=self.bucket, **where)
+        except ClientError as exc:
+            if _error_code(exc) in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                return
+            raise StorageUnavailable(f"S3 {self.where()}: no such bucket, and creating it failed: "
+                                     f"{_reason(exc)}") from exc
+        except (BotoCoreError, OSError, http.client.HTTPException) as exc:
+            raise StorageUnavailable(f"S3 {self.where()}: creating the bucket failed: {_reason(exc)}") from exc
 
     def close(self) -> None:
         self._reading.shutdown(wait=False)
