@@ -179,14 +179,14 @@ def _close_archives(exc: Exception, args: argparse.Namespace) -> str:
     import ast
     import re
 
-    from ..errors import NotFound
+    from tannery_protocol.errors import NotFound
 
     found = re.match(r"archive ('.*'|\".*\") not found", str(exc)) if isinstance(exc, NotFound) else None
     if found is None:
         return ""
     try:
         missing = ast.literal_eval(found.group(1))
-        from ..names import did_you_mean
+        from tannery_protocol.names import did_you_mean
         from .connection import connect
 
         with connect(args) as client:
@@ -204,7 +204,7 @@ def _using_tls(args: argparse.Namespace) -> bool:
 
 def _expected(exc: BaseException) -> bool:
     """Whether ``exc`` is a failure the user can act on (not a bug in tannery)."""
-    from ..errors import ServiceError
+    from tannery_protocol.errors import ServiceError
     from .errors import CommandError, missing_extra
 
     return isinstance(exc, (CommandError, ServiceError, OSError, ValueError, LookupError)) or missing_extra(exc)
