@@ -112,9 +112,9 @@ fuzz: $(STAMP)
 			.fuzz-work/$$target tests/fuzz/corpus/$$target || exit 1; \
 	done
 
-# Regenerates the Python modules of protos/ into client/tannery/v1 (they are committed).
+# Regenerates the Python modules of protos/ into protocol/tannery_protocol/v1 (they are committed).
 proto: $(STAMP)
-	$(PY) -m grpc_tools.protoc -I protos --python_out=client --pyi_out=client --grpc_python_out=client protos/tannery/v1/*.proto
+	$(PY) -m grpc_tools.protoc -Itannery_protocol/v1=protos/tannery/v1 --python_out=protocol --pyi_out=protocol --grpc_python_out=protocol protos/tannery/v1/*.proto
 
 clean:
 	rm -rf $(VENV) $(LOCK) build *.egg-info .fuzz-work

@@ -37,7 +37,7 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import grpc
 
-from tannery.v1 import archives_pb2, archives_pb2_grpc
+from tannery_protocol.v1 import archives_pb2, archives_pb2_grpc
 
 HOST = "127.0.0.1"
 

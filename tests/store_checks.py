@@ -14,8 +14,8 @@ import random
 from pathlib import Path
 from typing import Mapping
 
-from tannery.codec import DTYPES, encode_prefix
-from tannery.v1 import archives_pb2 as pb
+from tannery_protocol.codec import DTYPES, encode_prefix
+from tannery_protocol.v1 import archives_pb2 as pb
 
 from .server_harness import collect_fetch
 

@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 import torch
 
+import tannery_protocol.codec
 import tannery
 from tannery import Archive, ArchiveError
 from tannery.archive import MemoryArchive, TensorInfo, UnionArchive
 from tannery.values import named_leaves
-from tannery.names import join, owned, owns
+from tannery_protocol.names import join, owned, owns
 
 
 def message(excinfo: pytest.ExceptionInfo) -> str:
@@ -182,7 +183,7 @@ def test_tensor_gives_the_entry_as_stored(archive):
     w = archive.find("w")
     assert archive.tensor("w", [2, 2], torch.float32) is w
     assert archive.tensor("w", (2, 2), "float32") is w
-    assert archive.tensor("w", torch.Size([2, 2]), tannery.codec.DTYPES["float32"]) is w
+    assert archive.tensor("w", torch.Size([2, 2]), tannery_protocol.codec.DTYPES["float32"]) is w
     assert archive.tensor("scalar", [], torch.float64).item() == 2.5
 
 
@@ -514,7 +515,7 @@ def test_dotted_names():
 
 
 def test_the_names_module_needs_no_torch():
-    code = "import sys, tannery.names, tannery.safetensors_format; sys.exit('torch' in sys.modules)"
+    code = "import sys, tannery_protocol.names, tannery.safetensors_format; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 

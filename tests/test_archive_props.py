@@ -16,10 +16,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import tannery_protocol.codec
 import tannery
 from tannery import Archive, ArchiveError, load_safetensors, load_tannic, save_safetensors, save_tannic
 from tannery.values import is_tensor_leaf, named_leaves
-from tannery.codec import DTYPES
+from tannery_protocol.codec import DTYPES
 
 ALL_DTYPES = list(DTYPES)
 SAFETENSORS_DTYPES = [name for name in ALL_DTYPES if name != "complex128"]
@@ -72,7 +73,7 @@ def fix_prefix(value: Any, prefix: str) -> str:
 
 def torch_dtype_of(leaf: Any) -> torch.dtype:
     if isinstance(leaf, np.ndarray):
-        return tannery.torch.torch_dtype(tannery.codec.dtype_of_numpy(leaf.dtype))
+        return tannery.torch.torch_dtype(tannery_protocol.codec.dtype_of_numpy(leaf.dtype))
     return leaf.dtype
 
 
@@ -195,7 +196,7 @@ def test_a_like_that_differs_in_one_leaf_is_named(value, data):
 
 def replace_leaf(value: Any, prefix: str, name: str, new: torch.Tensor) -> Any:
     from tannery.values import rebuild
-    from tannery.names import join
+    from tannery_protocol.names import join
 
     return rebuild(value, (), lambda path, leaf: new if join(prefix, *path) == name else leaf)
 

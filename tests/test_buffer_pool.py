@@ -13,14 +13,16 @@ import pytest
 import torch
 
 import tannery
-from tannery import buffer_pool, framing
+from tannery_protocol import framing
+from tannery import gathering
+from tannery import buffer_pool
 from tannery.buffer_pool import ReceivePool
-from tannery.codec import DTYPES, encode_prefix
+from tannery_protocol.codec import DTYPES, encode_prefix
 
 from .server_harness import running_server, wait_for
 
 MiB = 1 << 20
-SIZE = 8 * MiB  # over framing.MAP_GATHER: a map of its own
+SIZE = 8 * MiB  # over gathering.MAP_GATHER: a map of its own
 
 
 def backing(view: memoryview) -> mmap.mmap:
@@ -32,7 +34,7 @@ def backing(view: memoryview) -> mmap.mmap:
 
 def test_a_buffer_comes_back_when_its_tensor_is_gone_and_the_next_receive_takes_its_map():
     pool = ReceivePool()
-    buffer = framing.receive_buffer(SIZE, 56, pool)
+    buffer = gathering.receive_buffer(SIZE, 56, pool)
     first = backing(buffer)
     tensor = torch.frombuffer(buffer, dtype=torch.uint8)
     del buffer
@@ -40,20 +42,20 @@ def test_a_buffer_comes_back_when_its_tensor_is_gone_and_the_next_receive_takes_
     assert pool.idle_bytes() == 0, "given back while a tensor still used it"
     del tensor
     assert pool.idle_bytes() == len(first)
-    again = framing.receive_buffer(SIZE, 56, pool)
+    again = gathering.receive_buffer(SIZE, 56, pool)
     assert backing(again) is first and pool.idle_bytes() == 0
 
 
 def test_without_a_pool_a_receive_buffer_is_a_fresh_map_of_its_own():
-    buffer = framing.receive_buffer(SIZE, 56)
+    buffer = gathering.receive_buffer(SIZE, 56)
     assert isinstance(buffer.obj, mmap.mmap)
 
 
 def test_a_map_in_use_is_never_handed_out_twice_and_its_bytes_stay():
     pool = ReceivePool()
-    held = framing.receive_buffer(SIZE, 8, pool)
+    held = gathering.receive_buffer(SIZE, 8, pool)
     held[:] = b"\x07" * SIZE
-    others = [framing.receive_buffer(SIZE, 8, pool) for _ in range(3)]
+    others = [gathering.receive_buffer(SIZE, 8, pool) for _ in range(3)]
     for other in others:
         other[:] = b"\x01" * SIZE
     assert len({id(backing(b)) for b in [held, *others]}) == 4
@@ -62,7 +64,7 @@ def test_a_map_in_use_is_never_handed_out_twice_and_its_bytes_stay():
 
 def test_a_numpy_view_alone_keeps_the_map_out_of_the_pool():
     pool = ReceivePool()
-    buffer = framing.receive_buffer(SIZE, 8, pool)
+    buffer = gathering.receive_buffer(SIZE, 8, pool)
     every_other = np.frombuffer(buffer, np.uint8)[::2]
     del buffer
     assert pool.idle_bytes() == 0
@@ -72,16 +74,16 @@ def test_a_numpy_view_alone_keeps_the_map_out_of_the_pool():
 
 def test_a_request_much_smaller_than_an_idle_map_gets_a_new_one():
     pool = ReceivePool()
-    big = framing.receive_buffer(4 * SIZE, 8, pool)
+    big = gathering.receive_buffer(4 * SIZE, 8, pool)
     big_map = backing(big)
     del big
-    small = framing.receive_buffer(SIZE, 8, pool)
+    small = gathering.receive_buffer(SIZE, 8, pool)
     assert backing(small) is not big_map and pool.idle_bytes() == len(big_map)
 
 
 def test_a_pool_keeps_its_newest_maps_up_to_its_limits_unmapping_the_oldest():
     pool = ReceivePool()
-    buffers = [framing.receive_buffer(SIZE, 8, pool) for _ in range(buffer_pool.IDLE_MAPS + 1)]
+    buffers = [gathering.receive_buffer(SIZE, 8, pool) for _ in range(buffer_pool.IDLE_MAPS + 1)]
     maps = [backing(b) for b in buffers]
     while buffers:  # given back in order, the first the oldest
         del buffers[0]
@@ -91,7 +93,7 @@ def test_a_pool_keeps_its_newest_maps_up_to_its_limits_unmapping_the_oldest():
 
 def test_a_map_given_back_to_a_pool_that_is_gone_goes_with_its_last_reference():
     pool = ReceivePool()
-    buffer = framing.receive_buffer(SIZE, 8, pool)
+    buffer = gathering.receive_buffer(SIZE, 8, pool)
     del pool
     gc.collect()
     del buffer  # the finalizer finds no pool, and nothing fails
@@ -101,19 +103,19 @@ def test_a_map_given_back_while_the_pool_is_busy_waits_for_the_holder_and_nothin
     """A finalizer may run anywhere, in the pool's own code included (a collection inside
     reuse()): it neither waits for the lock nor changes the pool under its holder."""
     pool = ReceivePool()
-    buffer = framing.receive_buffer(SIZE, 8, pool)
+    buffer = gathering.receive_buffer(SIZE, 8, pool)
     memory = backing(buffer)
     with pool._lock:  # the pool busy, on this very thread
         del buffer  # the finalizer runs here, and must not block
         assert pool._idle == []  # not moved in under the holder
     assert pool.idle_bytes() == len(memory)  # the next holder moved it in
-    assert backing(framing.receive_buffer(SIZE, 8, pool)) is memory
+    assert backing(gathering.receive_buffer(SIZE, 8, pool)) is memory
 
 
 def test_maps_given_back_from_many_threads_at_once_all_land_in_the_pool(monkeypatch):
     monkeypatch.setattr(buffer_pool, "IDLE_MAPS", 8)
     pool = ReceivePool()
-    buffers: list = [framing.receive_buffer(SIZE, 8, pool) for _ in range(8)]
+    buffers: list = [gathering.receive_buffer(SIZE, 8, pool) for _ in range(8)]
     maps = {id(backing(b)) for b in buffers}
     start = threading.Barrier(8)
 
@@ -136,7 +138,7 @@ def test_a_gathered_payload_takes_an_idle_map_of_its_stream_it_fits_whole():
     pool = ReceivePool()
 
     def gather() -> memoryview:
-        reframer = framing.Reframer(pool=pool)
+        reframer = gathering.Reframer(pool=pool)
         (payload,) = [p for start in range(0, len(data), MiB) for p in reframer.feed(data[start : start + MiB])]
         return payload
 
@@ -167,7 +169,7 @@ def _fault_in_threads() -> list[threading.Thread]:
 
 def test_fresh_pages_are_faulted_in_from_the_end_while_the_body_runs(monkeypatch):
     monkeypatch.setattr(buffer_pool, "CHEAP_PAGES", float("inf"))  # never cheap: the thread goes on to the start
-    buffer = framing.receive_buffer(64 * MiB, 8)
+    buffer = gathering.receive_buffer(64 * MiB, 8)
     assert _resident_bytes(buffer) < MiB  # a fresh map: nothing there yet
     with buffer_pool.faulting_in_behind(buffer):
         assert wait_for(lambda: _resident_bytes(buffer) == 64 * MiB + mmap.PAGESIZE, timeout=10), \
@@ -177,7 +179,7 @@ def test_fresh_pages_are_faulted_in_from_the_end_while_the_body_runs(monkeypatch
 
 def test_the_fault_in_thread_stops_once_cheap_steps_in_a_row_cover_a_quarter_of_the_buffer(monkeypatch):
     monkeypatch.setattr(buffer_pool, "CHEAP_PAGES", 0.0)  # every step is cheap
-    buffer = framing.receive_buffer(8 * buffer_pool.FAULT_STEP, 8)
+    buffer = gathering.receive_buffer(8 * buffer_pool.FAULT_STEP, 8)
     with buffer_pool.faulting_in_behind(buffer):
         assert wait_for(lambda: not _fault_in_threads(), timeout=10)
         resident = _resident_bytes(buffer)
@@ -202,7 +204,7 @@ def test_a_slow_step_after_cheap_ones_keeps_the_fault_in_thread_going(monkeypatc
 
 def test_the_fault_in_thread_stops_when_the_body_fails(monkeypatch):
     monkeypatch.setattr(buffer_pool, "CHEAP_PAGES", float("inf"))
-    buffer = framing.receive_buffer(256 * MiB, 8)
+    buffer = gathering.receive_buffer(256 * MiB, 8)
     with pytest.raises(ConnectionError):
         with buffer_pool.faulting_in_behind(buffer):
             raise ConnectionError("cut off")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from tannery.v1 import archives_pb2 as pb
-from tannery.v1 import archives_pb2_grpc
+from tannery_protocol.v1 import archives_pb2 as pb
+from tannery_protocol.v1 import archives_pb2_grpc
 from tannery_server.app import port_in_use
 
 from . import busy_ports

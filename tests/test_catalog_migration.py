@@ -16,9 +16,9 @@ import grpc
 import pytest
 import torch
 
-from tannery.codec import read_info
+from tannery_protocol.codec import read_info
 from tannery.torch import deserialize, serialize
-from tannery.v1 import archives_pb2 as pb
+from tannery_protocol.v1 import archives_pb2 as pb
 from tannery_server import cli
 from tannery_server.storage import BlobInfo, CatalogTooNew, EntryRecord, Storage
 from tannery_server.storage import sqlite_catalog
@@ -307,7 +307,7 @@ def test_the_data_paths_serve_old_and_new_blobs(tmp_path, transport):
 
 @pytest.mark.parametrize("transport", ["local", "tcp"])
 def test_the_data_paths_check_old_and_new_blobs_with_their_own_algorithm(tmp_path, transport):
-    """Over ``local`` the client maps the blob and checks its blocks itself (tannery.checksums,
+    """Over ``local`` the client maps the blob and checks its blocks itself (tannery_protocol.checksums,
     with the algorithm the server sends); over ``tcp`` the server checks them before sendfile."""
     import tannery
 

@@ -19,9 +19,9 @@ import torch
 import tannery
 import tannery.aio
 from tannery.torch import serialize
-from tannery.datalink import TICKET_KEY, TRANSPORT_KEY, connect_unix, expect, frame
-from tannery.v1 import channels_pb2, channels_pb2_grpc
-from tannery.v1.data_pb2 import Hello, SealedPiece
+from tannery_protocol.datalink import TICKET_KEY, TRANSPORT_KEY, connect_unix, expect, frame
+from tannery_protocol.v1 import channels_pb2, channels_pb2_grpc
+from tannery_protocol.v1.data_pb2 import Hello, SealedPiece
 
 from .server_harness import running_server, wait_for
 

@@ -25,9 +25,10 @@ import grpc
 import pytest
 import torch
 
-from tannery import codec, framing
+from tannery_protocol import codec, framing
+from tannery import gathering
 from tannery.torch import deserialize, serialize
-from tannery.v1 import channels_pb2, channels_pb2_grpc
+from tannery_protocol.v1 import channels_pb2, channels_pb2_grpc
 from tannery_server.channels import ChannelsServicer, add_to_server
 from tannery_server.config import Config
 
@@ -190,7 +191,7 @@ class Receiver:
 
     def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
         self.call = call
-        self.reframer = framing.Reframer()
+        self.reframer = gathering.Reframer()
         self.chunk_sizes: list[int] = []
         #: Abandoned markers received (each discarded the payload in progress).
         self.abandoned = 0
@@ -203,7 +204,7 @@ class Receiver:
             if response.abandoned:
                 assert not response.chunk, "an abandoned marker carries no chunk"
                 self.abandoned += 1
-                self.reframer = framing.Reframer()
+                self.reframer = gathering.Reframer()
                 continue
             self.chunk_sizes.append(len(response.chunk))
             self._ready.extend(bytes(payload) for payload in self.reframer.feed(response.chunk))

@@ -21,9 +21,9 @@ import torch
 
 import tannery
 import tannery.aio
-from tannery import codec
+from tannery_protocol import codec
 from tannery.torch import serialize
-from tannery.v1 import channels_pb2, channels_pb2_grpc
+from tannery_protocol.v1 import channels_pb2, channels_pb2_grpc
 
 from tests.server_harness import ServerProcess
 from tests.test_channels import (  # noqa: F401  (serve and serve_bare are fixtures)
@@ -347,7 +347,7 @@ def refusals(target: str, request: bytes) -> tuple[grpc.RpcError, grpc.RpcError]
 
 BAD_REQUESTS = {
     "non-utf8-channel": (NOT_UTF8, "field channel b'a\\xff\\xfe' is not valid UTF-8"),
-    "truncated": (bytes.fromhex("0a05616263"), "is not a valid tannery.v1."),
+    "truncated": (bytes.fromhex("0a05616263"), "is not a valid tannery_protocol.v1."),
 }
 
 

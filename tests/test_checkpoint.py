@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from tannery import checkpoint, codec
+from tannery_protocol import codec
+from tannery import checkpoint
 from tannery import torch as tt
 from tannery.checkpoint import ENTRY, PairEntry, parse_metadata
-from tannery.codec import FormatError
+from tannery_protocol.codec import FormatError
 
 from .conftest import peer
 

@@ -1,4 +1,4 @@
-"""tannery.checksums on its own: the block checksum algorithms by name, shared by the server
+"""tannery_protocol.checksums on its own: the block checksum algorithms by name, shared by the server
 and a client that checks blobs it reads directly."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import zlib
 import crc32c
 import pytest
 
-from tannery import checksums
+from tannery_protocol import checksums
 
 
 def crcs_of(data: bytes, block_size: int, function) -> bytes:
@@ -123,7 +123,7 @@ def test_checksums_need_neither_torch_nor_numpy():
 import sys
 for name in ("torch", "numpy"):
     sys.modules[name] = None  # any import of it now raises ImportError
-from tannery import checksums
+from tannery_protocol import checksums
 assert checksums.checksum("crc32", b"123456789") == 0xCBF43926
 assert checksums.checksum("crc32c", b"123456789") == 0xE3069283
 assert checksums.first_bad_block(b"abc", 2, b"\\0" * 8, "crc32c") == 0
@@ -133,6 +133,6 @@ assert not loaded, loaded
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     # Nor is either imported when both are installed.
-    code = "import sys, tannery.checksums; sys.exit(sorted({'torch', 'numpy'} & set(sys.modules)) or None)"
+    code = "import sys, tannery_protocol.checksums; sys.exit(sorted({'torch', 'numpy'} & set(sys.modules)) or None)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr

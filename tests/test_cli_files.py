@@ -29,7 +29,7 @@ from tannery.cli.tensorfiles import (
     save_tensor,
     to_numpy,
 )
-from tannery.errors import NotFound, Unavailable
+from tannery_protocol.errors import NotFound, Unavailable
 from tannery.torch import serialize
 
 

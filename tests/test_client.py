@@ -25,11 +25,11 @@ import torch
 
 import tannery
 import tannery.aio
-from tannery import codec, wire
+from tannery_protocol import codec, wire
 from tannery.readers import EntryReader
 from tannery.remote import AsyncRemoteArchive
 from tannery.torch import serialize
-from tannery.v1 import archives_pb2
+from tannery_protocol.v1 import archives_pb2
 
 from .server_harness import running_server, wait_for
 
@@ -478,7 +478,7 @@ def test_a_remote_archive_replaced_after_it_was_opened_is_refused_not_misread(cl
 
 def test_the_call_table_has_every_rpc_of_both_services_and_the_hand_written_codecs():
     from tannery.requests import Methods
-    from tannery.v1 import channels_pb2
+    from tannery_protocol.v1 import channels_pb2
 
     class Recording:
         def __getattr__(self, kind):

@@ -12,8 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tannery import codec, framing
-from tannery.codec import (
+from tannery import gathering
+from tannery_protocol import codec, framing
+from tannery_protocol.codec import (
     DEFAULT_LIMITS,
     DIM,
     DTYPES,
@@ -28,7 +29,8 @@ from tannery.codec import (
     read_info,
     to_numpy,
 )
-from tannery.framing import Deframer, Reframer
+from tannery_protocol.framing import Deframer
+from tannery.gathering import Reframer
 
 # The dtype table of issue 2, written out by hand rather than read back from the module.
 CODES = {
@@ -175,7 +177,7 @@ def test_to_numpy_views_a_writable_buffer():
 
 @pytest.mark.parametrize("offset", [0, 1, 5, 33, 63])
 def test_aligned_buffer(offset):
-    buffer = framing.aligned_buffer(1000, offset)
+    buffer = gathering.aligned_buffer(1000, offset)
     assert len(buffer) == 1000 and not buffer.readonly
     address = np.frombuffer(buffer, np.uint8).ctypes.data
     assert (address + offset) % codec.ALIGNMENT == 0
@@ -623,7 +625,7 @@ def test_reframer_close_inside_a_payload():
 def test_codec_does_not_import_torch():
     import subprocess
 
-    code = "import sys, tannery.codec, tannery.checkpoint, tannery.errors; assert 'torch' not in sys.modules"
+    code = "import sys, tannery_protocol.codec, tannery.checkpoint, tannery_protocol.errors; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -640,7 +642,7 @@ def test_empty_shapes_with_large_dimensions_are_fine():
 
 
 def test_reframer_gathers_a_payload_larger_than_its_eager_buffer():
-    size = framing.EAGER_GATHER + (5 << 20) + 3
+    size = gathering.EAGER_GATHER + (5 << 20) + 3
     data = encode_prefix(DTYPES["uint8"], (size,)) + np.random.default_rng(0).integers(0, 256, size, np.uint8).tobytes()
     view = memoryview(data)
     reframer = Reframer()

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tannery import checkpoint, codec, load_tannic
+from tannery_protocol import codec
+from tannery import checkpoint, load_tannic
 from tannery import torch as tt
 
 from .test_cli import Cli
@@ -161,7 +162,7 @@ def test_pull_codes_refused(cli: Cli, tmp_path: Path, capsys: pytest.CaptureFixt
 def test_numpy_payloads_and_saved_pairs_take_codes_too(tmp_path):
     import numpy as np
 
-    from tannery import codec
+    from tannery_protocol import codec
     from tannery.archive import MemoryArchive
     from tannery.files import save_tannic
 

@@ -1,7 +1,7 @@
 """The data paths under attack and in crashes: tickets presented by hand, clients and servers
 killed with SIGKILL in the middle of a transfer (real server on loopback, no mocks).
 
-Raw data connections are made with :mod:`tannery.datalink`, as a hostile or broken client
+Raw data connections are made with :mod:`tannery_protocol.datalink`, as a hostile or broken client
 would: read the server's welcome, send a hello with some ticket, read the answer.
 """
 
@@ -24,11 +24,11 @@ import pytest
 import torch
 
 import tannery
-from tannery.datalink import TICKET_KEY, TRANSPORT_KEY, Link, LinkError, PeerFailed, connect_unix, expect, frame
+from tannery_protocol.datalink import TICKET_KEY, TRANSPORT_KEY, Link, LinkError, PeerFailed, connect_unix, expect, frame
 from tannery.transports import receive_fetch
-from tannery.v1 import archives_pb2
+from tannery_protocol.v1 import archives_pb2
 from tannery.torch import serialize
-from tannery.v1.data_pb2 import DataEnd, EntryBytes, Hello, SealedPiece
+from tannery_protocol.v1.data_pb2 import DataEnd, EntryBytes, Hello, SealedPiece
 
 from .server_harness import ServerProcess, running_server, wait_for
 

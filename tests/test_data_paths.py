@@ -34,7 +34,7 @@ import torch
 
 import tannery
 import tannery.aio
-from tannery import codec
+from tannery_protocol import codec
 from tannery.torch import buffer_of, serialize
 from tannery_server.cli import build_parser
 from tannery_server.config import Config
@@ -674,8 +674,8 @@ def test_a_tls_store_refused_while_its_bytes_still_arrive_gets_its_reason_and_th
     connection: the thread is stopped before the failure frame is written, so the client
     reads the reason intact, and the next Store on the port works."""
     from tannery import transports
-    from tannery.datalink import expect, frame
-    from tannery.v1.data_pb2 import EntryBytes
+    from tannery_protocol.datalink import expect, frame
+    from tannery_protocol.v1.data_pb2 import EntryBytes
 
     big = serialize(torch.arange(3 << 20, dtype=torch.float32))  # 12 MiB: three receive windows
 
@@ -704,7 +704,7 @@ def test_a_tls_store_refused_while_its_bytes_still_arrive_gets_its_reason_and_th
 
 def offered(client: Any) -> Any:
     """What the server's DataPaths answers (through the client's own channel)."""
-    from tannery.v1 import archives_pb2
+    from tannery_protocol.v1 import archives_pb2
 
     target = client._target if isinstance(client, Blocking) else client
     if isinstance(target, tannery.aio.Client):
@@ -913,7 +913,7 @@ def test_socket_and_data_port_settings_come_from_flags_and_the_environment():
 
 
 def read_welcome(link: Any) -> Any:
-    from tannery.datalink import expect
+    from tannery_protocol.datalink import expect
 
     received, _ = link.receive()
     expect(received, "welcome")
@@ -921,7 +921,7 @@ def read_welcome(link: Any) -> Any:
 
 
 def test_the_server_process_listens_where_its_flags_and_environment_say(tmp_path, calls):
-    from tannery.datalink import Link, connect_unix
+    from tannery_protocol.datalink import Link, connect_unix
 
     for how in ("flags", "env"):
         path, port = tmp_path / f"{how}.sock", free_port()

@@ -18,7 +18,8 @@ import torch
 
 import tannery
 import tannery.aio
-from tannery import load_tannic, wire
+from tannery_protocol import wire
+from tannery import load_tannic
 from tannery.readers import PieceReader
 from tannery.cli import main
 from tannery.cli.checkpoint_writer import CheckpointWriter

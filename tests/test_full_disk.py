@@ -17,8 +17,8 @@ import grpc
 import numpy as np
 import pytest
 
-from tannery.codec import encode_numpy
-from tannery.v1 import archives_pb2 as pb
+from tannery_protocol.codec import encode_numpy
+from tannery_protocol.v1 import archives_pb2 as pb
 from tannery_server.storage import Storage, StorageFull
 
 from .server_harness import collect_fetch, mounted_tmpfs, running_server, store_requests

@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from tannery import Client
 from tannery.cli.hf import parse_size, plan_shards
-from tannery.errors import InvalidArgument
+from tannery_protocol.errors import InvalidArgument
 
 from .test_cli import Cli, _clean_env  # noqa: F401: the fixture clears TANNERY_* for every test here
 

@@ -13,9 +13,9 @@ import struct
 import grpc
 import pytest
 
-from tannery import codec
-from tannery.v1 import archives_pb2 as pb
-from tannery.wire import WireError
+from tannery_protocol import codec
+from tannery_protocol.v1 import archives_pb2 as pb
+from tannery_protocol.wire import WireError
 from tannery_server.handling import internal
 from tannery_server.storage import Storage
 

@@ -18,7 +18,7 @@ import torch
 
 import tannery
 from tannery.torch import serialize
-from tannery.v1 import archives_pb2 as pb
+from tannery_protocol.v1 import archives_pb2 as pb
 
 from .server_harness import collect_fetch, commit_request, running_server, store_requests, wait_for
 

@@ -20,9 +20,9 @@ from typing import Callable
 import grpc
 import pytest
 
-from tannery.names import join
-from tannery.v1 import archives_pb2 as pb
-from tannery.v1 import archives_pb2_grpc
+from tannery_protocol.names import join
+from tannery_protocol.v1 import archives_pb2 as pb
+from tannery_protocol.v1 import archives_pb2_grpc
 
 from .server_harness import ServerProcess, collect_fetch, store_requests
 from .store_checks import list_all, scrub, sized_payload, store_problems

@@ -22,10 +22,10 @@ import pytest
 import torch
 
 import tannery
-from tannery.codec import DTYPES, encode_prefix
-from tannery.names import join, owns
-from tannery.v1 import archives_pb2 as pb
-from tannery.v1 import archives_pb2_grpc
+from tannery_protocol.codec import DTYPES, encode_prefix
+from tannery_protocol.names import join, owns
+from tannery_protocol.v1 import archives_pb2 as pb
+from tannery_protocol.v1 import archives_pb2_grpc
 
 from .server_harness import ServerProcess, collect_fetch, store_requests
 from .store_checks import list_all, store_problems

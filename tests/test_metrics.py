@@ -12,9 +12,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from tannery.codec import encode_numpy
-from tannery.v1 import archives_pb2 as pb
-from tannery.v1 import channels_pb2, channels_pb2_grpc
+from tannery_protocol.codec import encode_numpy
+from tannery_protocol.v1 import archives_pb2 as pb
+from tannery_protocol.v1 import channels_pb2, channels_pb2_grpc
 from tannery_server.calllog import JsonFormatter
 from tannery_server.config import Config
 

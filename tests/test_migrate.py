@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tannery.codec import encode_numpy
-from tannery.v1 import archives_pb2 as pb
+from tannery_protocol.codec import encode_numpy
+from tannery_protocol.v1 import archives_pb2 as pb
 from tannery_server.cli import main as server_main
 
 from .backends import shared_blobs_url

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator
 import grpc
 import pytest
 
-from tannery.v1 import archives_pb2, channels_pb2, channels_pb2_grpc
+from tannery_protocol.v1 import archives_pb2, channels_pb2, channels_pb2_grpc
 
 from tests.nats_harness import MAX_PAYLOAD
 from tests.server_harness import ServerProcess, running_server
@@ -193,7 +193,7 @@ def test_nats_stopped_and_started_during_traffic(replicas, nats_server):
 
 
 def archives_stub(channel: grpc.aio.Channel) -> Any:
-    from tannery.v1 import archives_pb2_grpc
+    from tannery_protocol.v1 import archives_pb2_grpc
 
     return archives_pb2_grpc.ArchivesStub(channel)
 

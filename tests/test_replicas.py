@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tannery.codec import encode_numpy
-from tannery.names import join
-from tannery.v1 import archives_pb2 as pb
+from tannery_protocol.codec import encode_numpy
+from tannery_protocol.names import join
+from tannery_protocol.v1 import archives_pb2 as pb
 
 from .server_harness import ServerProcess, collect_fetch, free_port, running_server, store_requests, wait_for
 

@@ -26,9 +26,9 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from tannery.codec import encode_numpy
-from tannery.v1 import archives_pb2 as pb
-from tannery.v1 import archives_pb2_grpc, channels_pb2, channels_pb2_grpc
+from tannery_protocol.codec import encode_numpy
+from tannery_protocol.v1 import archives_pb2 as pb
+from tannery_protocol.v1 import archives_pb2_grpc, channels_pb2, channels_pb2_grpc
 from tannery_server import healthcheck
 from tannery_server.auth import READ_METHODS, TokenError, load_tokens, parse_tokens_file, parse_tokens_setting
 from tannery_server.cli import main as cli_main

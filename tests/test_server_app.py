@@ -16,8 +16,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from tannery.codec import encode_numpy
-from tannery.v1 import archives_pb2 as pb
+from tannery_protocol.codec import encode_numpy
+from tannery_protocol.v1 import archives_pb2 as pb
 from tannery_server.cli import main as cli_main
 from tannery_server.config import Config, parse_size
 
@@ -110,7 +110,7 @@ from pathlib import Path
 import grpc
 from tannery_server import app, cli, archives, fetching, storage
 from tannery_server.config import Config
-from tannery.v1 import archives_pb2 as pb, archives_pb2_grpc
+from tannery_protocol.v1 import archives_pb2 as pb, archives_pb2_grpc
 sys.path.insert(0, {str(ROOT)!r})
 from tests.server_harness import store_requests
 

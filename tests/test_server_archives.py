@@ -9,9 +9,9 @@ import grpc
 import pytest
 import torch
 
-from tannery import codec
+from tannery_protocol import codec
 from tannery.torch import deserialize, serialize
-from tannery.v1 import archives_pb2 as pb
+from tannery_protocol.v1 import archives_pb2 as pb
 
 from .server_harness import collect_fetch, commit_request, running_server, store_requests, wait_for
 from .store_checks import leftovers, stored_blobs

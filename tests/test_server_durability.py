@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tannery.torch import deserialize, serialize
-from tannery.v1 import archives_pb2 as pb
+from tannery_protocol.v1 import archives_pb2 as pb
 
 from .server_harness import ServerProcess, collect_fetch, mounted_tmpfs, running_server, store_requests, wait_for
 

@@ -8,8 +8,8 @@ import grpc
 import numpy as np
 import pytest
 
-from tannery import codec
-from tannery.v1 import archives_pb2 as pb
+from tannery_protocol import codec
+from tannery_protocol.v1 import archives_pb2 as pb
 from tannery_server.archives import FETCH_BATCH_BYTES
 from tannery_server.failures import DataLoss
 from tannery_server.fetching import FetchStream

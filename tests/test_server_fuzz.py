@@ -29,11 +29,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tannery import codec
-from tannery.names import join, owns
-from tannery.v1 import archives_pb2 as pb
-from tannery.v1 import archives_pb2_grpc, channels_pb2
-from tannery.wire import encode_varint
+from tannery_protocol import codec
+from tannery_protocol.names import join, owns
+from tannery_protocol.v1 import archives_pb2 as pb
+from tannery_protocol.v1 import archives_pb2_grpc, channels_pb2
+from tannery_protocol.wire import encode_varint
 
 from .server_harness import running_server, wait_for
 from .store_checks import digest, random_payload, scrub, store_problems, temporary_files

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tannery.codec import encode_numpy
-from tannery.v1 import archives_pb2 as pb
+from tannery_protocol.codec import encode_numpy
+from tannery_protocol.v1 import archives_pb2 as pb
 from tannery_server import app
 from tannery_server.cli import build_parser
 from tannery_server.config import IMAGE_METRICS_PORT, Config

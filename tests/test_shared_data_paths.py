@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tannery
-from tannery.errors import DataLoss
+from tannery_protocol.errors import DataLoss
 
 from .server_harness import running_server, wait_for
 
@@ -107,7 +107,7 @@ def test_a_payload_that_is_not_the_digest_sent_ahead_of_it_stores_nothing(reques
     monkeypatch.setattr(tannery.requests, "_sha256", lambda parts: wrong)
     monkeypatch.setattr(tannery.Client, "_wants_digests", lambda self: True)  # the embedded server checks too
     with tannery.Client(server.target, transport=transport) as client:
-        with pytest.raises(tannery.errors.InvalidArgument) as caught:
+        with pytest.raises(tannery.InvalidArgument) as caught:
             client.store("m", state(5))
         message = str(caught.value)
         assert "entry 'big'" in message and wrong.hex() in message and "nothing was stored" in message
@@ -133,7 +133,7 @@ def test_the_asyncio_client_sends_digests_ahead_too(replica, monkeypatch, transp
     wrong = bytes(32)
     real = tannery.requests._sha256
     monkeypatch.setattr(tannery.requests, "_sha256", lambda parts: wrong)
-    with pytest.raises(tannery.errors.InvalidArgument, match="entry 'big': its .* not to 0{64}"):
+    with pytest.raises(tannery.InvalidArgument, match="entry 'big': its .* not to 0{64}"):
         asyncio.run(store(tensors))
     monkeypatch.setattr(tannery.requests, "_sha256", real)
     asyncio.run(store(tensors))
@@ -166,7 +166,7 @@ def test_a_streamed_payload_goes_to_its_digest_key_with_no_copy_and_a_wrong_one_
             assert same(client.fetch("again"), tensors)
             made.clear()
             monkeypatch.setattr(tannery.requests, "_sha256", lambda parts: bytes(32))
-            with pytest.raises(tannery.errors.InvalidArgument, match="entry 'a'"):
+            with pytest.raises(tannery.InvalidArgument, match="entry 'a'"):
                 client.store("wrong", {"a": torch.randn(3 << 20)})
         assert "CreateMultipartUpload" in made and "AbortMultipartUpload" in made
         assert "CompleteMultipartUpload" not in made

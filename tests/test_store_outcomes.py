@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tannery.v1 import archives_pb2 as pb
+from tannery_protocol.v1 import archives_pb2 as pb
 
 from .server_harness import running_server, store_requests, wait_for
 from .store_checks import leftovers, sized_payload, stored_blobs
@@ -89,7 +89,7 @@ CLIENT = textwrap.dedent("""
     sys.path[:0] = [{root!r}]
     from tests.server_harness import store_requests
     from tests.store_checks import sized_payload
-    from tannery.v1 import archives_pb2_grpc
+    from tannery_protocol.v1 import archives_pb2_grpc
 
     rng = random.Random(int(sys.argv[2]))
     entries = {{"a": sized_payload(rng, 50_000), "b": sized_payload(rng, 70_000)}}

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from tannery import codec, framing
+from tannery_protocol import codec, framing
+from tannery import gathering
 from tannery import torch as tt
-from tannery.codec import FormatError
+from tannery_protocol.codec import FormatError
 
 from .conftest import peer
 
@@ -362,7 +363,7 @@ def test_service_path_gathers_once_and_deserializes_in_place():
     tensor = sample(torch.float32, (300, 700), seed=8)
     parts = tt.serialize_parts(tensor)
     stream = b"".join(bytes(p) for p in parts)
-    reframer = framing.Reframer()
+    reframer = gathering.Reframer()
     chunks = [stream[i : i + 65536] for i in range(0, len(stream), 65536)]
     (payload,) = [p for chunk in chunks for p in reframer.feed(chunk)]
     reframer.close()

@@ -1,6 +1,6 @@
 """tannery: store, serve and stream tensors as tannic payloads.
 
-The names below load their modules on first use, so that ``import tannery.codec``
+The names below load their modules on first use, so that ``import tannery_protocol.codec``
 (what the server does) never imports torch. Note that ``tannery.torch`` is a
 submodule; this package never binds the name ``torch`` itself.
 """
@@ -14,18 +14,18 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "FormatError": "tannery.errors",
-    "ArchiveError": "tannery.errors",
-    "ServiceError": "tannery.errors",
-    "NotFound": "tannery.errors",
-    "AlreadyExists": "tannery.errors",
-    "InvalidArgument": "tannery.errors",
-    "ResourceExhausted": "tannery.errors",
-    "PermissionDenied": "tannery.errors",
-    "Unauthenticated": "tannery.errors",
-    "Unavailable": "tannery.errors",
-    "DataLoss": "tannery.errors",
-    "Cancelled": "tannery.errors",
+    "FormatError": "tannery_protocol.errors",
+    "ArchiveError": "tannery_protocol.errors",
+    "ServiceError": "tannery_protocol.errors",
+    "NotFound": "tannery_protocol.errors",
+    "AlreadyExists": "tannery_protocol.errors",
+    "InvalidArgument": "tannery_protocol.errors",
+    "ResourceExhausted": "tannery_protocol.errors",
+    "PermissionDenied": "tannery_protocol.errors",
+    "Unauthenticated": "tannery_protocol.errors",
+    "Unavailable": "tannery_protocol.errors",
+    "DataLoss": "tannery_protocol.errors",
+    "Cancelled": "tannery_protocol.errors",
     "Archive": "tannery.archive",
     "TensorInfo": "tannery.archive",
     "save_safetensors": "tannery.files",

@@ -37,17 +37,17 @@ from .requests import (
     store_begin, store_messages, union_request,
 )
 from .state_dict import plan_state_dict
-from . import errors
+from tannery_protocol import errors
 from .connection import Connection, TLSLike, rpc_error, service_error
-from .datalink import TRANSPORT_KEY, LinkError, PeerFailed
+from tannery_protocol.datalink import TRANSPORT_KEY, LinkError, PeerFailed
 from .remote import AsyncRemoteArchive
 from .retries import RetryPolicy, call_name, resumed_request
 from .transports import (
     STATUS_WAIT, Route, check_transport, choose, connect_call, link_failure, next_published, publish_over,
     receive_fetch, send_store, ticket_of,
 )
-from .v1 import archives_pb2, channels_pb2
-from .wire import ABANDONED, encode_publish_request, encode_store_commit, encode_store_request
+from tannery_protocol.v1 import archives_pb2, channels_pb2
+from tannery_protocol.wire import ABANDONED, encode_publish_request, encode_store_commit, encode_store_request
 
 if TYPE_CHECKING:  # torch is imported where a tensor is made (tannery.readers, tannery.requests)
     import torch

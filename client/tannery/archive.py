@@ -22,11 +22,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import mismatches
-from ._lazy import lazy_module
-from .codec import FLOAT_NAMES, format_shape
-from .errors import ArchiveError
-from .names import did_you_mean, join, owned, owns
+from tannery_protocol import mismatches
+from tannery_protocol._lazy import lazy_module
+from tannery_protocol.codec import FLOAT_NAMES, format_shape
+from tannery_protocol.errors import ArchiveError
+from tannery_protocol.names import did_you_mean, join, owned, owns
 from .values import (
     DTypeLike, TensorLike, as_tensor, dtype_name, first_non_tensor, is_tensor_leaf, leaf_dtype, named_leaves,
     not_a_tensor, rebuild,

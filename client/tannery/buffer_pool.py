@@ -29,7 +29,7 @@ import weakref
 from contextlib import contextmanager
 from typing import Iterator
 
-from ._lazy import lazy_module
+from tannery_protocol._lazy import lazy_module
 
 np = lazy_module("numpy")
 

@@ -1,6 +1,6 @@
 """The .tannic checkpoint pair that Tannic C++ and pytannic read and write, without torch.
 
-- ``<stem>.tannic``: a header (see :mod:`tannery.codec`) whose nbytes is the size of
+- ``<stem>.tannic``: a header (see :mod:`tannery_protocol.codec`) whose nbytes is the size of
   the data that follows, then the raw buffers back to back.
 - ``<stem>.metadata.tannic``: a header whose nbytes is the size of the entries that
   follow, then per entry ``<B Q Q I`` (dcode, offset into the data, nbytes, name
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from .atomic import Replacement
-from .codec import (CHECKSUM, HEADER, MAGIC, VERSION, Buffer, DType, FormatError, byte_buffer, check_codes,
+from tannery_protocol.codec import (CHECKSUM, HEADER, MAGIC, VERSION, Buffer, DType, FormatError, byte_buffer, check_codes,
                     dtype_of_code, wire_code)
 
 ENTRY = struct.Struct("<BQQI")
@@ -141,7 +141,7 @@ def _check_no_overlap(entries: Sequence[PairEntry], what: str) -> None:
 
 
 def encode_metadata(entries: Sequence[PairEntry], codes: str = "seed") -> bytes:
-    """A metadata file's bytes for ``entries``, dtype codes by ``codes`` (:func:`tannery.codec.wire_code`)."""
+    """A metadata file's bytes for ``entries``, dtype codes by ``codes`` (:func:`tannery_protocol.codec.wire_code`)."""
     check_codes(codes)
     body = bytearray()
     for entry in entries:
@@ -187,7 +187,7 @@ def write_pair(
     """Write ``(name, dtype, buffer pieces)`` items as a pair; returns the two paths.
 
     Each file is written under a temporary name and renamed into place, so a reader
-    never sees half of one. ``codes`` picks the dtype codes (:func:`tannery.codec.wire_code`).
+    never sees half of one. ``codes`` picks the dtype codes (:func:`tannery_protocol.codec.wire_code`).
     """
     check_codes(codes)
     data_path, metadata_path = pair_paths(path)

@@ -9,7 +9,7 @@
         client.load_state_dict(model, "resnet")
 
 Every failure raises a tannery exception with the server's message (``NotFound``,
-``ArchiveError``, ``FormatError``, ``Unavailable``, ...; see :mod:`tannery.errors`); no
+``ArchiveError``, ``FormatError``, ``Unavailable``, ...; see :mod:`tannery_protocol.errors`); no
 ``grpc.RpcError`` escapes. The asyncio twin is :mod:`tannery.aio`; the two share
 :mod:`tannery.requests` (what is sent), :mod:`tannery.readers` (what is received) and :mod:`tannery.connection`.
 """
@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
-from . import errors
-from ._lazy import lazy_module
+from tannery_protocol import errors
+from tannery_protocol._lazy import lazy_module
 from .records import ArchiveDescription, ArchiveInfo, Deleted, Published
 from .requests import (
     Methods, Progress, archive_to_store, check_tensors, fetch_request, list_request, publish_messages, store_entries,
@@ -34,8 +34,8 @@ from .requests import (
 )
 from .connection import Connection, TLSLike, check_transport, rpc_error
 from .retries import RetryPolicy, call_name, resumed_request
-from .v1 import archives_pb2, channels_pb2
-from .wire import ABANDONED, encode_publish_request, encode_store_commit, encode_store_request
+from tannery_protocol.v1 import archives_pb2, channels_pb2
+from tannery_protocol.wire import ABANDONED, encode_publish_request, encode_store_commit, encode_store_request
 
 if TYPE_CHECKING:  # torch is imported where a tensor is made (tannery.readers, tannery.requests)
     import torch
@@ -50,7 +50,7 @@ _archive = lazy_module("tannery.archive")
 _readers = lazy_module("tannery.readers")
 _remote = lazy_module("tannery.remote")
 _state_dict = lazy_module("tannery.state_dict")
-_transports = lazy_module("tannery.transports")  # with tannery.datalink: sockets, ssl
+_transports = lazy_module("tannery.transports")  # with tannery_protocol.datalink: sockets, ssl
 
 T = TypeVar("T")
 

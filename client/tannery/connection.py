@@ -21,7 +21,7 @@ from typing import Mapping, Sequence, Union
 
 import grpc
 
-from . import errors
+from tannery_protocol import errors
 
 DEFAULT_TARGET = "localhost:50051"
 #: Bytes of payload per message sent (Store, Publish). 1 MiB, not the 2 MiB the server sends:
@@ -168,9 +168,9 @@ def service_error(
 ) -> Exception:
     """The tannery exception for a call that ended with ``code``, carrying the server's message.
 
-    INVALID_ARGUMENT with ``tannery-error: format`` is a :class:`~tannery.errors.FormatError`;
-    FAILED_PRECONDITION an :class:`~tannery.errors.ArchiveError`; a status with no class of
-    its own (DEADLINE_EXCEEDED, INTERNAL, ...) a :class:`~tannery.errors.ServiceError`
+    INVALID_ARGUMENT with ``tannery-error: format`` is a :class:`~tannery_protocol.errors.FormatError`;
+    FAILED_PRECONDITION an :class:`~tannery_protocol.errors.ArchiveError`; a status with no class of
+    its own (DEADLINE_EXCEEDED, INTERNAL, ...) a :class:`~tannery_protocol.errors.ServiceError`
     whose message starts with the status. Each carries ``.code``, the status's name.
     """
     code = code or grpc.StatusCode.UNKNOWN

@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 
 from .archive import MemoryArchive
 from .client import Client
-from .errors import NotFound
+from tannery_protocol.errors import NotFound
 from .requests import entry_ask
 
 __all__ = ["METADATA_ENTRY", "Reader", "StoredItem", "Writer", "entry_name"]

@@ -9,7 +9,7 @@ and a boolean entry of a .tannic pair, which is bit-packed on disk and unpacked 
 new tensor.
 
 Saving writes a temporary file and renames it into place, so a reader never sees half
-of one. Malformed files raise :class:`~tannery.codec.FormatError`.
+of one. Malformed files raise :class:`~tannery_protocol.codec.FormatError`.
 """
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import checkpoint, codec
-from ._lazy import lazy_module
+from tannery_protocol import codec
+from . import checkpoint
+from tannery_protocol._lazy import lazy_module
 from .archive import Archive, IndexedArchive, TensorInfo
 from .atomic import Replacement
-from .codec import FormatError, format_shape
-from .errors import ArchiveError
+from tannery_protocol.codec import FormatError, format_shape
+from tannery_protocol.errors import ArchiveError
 from .safetensors_format import CODES, read_layout
 from .values import leaf_dtype, named_leaves
 
@@ -145,7 +146,7 @@ def save_tannic(path: PathLike, archive: Archive, codes: str = "seed") -> None:
 
     The pair stores no shapes (see :func:`load_tannic`). Entries are written in name
     order, each from its own memory when it is contiguous and on the CPU. ``codes="cpp"``
-    writes complex entries under Tannic C++'s codes (:func:`tannery.codec.wire_code`).
+    writes complex entries under Tannic C++'s codes (:func:`tannery_protocol.codec.wire_code`).
     """
     names = archive.names()
     items = [

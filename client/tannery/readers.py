@@ -1,7 +1,7 @@
 """How the answers of Fetch and Subscribe become Python values, shared by both clients.
 
 The readers turn the chunks of a stream back into tensors, each payload gathered once
-into an aligned buffer that the tensor then shares (:class:`~tannery.framing.Reframer`
+into an aligned buffer that the tensor then shares (:class:`~tannery.gathering.Reframer`
 and :func:`~tannery.torch.deserialize`), or into pieces (:class:`TensorPiece`) that view the
 received messages (:class:`PieceReader`, what ``tannery pull`` writes to files).
 """
@@ -12,11 +12,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from . import wire
-from ._lazy import lazy_module
-from .codec import FormatError, PayloadInfo, byte_buffer
+from tannery_protocol import wire
+from tannery_protocol._lazy import lazy_module
+from tannery_protocol.codec import FormatError, PayloadInfo, byte_buffer
 from .buffer_pool import ReceivePool
-from .framing import Deframer, Reframer
+from tannery_protocol.framing import Deframer
+from tannery.gathering import Reframer
 from .requests import Progress
 
 if TYPE_CHECKING:

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .codec import format_shape
-from .v1 import archives_pb2, channels_pb2
+from tannery_protocol.codec import format_shape
+from tannery_protocol.v1 import archives_pb2, channels_pb2
 
 if TYPE_CHECKING:
     from .archive import TensorInfo

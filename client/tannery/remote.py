@@ -18,12 +18,12 @@ import operator
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import mismatches
+from tannery_protocol import mismatches
 from .archive import DTypeLike, IndexedArchive, MemoryArchive, TensorInfo
-from .errors import ArchiveError
+from tannery_protocol.errors import ArchiveError
 from .records import ArchiveDescription, ArchiveInfo, EntryDescription
 from .requests import entry_ask
-from .v1 import archives_pb2
+from tannery_protocol.v1 import archives_pb2
 
 if TYPE_CHECKING:
     import torch

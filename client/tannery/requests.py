@@ -14,11 +14,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from . import errors, wire
-from ._lazy import lazy_module
-from .names import join
+from tannery_protocol import errors, wire
+from tannery_protocol._lazy import lazy_module
+from tannery_protocol.names import join
 from .records import EntryDescription
-from .v1 import archives_pb2, channels_pb2
+from tannery_protocol.v1 import archives_pb2, channels_pb2
 
 if TYPE_CHECKING:
     from .archive import Archive
@@ -40,7 +40,7 @@ def _encoded(message: bytes) -> bytes:
 
 
 #: The (de)serializers written by hand, by RPC: Store and Publish send messages encoded by
-#: :mod:`tannery.wire`; Fetch and Subscribe answers are decoded as views of the received bytes.
+#: :mod:`tannery_protocol.wire`; Fetch and Subscribe answers are decoded as views of the received bytes.
 _HAND_WRITTEN: dict[str, dict[str, Callable]] = {
     "Store": {"request_serializer": _encoded},
     "Fetch": {"response_deserializer": wire.parse_fetch_response},

@@ -27,9 +27,9 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from . import errors
-from .names import owned
-from .v1 import archives_pb2
+from tannery_protocol import errors
+from tannery_protocol.names import owned
+from tannery_protocol.v1 import archives_pb2
 
 log = logging.getLogger("tannery.client")
 

@@ -8,7 +8,7 @@ the data region: the tensors' bytes in C order, one byte per boolean. As the
 no overlap, nothing after the last.
 
 :func:`read_layout` reads only the header, so a caller can map the file and view the
-tensors in place. Anything malformed raises :class:`~tannery.codec.FormatError`.
+tensors in place. Anything malformed raises :class:`~tannery_protocol.codec.FormatError`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from .codec import DTYPES, Buffer, DType, FormatError, format_shape
+from tannery_protocol.codec import DTYPES, Buffer, DType, FormatError, format_shape
 
 LENGTH = struct.Struct("<Q")
 #: The largest header the safetensors package accepts.

@@ -7,13 +7,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._lazy import lazy_module
-from .codec import format_shape
-from .errors import ArchiveError
-from .names import join, owned
+from tannery_protocol._lazy import lazy_module
+from tannery_protocol.codec import format_shape
+from tannery_protocol.errors import ArchiveError
+from tannery_protocol.names import join, owned
 from .records import ArchiveDescription
 from .requests import entry_ask
-from .v1 import archives_pb2
+from tannery_protocol.v1 import archives_pb2
 
 torch = lazy_module("torch")
 

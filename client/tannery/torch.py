@@ -3,7 +3,7 @@
 Mirrors pytannic's modules (``dcodeof``, ``dtypeof``, ``serialize``, ``deserialize``,
 ``write``, ``read``) so its users feel at home, with three differences: float16 is
 written with code 23 (pytannic 0.1.5 writes 231, the code of bfloat16, a bug in its
-``dcodeof``), every dtype of :data:`tannery.codec.DTYPES` is supported, and no tensor
+``dcodeof``), every dtype of :data:`tannery_protocol.codec.DTYPES` is supported, and no tensor
 data is copied that can be viewed. The writers take ``codes="cpp"`` for a Tannic C++
 reader: complex64 and complex128 under its codes 35 and 36 instead of pytannic's 37
 and 38 (``"seed"``, the default); every other dtype's bytes are the same.
@@ -19,8 +19,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from . import checkpoint, codec
-from .codec import Buffer, DType, FormatError, PayloadInfo
+from tannery_protocol import codec
+from . import checkpoint
+from tannery_protocol.codec import Buffer, DType, FormatError, PayloadInfo
 
 _NAMES: dict[torch.dtype, str] = {
     torch.bool: "bool",
@@ -103,7 +104,7 @@ def serialize_parts(tensor: torch.Tensor, *, codes: str = "seed") -> list[Buffer
 
     The second piece shares the tensor's memory when it is a contiguous CPU tensor,
     so a sender can write it without a copy. ``codes`` is ``"seed"`` or ``"cpp"``
-    (:func:`tannery.codec.wire_code`).
+    (:func:`tannery_protocol.codec.wire_code`).
     """
     prefix = codec.encode_prefix(codec_dtype(tensor.dtype), tensor.shape, codes)
     return [prefix, buffer_of(tensor)]

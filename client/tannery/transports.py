@@ -27,19 +27,20 @@ import ssl
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
-from . import buffer_pool, checksums, errors
+from tannery_protocol import checksums, errors
+from . import buffer_pool
 from .connection import TRANSPORTS, check_transport
-from .codec import DIM, FIXED_PREFIX, HEADER, METADATA, FormatError, PayloadInfo, parse, read_info
-from .datalink import (
+from tannery_protocol.codec import DIM, FIXED_PREFIX, HEADER, METADATA, FormatError, PayloadInfo, parse, read_info
+from tannery_protocol.datalink import (
     HANDSHAKE_SECONDS, TICKET_KEY, TRANSPORT_KEY, Link, LinkError, PeerFailed, connect_unix, expect, frame, tune_tcp,
 )
-from .framing import receive_buffer
-from .v1.data_pb2 import DataEnd, EntryBytes, Hello, SealedPiece, Taken
+from tannery.gathering import receive_buffer
+from tannery_protocol.v1.data_pb2 import DataEnd, EntryBytes, Hello, SealedPiece, Taken
 
 if TYPE_CHECKING:
     from .connection import TLS
     from .requests import Progress
-    from .v1.archives_pb2 import DataPathsResponse
+    from tannery_protocol.v1.archives_pb2 import DataPathsResponse
 
 #: Bytes of one sealed memory file of a local Store (the server hashes one while the next fills).
 STORE_PIECE = 32 << 20

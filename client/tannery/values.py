@@ -12,9 +12,9 @@ import copy
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator, Union
 
-from . import codec
-from ._lazy import lazy_module
-from .names import join
+from tannery_protocol import codec
+from tannery_protocol._lazy import lazy_module
+from tannery_protocol.names import join
 
 # Imported on first use: naming dtypes by their strings never imports torch.
 np = lazy_module("numpy")
@@ -63,7 +63,7 @@ def named_leaves(value: Any, prefix: str = "", where: str = "named_leaves") -> d
     """The tensor leaves of a structure of dicts, lists and tuples, by name, in order.
 
     Each is named by its path, keys and indices joined with dots, under ``prefix``
-    (:func:`tannery.names.join`); other leaves are skipped. ValueError, prefixed by
+    (:func:`tannery_protocol.names.join`); other leaves are skipped. ValueError, prefixed by
     ``where``, for a leaf left without a name or two leaves of one name.
     """
     leaves: dict[str, TensorLike] = {}

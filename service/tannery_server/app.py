@@ -20,7 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tannery.v1 import archives_pb2, channels_pb2
+from tannery_protocol.v1 import archives_pb2, channels_pb2
 
 from . import archives, tls
 from .auth import AuthInterceptor, Tokens, load_tokens

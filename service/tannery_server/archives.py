@@ -16,8 +16,8 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from tannery.datalink import TICKET_KEY
-from tannery.v1 import archives_pb2, archives_pb2_grpc
+from tannery_protocol.datalink import TICKET_KEY
+from tannery_protocol.v1 import archives_pb2, archives_pb2_grpc
 
 from .calllog import current_call
 from .config import Config
@@ -30,7 +30,7 @@ from .handling import add_service, answering_failures
 from .storage import ArchiveLimits, ArchiveRecord, Storage
 from .store_session import StoreSession
 from .validation import check_archive_name, check_metadata, check_prefix
-from tannery.wire import parse_store_request, serialize_response
+from tannery_protocol.wire import parse_store_request, serialize_response
 
 T = TypeVar("T")
 DEFAULT_PAGE = 100
@@ -376,7 +376,7 @@ def _decode_token(token: str) -> str:
 
 
 #: Hand-written (de)serializers of the hot messages: Store's requests and Fetch's responses are
-#: read and written without copying tensor bytes (tannery.wire).
+#: read and written without copying tensor bytes (tannery_protocol.wire).
 _HAND_WRITTEN = {"Store": {"request_deserializer": parse_store_request},
                  "Fetch": {"response_serializer": serialize_response}}
 

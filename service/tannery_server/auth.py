@@ -35,7 +35,7 @@ from typing import Any, Iterable
 import grpc
 from google.protobuf import descriptor_pb2
 
-from tannery.v1 import archives_pb2, channels_pb2
+from tannery_protocol.v1 import archives_pb2, channels_pb2
 
 READ = "read"
 WRITE = "write"

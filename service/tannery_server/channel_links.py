@@ -22,10 +22,10 @@ from collections import deque
 from concurrent.futures import Executor
 from typing import Any, Callable, Iterator
 
-from tannery.codec import FormatError, Limits, parse
-from tannery.datalink import Link, expect, frame
-from tannery.v1 import channels_pb2
-from tannery.v1.data_pb2 import Abandoned, DataEnd, EntryBytes, MappedEntry
+from tannery_protocol.codec import FormatError, Limits, parse
+from tannery_protocol.datalink import Link, expect, frame
+from tannery_protocol.v1 import channels_pb2
+from tannery_protocol.v1.data_pb2 import Abandoned, DataEnd, EntryBytes, MappedEntry
 
 from .data_transfer import _sealed_map
 from .failures import BadPayload, Malformed

@@ -1,6 +1,6 @@
 """The ``tannery.v1.Channels`` gRPC service: publish and subscribe to tensor payloads by name.
 
-Publish reads tannic payloads from a stream of chunks with tannery.framing's Deframer (each
+Publish reads tannic payloads from a stream of chunks with tannery_protocol.framing's Deframer (each
 header checked against the limits before its buffer is accepted) and relays each piece as
 it arrives, so a channel's memory is its subscribers' bounded buffers whatever the size of
 a payload. A publisher holds the channel from its payload's first piece to its last; a
@@ -39,10 +39,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Iterator
 
 import grpc
-from tannery.codec import Buffer, FormatError, Limits
-from tannery.framing import Deframer, Fragment
-from tannery.datalink import TICKET_KEY, Link
-from tannery.v1 import channels_pb2, channels_pb2_grpc
+from tannery_protocol.codec import Buffer, FormatError, Limits
+from tannery_protocol.framing import Deframer, Fragment
+from tannery_protocol.datalink import TICKET_KEY, Link
+from tannery_protocol.v1 import channels_pb2, channels_pb2_grpc
 
 from .calllog import current_call
 from .config import Config

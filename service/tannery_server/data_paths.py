@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tannery.datalink import DATA_TRANSPORTS, TRANSPORT_KEY, HANDSHAKE_SECONDS, Link, LinkError, connect_unix, expect, frame, tune_tcp, unix_address
-from tannery.v1.data_pb2 import DataFailure, Welcome
+from tannery_protocol.datalink import DATA_TRANSPORTS, TRANSPORT_KEY, HANDSHAKE_SECONDS, Link, LinkError, connect_unix, expect, frame, tune_tcp, unix_address
+from tannery_protocol.v1.data_pb2 import DataFailure, Welcome
 
 from .config import Config
 from .failures import Failure, Malformed, Mismatch, Unavailable

@@ -29,10 +29,10 @@ import ssl
 import threading
 from typing import Iterator, Sequence
 
-from tannery.codec import read_info
-from tannery.datalink import Link, LinkClosed, LinkError, expect, frame
-from tannery.v1.data_pb2 import DataEnd, DataFailure, EntryBytes, MappedEntry
-from tannery.wire import StoreMessage
+from tannery_protocol.codec import read_info
+from tannery_protocol.datalink import Link, LinkClosed, LinkError, expect, frame
+from tannery_protocol.v1.data_pb2 import DataEnd, DataFailure, EntryBytes, MappedEntry
+from tannery_protocol.wire import StoreMessage
 
 from .failures import DataLoss, Failure, Malformed, Unavailable
 from .fetching import Plan, open_planned, payload_pieces, read_blocks

@@ -24,14 +24,14 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from tannery import mismatches
-from tannery.codec import DTYPES, DType, encode_prefix
-from tannery.v1 import archives_pb2
+from tannery_protocol import mismatches
+from tannery_protocol.codec import DTYPES, DType, encode_prefix
+from tannery_protocol.v1 import archives_pb2
 
 from .failures import DataLoss, Malformed, Mismatch, Missing
 from .storage import BlobFile, BlobInfo, EntryRecord, Storage
 from .storage.integrity import BlockCheck, check_block
-from tannery.wire import encode_fetch_response, encode_varint, split_parts
+from tannery_protocol.wire import encode_fetch_response, encode_varint, split_parts
 
 @dataclass(frozen=True)
 class Plan:

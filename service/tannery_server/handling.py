@@ -18,7 +18,7 @@ from typing import Any, Awaitable, Callable, Mapping
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
 
-from tannery.wire import WireError, length_delimited_fields
+from tannery_protocol.wire import WireError, length_delimited_fields
 
 from .calllog import current_call
 from .failures import Failure, Internal, Malformed, trailing_metadata
@@ -94,7 +94,7 @@ def internal(exc: BaseException) -> Failure:
     """What to answer for an exception that is no Failure: a bug, logged with its traceback, INTERNAL."""
     if isinstance(exc, Failure):
         return exc
-    if isinstance(exc, WireError):  # tannery.wire's parse of a hand-read message
+    if isinstance(exc, WireError):  # tannery_protocol.wire's parse of a hand-read message
         return Malformed(str(exc))
     log.error("unexpected error in %s", current_call().method, exc_info=exc)
     return Internal(f"internal error ({type(exc).__name__}: {exc}); the server logged it")

@@ -22,8 +22,8 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from tannery.codec import FormatError, Limits, OverLimit
-from tannery.framing import Deframer
+from tannery_protocol.codec import FormatError, Limits, OverLimit
+from tannery_protocol.framing import Deframer
 
 from .config import Config
 from .failures import BadPayload, LimitExceeded, Malformed, NameTaken, Unavailable
@@ -31,8 +31,8 @@ from .storage import ArchiveRecord, BlobInfo, DigestMismatch, EntryRecord, Paylo
 from .storage.same_content import (digest_difference, header_difference, metadata_difference, other_content,
                                    require_same, unknown_entry)
 from .validation import check_entry_name
-from tannery.v1.archives_pb2 import StoreCommit
-from tannery.wire import StoreMessage
+from tannery_protocol.v1.archives_pb2 import StoreCommit
+from tannery_protocol.wire import StoreMessage
 
 #: The codec checks the format and the rank (before it reads a shape of that rank); the
 #: payload size limit is checked separately, so that it answers RESOURCE_EXHAUSTED and a

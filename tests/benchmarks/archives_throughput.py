@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from tannery.codec import DTYPES, encode_prefix
-from tannery.v1 import archives_pb2
+from tannery_protocol.codec import DTYPES, encode_prefix
+from tannery_protocol.v1 import archives_pb2
 
 
 def archive_messages(name: str, size: int, entries: int, chunk: int) -> list[bytes]:

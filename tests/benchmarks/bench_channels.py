@@ -22,8 +22,8 @@ from typing import Any
 import grpc
 import numpy as np
 
-from tannery import codec
-from tannery.v1 import channels_pb2, channels_pb2_grpc
+from tannery_protocol import codec
+from tannery_protocol.v1 import channels_pb2, channels_pb2_grpc
 
 from .harness import (GiB, CaseResult, Options, Subprocess, Table, alternate, cpu_seconds, fmt_ratio, fmt_size,
                       fmt_time, percentile, tannery_server)

@@ -13,7 +13,8 @@ import safetensors.torch
 import torch
 from pytannic.torch import tensors as pytannic
 
-from tannery import framing
+from tannery_protocol import framing
+from tannery import gathering
 from tannery import torch as tt
 
 from .harness import (GiB, CaseResult, Options, Table, alternate, fmt_ratio, fmt_size, fmt_time, free_memory,
@@ -48,7 +49,7 @@ def service_round_trip(t: torch.Tensor) -> torch.Tensor:
 
 def reframer_round_trip(t: torch.Tensor) -> torch.Tensor:
     """The same, the receiver getting 1 MiB chunks and gathering them with the Reframer."""
-    reframer = framing.Reframer()
+    reframer = gathering.Reframer()
     payloads = []
     for part in tt.serialize_parts(t):
         view = memoryview(part).cast("B")

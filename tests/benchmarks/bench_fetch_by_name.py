@@ -22,9 +22,9 @@ import numpy as np
 import safetensors
 import torch
 
-from tannery import codec
+from tannery_protocol import codec
 from tannery.safetensors_format import encode_header
-from tannery.v1 import archives_pb2
+from tannery_protocol.v1 import archives_pb2
 
 from . import clients, peers
 from .harness import (GiB, KiB, MiB, CaseResult, Options, Subprocess, Table, alternate, fmt_ratio, fmt_size, fmt_time,

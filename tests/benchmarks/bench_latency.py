@@ -20,9 +20,9 @@ import grpc
 import numpy as np
 
 import tannery
-from tannery import codec
-from tannery.v1 import archives_pb2 as pb
-from tannery.v1 import channels_pb2
+from tannery_protocol import codec
+from tannery_protocol.v1 import archives_pb2 as pb
+from tannery_protocol.v1 import channels_pb2
 
 from . import clients, peers
 from .harness import CaseResult, Options, Subprocess, Table, fmt_ratio, fmt_time, percentile, scratch, tannery_server

@@ -23,7 +23,7 @@ import grpc
 from . import clients
 from .harness import (GiB, MiB, CaseResult, Options, Samples, Subprocess, Table, alternate, fmt_rate, fmt_ratio,
                       fmt_size, fmt_time, free_memory, io_written, scratch, tannery_server)
-from tannery.v1 import archives_pb2
+from tannery_protocol.v1 import archives_pb2
 
 
 def blob_usage(data_dir: Path) -> tuple[int, int]:

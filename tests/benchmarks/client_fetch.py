@@ -14,7 +14,7 @@ Variants:
   same-host path here); ``tannery.Client tcp`` and ``tannery.Client grpc``: the data port and
   the gRPC streams, forced;
 - ``tannery.Client.fetch_iter``: the streaming fetch, each tensor dropped as it arrives;
-- ``tannery.Client, huge pages``: ``fetch`` with ``framing.HUGE_PAGES`` on (gather maps advised
+- ``tannery.Client, huge pages``: ``fetch`` with ``gathering.HUGE_PAGES`` on (gather maps advised
   ``MADV_HUGEPAGE``, as numpy does for arrays from 4 MiB);
 - ``Arrow Flight DoGet``: the same bytes as a one-column table from the Flight peer of the
   transport case (1 MiB record batches, combined into one tensor), the baseline of a client's
@@ -69,11 +69,11 @@ def measure(variant: str, target: str, server_pid: int, archive: str) -> dict:
     import tannery
     import tannery.aio
     import tannery.torch  # torch, imported by tannery on first use: not part of the fetch timed
-    from tannery import framing
-    from tannery.v1 import archives_pb2
+    from tannery import gathering
+    from tannery_protocol.v1 import archives_pb2
 
     if variant == HUGE:
-        framing.HUGE_PAGES = True
+        gathering.HUGE_PAGES = True
     if variant == RAW:
         channel = grpc.insecure_channel(target)
         fetch = channel.unary_stream("/tannery.v1.Archives/Fetch", archives_pb2.FetchRequest.SerializeToString,

@@ -67,7 +67,7 @@ def measure(operation: str, variant: str, target: str, size: int, entries: int, 
     import tannery
     import tannery.aio
     from tannery.torch import deserialize, serialize_parts
-    from tannery.v1 import archives_pb2
+    from tannery_protocol.v1 import archives_pb2
 
     identity = lambda data: data  # noqa: E731
     channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 8 << 20)])
@@ -155,7 +155,7 @@ def measure(operation: str, variant: str, target: str, size: int, entries: int, 
 
 
 def archives_pb2_grpc_stub(channel):
-    from tannery.v1 import archives_pb2_grpc
+    from tannery_protocol.v1 import archives_pb2_grpc
 
     return archives_pb2_grpc.ArchivesStub(channel)
 

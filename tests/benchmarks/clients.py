@@ -21,9 +21,9 @@ import grpc
 import numpy as np
 import torch
 
-from tannery import codec
+from tannery_protocol import codec
 from tannery_server.config import Config
-from tannery.v1 import archives_pb2
+from tannery_protocol.v1 import archives_pb2
 
 from . import peers
 from .harness import MiB

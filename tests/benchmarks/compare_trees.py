@@ -58,7 +58,7 @@ def _serve(tree: Path, data_dir: str) -> tuple[subprocess.Popen, str]:
             with tannery.Client(target, transport="grpc", timeout=2) as client:
                 client.list()
             return process, target
-        except tannery.errors.ServiceError:
+        except tannery.ServiceError:
             if time.monotonic() > deadline or process.poll() is not None:
                 process.kill()
                 raise RuntimeError(f"the server of {tree} did not start")

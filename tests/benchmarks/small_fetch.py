@@ -23,8 +23,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from tannery import codec
-from tannery.v1 import archives_pb2
+from tannery_protocol import codec
+from tannery_protocol.v1 import archives_pb2
 
 from . import clients, peers
 from .harness import HOST, KiB, Subprocess, alternate, cpu_seconds, fmt_time, free_port, load_average

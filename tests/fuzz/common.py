@@ -18,8 +18,9 @@ for source in (ROOT / "client",):
     if str(source) not in sys.path:
         sys.path.insert(0, str(source))
 
-with atheris.instrument_imports(include=["tannery"]):
-    from tannery import codec, framing  # noqa: E402
+with atheris.instrument_imports(include=["tannery_protocol", "tannery"]):
+    from tannery_protocol import codec
+    from tannery_protocol import framing  # noqa: E402
 
 #: Dtype names in a fixed order, for inputs that pick one by index.
 DTYPE_NAMES = sorted(codec.DTYPES)

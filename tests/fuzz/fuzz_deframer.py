@@ -18,6 +18,7 @@ import atheris
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DTYPE_NAMES, codec, framing, main, reference_split  # noqa: E402
+from tannery.gathering import Reframer  # noqa: E402
 
 
 def valid_stream(fdp: atheris.FuzzedDataProvider) -> tuple[bytes, list[int]]:
@@ -73,7 +74,7 @@ def deframe(chunks: list[bytes]) -> list[bytes]:
 
 
 def reframe(chunks: list[bytes]) -> list[bytes]:
-    reframer = framing.Reframer()
+    reframer = Reframer()
     payloads = [bytes(p) for chunk in chunks for p in reframer.feed(chunk)]
     reframer.close()
     return payloads

@@ -2,9 +2,10 @@
 
 Subcommands live in small modules (``archives``, ``channels``); ``output`` formats what
 they print, ``tensorfiles`` reads and writes files, ``connection`` makes the client.
-Building the parser imports neither torch nor the server: ``serve`` hands over to
-``tannery_server.cli`` at once, and the client subcommands import torch-facing modules
-when they run.
+Building the parser imports neither torch nor the server: ``serve``, ``scrub`` and
+``migrate`` hand over at once to the command the server's package registers (the entry
+point group ``tannery.commands``; this package never imports the server's), and the client
+subcommands import torch-facing modules when they run.
 
 Exit status: 0 on success, 1 on a failure (on stderr, one line saying what failed: the
 server's message, the file, or the target that cannot be reached; then, when there is
@@ -16,7 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .. import __version__
 from .connection import add_global_options, target_of, target_source, tls_options
@@ -81,10 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from --help and usage errors, as argparse does)."""
     args = list(sys.argv[1:] if argv is None else argv)
     try:
-        if args and args[0] in ("serve", "scrub", "migrate"):
-            from tannery_server.cli import main as serve_main
-
-            return serve_main(args)
+        if args and args[0] in SERVER_COMMANDS:
+            return _server_command(args[0])(args)
         parsed = build_parser().parse_args(_dash_values(args))
         # gRPC's C core logs failed TLS handshakes and the like on stderr; the error line says it.
         os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
@@ -94,6 +93,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("tannery: interrupted", file=sys.stderr)
         return 130
+
+
+#: Subcommands the server's package provides (entry point group ``tannery.commands``).
+SERVER_COMMANDS = ("serve", "scrub", "migrate")
+
+
+def _server_command(name: str) -> Callable[[list[str]], int]:
+    """The server's ``main`` for subcommand ``name``, through its entry point; SystemExit
+    saying what to install when the server is not installed."""
+    from importlib.metadata import entry_points
+
+    found = entry_points(group="tannery.commands", name=name)
+    if not found:
+        raise SystemExit(f"tannery {name}: the server is not installed here: pip install tannery "
+                         "(the server is in the package's core; the client extra adds torch)")
+    return next(iter(found)).load()
 
 
 def _note_retries(target: str) -> None:
@@ -179,14 +194,14 @@ def _close_archives(exc: Exception, args: argparse.Namespace) -> str:
     import ast
     import re
 
-    from ..errors import NotFound
+    from tannery_protocol.errors import NotFound
 
     found = re.match(r"archive ('.*'|\".*\") not found", str(exc)) if isinstance(exc, NotFound) else None
     if found is None:
         return ""
     try:
         missing = ast.literal_eval(found.group(1))
-        from ..names import did_you_mean
+        from tannery_protocol.names import did_you_mean
         from .connection import connect
 
         with connect(args) as client:
@@ -204,7 +219,7 @@ def _using_tls(args: argparse.Namespace) -> bool:
 
 def _expected(exc: BaseException) -> bool:
     """Whether ``exc`` is a failure the user can act on (not a bug in tannery)."""
-    from ..errors import ServiceError
+    from tannery_protocol.errors import ServiceError
     from .errors import CommandError, missing_extra
 
     return isinstance(exc, (CommandError, ServiceError, OSError, ValueError, LookupError)) or missing_extra(exc)

@@ -14,8 +14,8 @@ from typing import Any
 
 from pathlib import Path
 
-from ..codec import WRITER_CODES
-from ..names import did_you_mean
+from tannery_protocol.codec import WRITER_CODES
+from tannery_protocol.names import did_you_mean
 from .connection import connect
 from .errors import CommandError
 from .output import Output, human_size, iso_time, local_time, shorten
@@ -72,7 +72,7 @@ def _is_folder(output: str) -> bool:
 
 
 def cmd_pull(args: argparse.Namespace, out: Output) -> int:
-    from ..names import owns
+    from tannery_protocol.names import owns
     from .checkpoint_writer import CheckpointWriter
     from .tensorfiles import check_writable, checkpoint_kind, output_directory, refuse_existing
 
@@ -164,7 +164,7 @@ def cmd_show(args: argparse.Namespace, out: Output) -> int:
         return 0
     if metadata:
         out.line("metadata: " + ", ".join(f"{key}={value}" for key, value in sorted(metadata.items())))
-    from ..codec import format_shape
+    from tannery_protocol.codec import format_shape
 
     rows = [(e.name, e.dtype, format_shape(e.shape), human_size(e.nbytes)) for e in entries]
     footer = f"{_entries(len(entries))}, {human_size(nbytes)} ({human_size(payload)} stored with headers)"
@@ -173,7 +173,7 @@ def cmd_show(args: argparse.Namespace, out: Output) -> int:
 
 
 def cmd_get(args: argparse.Namespace, out: Output) -> int:
-    from ..codec import format_shape
+    from tannery_protocol.codec import format_shape
     from .stats import format_number, preview, statistics
     from .tensorfiles import check_npy_dtype, output_directory, refuse_existing, save_tensor, to_numpy
 

@@ -21,11 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from .. import codec
+from tannery_protocol import codec
 from ..readers import TensorPiece
 from ..atomic import Replacement
 from ..checkpoint import PairEntry, encode_metadata, file_header, pair_paths
-from ..codec import format_shape
+from tannery_protocol.codec import format_shape
 from ..safetensors_format import CODES, encode_header
 from .errors import CommandError
 from .tensorfiles import checkpoint_kind
@@ -84,7 +84,7 @@ class CheckpointWriter:
     Safetensors files come out as the safetensors package writes them (same layout, same
     bytes), with ``metadata`` as their ``__metadata__`` (a pair has none); a pair's entries
     are laid out in the order given, their dtype codes by ``codes``
-    (:func:`tannery.codec.wire_code`; a safetensors file has no codes).
+    (:func:`tannery_protocol.codec.wire_code`; a safetensors file has no codes).
     """
 
     def __init__(self, path: str | os.PathLike[str], entries: Sequence[Any], codes: str = "seed",

@@ -57,7 +57,7 @@ DATA_LOSS_REMEDY = ("the server's stored copy is damaged: run 'tannery scrub' on
 def error_message(exc: BaseException, target: str | None = None) -> str:
     """One line that says what failed: the server's message for its errors, the file for
     OS errors, the target and a short reason for a server that cannot be reached."""
-    from ..errors import AlreadyExists, Unavailable
+    from tannery_protocol.errors import AlreadyExists, Unavailable
 
     if missing_extra(exc):
         return f"{exc.name} is not installed, and this command needs it"  # type: ignore[attr-defined]
@@ -69,7 +69,7 @@ def error_message(exc: BaseException, target: str | None = None) -> str:
         else:
             text = f"cannot reach the server at {target} ({reason})" if target else reason
     elif isinstance(exc, AlreadyExists):
-        from ..errors import REPLACE_REMEDY
+        from tannery_protocol.errors import REPLACE_REMEDY
 
         text = str(exc).replace(f" ({REPLACE_REMEDY})", "")  # the command's remedy is a flag
     elif isinstance(exc, OSError) and exc.filename is not None:
@@ -98,7 +98,7 @@ def missing_extra(exc: BaseException) -> bool:
 
 
 def _is_service_error(exc: BaseException) -> bool:
-    from ..errors import ServiceError
+    from tannery_protocol.errors import ServiceError
 
     return isinstance(exc, ServiceError)
 
@@ -111,7 +111,7 @@ def one_line(text: Any) -> str:
 def remedy(exc: BaseException, where: Where) -> str | None:
     """What to do about ``exc``, in one line, or None when there is nothing the user can do
     from the command line (the message says it all)."""
-    from ..errors import AlreadyExists, DataLoss, NotFound, PermissionDenied, Unauthenticated, Unavailable
+    from tannery_protocol.errors import AlreadyExists, DataLoss, NotFound, PermissionDenied, Unauthenticated, Unavailable
 
     if isinstance(exc, CommandError):
         return exc.hint

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import codec
+from tannery_protocol import codec
 from ..archive import Archive
 from ..atomic import Replacement
 from ..files import load_safetensors

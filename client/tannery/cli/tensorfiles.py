@@ -19,8 +19,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
-from .. import codec
-from .._lazy import lazy_module
+from tannery_protocol import codec
+from tannery_protocol._lazy import lazy_module
 from ..archive import Archive
 from ..atomic import Replacement
 from ..files import load_safetensors, load_tannic

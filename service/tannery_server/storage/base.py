@@ -12,7 +12,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Mapping, Protocol, Sequence
 
-from tannery.names import join
+from tannery_protocol.names import join
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class BlobInfo:
 
     The block checksums let a row range be verified by reading only the blocks that
     cover it, instead of hashing the whole blob. ``checksum`` names their algorithm
-    (:mod:`tannery.checksums`): CRC-32C for new blobs, zlib's CRC-32 for those stored
+    (:mod:`tannery_protocol.checksums`): CRC-32C for new blobs, zlib's CRC-32 for those stored
     before it.
     """
 

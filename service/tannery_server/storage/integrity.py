@@ -2,7 +2,7 @@
 
 The SHA-256 names the blob (equal payloads are stored once) and is computed while a
 payload is received; :func:`verify_digest` checks it again on demand (a scrub). What is
-served is checked by the block checksums (:mod:`tannery.checksums`: CRC-32C with the CPU's
+served is checked by the block checksums (:mod:`tannery_protocol.checksums`: CRC-32C with the CPU's
 CRC instructions, about 5x zlib's CRC-32 and 10x SHA-256 here, see docs/benchmarks.md, and
 it releases the GIL): each block is checked before any of its bytes are sent, whether the
 whole payload or a row range is asked for, so a corrupted block is never served. Blobs
@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import struct
 
-from tannery import checksums
+from tannery_protocol import checksums
 
 from ..failures import DataLoss
 from .base import BlobInfo

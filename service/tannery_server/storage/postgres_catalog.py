@@ -122,7 +122,7 @@ _ARCHIVE_COLUMNS = "name, entries, nbytes, payload_bytes, created_ns, metadata"
 _BLOB_COLUMNS = "digest, size, block_size, block_crcs, checksum"
 _ENTRY_COLUMNS = "e.name, e.dtype, e.shape, e.nbytes, e.payload_bytes, e.data_offset, e.digest"
 _ENTRY_INSERT = "archive_id, name, dtype, shape, nbytes, payload_bytes, data_offset, digest"
-#: ``%(p)s`` (a prefix) before an entry name, with the dot, as :func:`tannery.names.join` does.
+#: ``%(p)s`` (a prefix) before an entry name, with the dot, as :func:`tannery_protocol.names.join` does.
 _PREFIXED = "CASE WHEN %(p)s = '' THEN {0} ELSE %(p)s || '.' || {0} END"
 _UNREFERENCED = "NOT EXISTS (SELECT 1 FROM entries e WHERE e.digest = b.digest)"
 #: Writes run again after a deadlock or a serialization failure, at most this many times in all.

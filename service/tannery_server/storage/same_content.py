@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from tannery.codec import format_shape
+from tannery_protocol.codec import format_shape
 
 from ..failures import NameTaken
 from .base import ArchiveRecord, EntryRecord

@@ -52,7 +52,7 @@ SCHEMA_V0 = (
 
 
 def _to_version_1(conn: sqlite3.Connection) -> None:
-    """``blobs.checksum``: the algorithm of a blob's block checksums (:mod:`tannery.checksums`).
+    """``blobs.checksum``: the algorithm of a blob's block checksums (:mod:`tannery_protocol.checksums`).
     The rows already there get ``'crc32'``, what they were computed with. (A new file gets the
     first schema here first.)"""
     for statement in SCHEMA_V0:

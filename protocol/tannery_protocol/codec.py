@@ -14,7 +14,7 @@ A payload is ``[Header][Metadata][shape][buffer]``, little-endian and packed:
 Everything here works on bytes-like objects and numpy arrays and copies no tensor
 data it can view. Malformed input raises :class:`FormatError` naming the problem
 and its numbers, and nothing is allocated on the word of a header before the bytes
-it describes have arrived. Cutting a stream of chunks into payloads is :mod:`tannery.framing`.
+it describes have arrived. Cutting a stream of chunks into payloads is :mod:`tannery_protocol.framing`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import math
 import struct
 from dataclasses import dataclass
 from functools import cache, cached_property
-from typing import Any, Sequence, Union
+from typing import Sequence, Union
 
 from ._lazy import lazy_module
 
@@ -373,15 +373,3 @@ def buffer_to_numpy(buffer: Buffer, info: PayloadInfo) -> np.ndarray:
     if info.numel == 0:
         return np.empty(info.shape, dtype=info.dtype.numpy)
     return np.frombuffer(buffer, dtype=info.dtype.numpy, count=info.numel).reshape(info.shape)
-
-
-#: Names that moved to :mod:`tannery.framing`, still reachable here.
-_MOVED_TO_FRAMING = frozenset({"Deframer", "Fragment", "Reframer", "aligned_buffer"})
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED_TO_FRAMING:
-        from . import framing
-
-        return getattr(framing, name)
-    raise AttributeError(f"module 'tannery.codec' has no attribute {name!r}")

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from tannery.v1 import channels_pb2 as tannery_dot_v1_dot_channels__pb2
+from tannery_protocol.v1 import channels_pb2 as tannery__protocol_dot_v1_dot_channels__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in tannery/v1/channels_pb2_grpc.py depends on'
+        + ' but the generated code in tannery_protocol/v1/channels_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,13 +36,13 @@ class ChannelsStub:
         """
         self.Publish = channel.stream_unary(
                 '/tannery.v1.Channels/Publish',
-                request_serializer=tannery_dot_v1_dot_channels__pb2.PublishRequest.SerializeToString,
-                response_deserializer=tannery_dot_v1_dot_channels__pb2.PublishResponse.FromString,
+                request_serializer=tannery__protocol_dot_v1_dot_channels__pb2.PublishRequest.SerializeToString,
+                response_deserializer=tannery__protocol_dot_v1_dot_channels__pb2.PublishResponse.FromString,
                 _registered_method=True)
         self.Subscribe = channel.unary_stream(
                 '/tannery.v1.Channels/Subscribe',
-                request_serializer=tannery_dot_v1_dot_channels__pb2.SubscribeRequest.SerializeToString,
-                response_deserializer=tannery_dot_v1_dot_channels__pb2.SubscribeResponse.FromString,
+                request_serializer=tannery__protocol_dot_v1_dot_channels__pb2.SubscribeRequest.SerializeToString,
+                response_deserializer=tannery__protocol_dot_v1_dot_channels__pb2.SubscribeResponse.FromString,
                 _registered_method=True)
 
 
@@ -71,13 +71,13 @@ def add_ChannelsServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Publish': grpc.stream_unary_rpc_method_handler(
                     servicer.Publish,
-                    request_deserializer=tannery_dot_v1_dot_channels__pb2.PublishRequest.FromString,
-                    response_serializer=tannery_dot_v1_dot_channels__pb2.PublishResponse.SerializeToString,
+                    request_deserializer=tannery__protocol_dot_v1_dot_channels__pb2.PublishRequest.FromString,
+                    response_serializer=tannery__protocol_dot_v1_dot_channels__pb2.PublishResponse.SerializeToString,
             ),
             'Subscribe': grpc.unary_stream_rpc_method_handler(
                     servicer.Subscribe,
-                    request_deserializer=tannery_dot_v1_dot_channels__pb2.SubscribeRequest.FromString,
-                    response_serializer=tannery_dot_v1_dot_channels__pb2.SubscribeResponse.SerializeToString,
+                    request_deserializer=tannery__protocol_dot_v1_dot_channels__pb2.SubscribeRequest.FromString,
+                    response_serializer=tannery__protocol_dot_v1_dot_channels__pb2.SubscribeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -105,8 +105,8 @@ class Channels:
             request_iterator,
             target,
             '/tannery.v1.Channels/Publish',
-            tannery_dot_v1_dot_channels__pb2.PublishRequest.SerializeToString,
-            tannery_dot_v1_dot_channels__pb2.PublishResponse.FromString,
+            tannery__protocol_dot_v1_dot_channels__pb2.PublishRequest.SerializeToString,
+            tannery__protocol_dot_v1_dot_channels__pb2.PublishResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -132,8 +132,8 @@ class Channels:
             request,
             target,
             '/tannery.v1.Channels/Subscribe',
-            tannery_dot_v1_dot_channels__pb2.SubscribeRequest.SerializeToString,
-            tannery_dot_v1_dot_channels__pb2.SubscribeResponse.FromString,
+            tannery__protocol_dot_v1_dot_channels__pb2.SubscribeRequest.SerializeToString,
+            tannery__protocol_dot_v1_dot_channels__pb2.SubscribeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from tannery.v1 import archives_pb2 as tannery_dot_v1_dot_archives__pb2
+from tannery_protocol.v1 import archives_pb2 as tannery__protocol_dot_v1_dot_archives__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in tannery/v1/archives_pb2_grpc.py depends on'
+        + ' but the generated code in tannery_protocol/v1/archives_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,38 +36,38 @@ class ArchivesStub:
         """
         self.Store = channel.stream_unary(
                 '/tannery.v1.Archives/Store',
-                request_serializer=tannery_dot_v1_dot_archives__pb2.StoreRequest.SerializeToString,
-                response_deserializer=tannery_dot_v1_dot_archives__pb2.ArchiveInfo.FromString,
+                request_serializer=tannery__protocol_dot_v1_dot_archives__pb2.StoreRequest.SerializeToString,
+                response_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.ArchiveInfo.FromString,
                 _registered_method=True)
         self.Union = channel.unary_unary(
                 '/tannery.v1.Archives/Union',
-                request_serializer=tannery_dot_v1_dot_archives__pb2.UnionRequest.SerializeToString,
-                response_deserializer=tannery_dot_v1_dot_archives__pb2.ArchiveInfo.FromString,
+                request_serializer=tannery__protocol_dot_v1_dot_archives__pb2.UnionRequest.SerializeToString,
+                response_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.ArchiveInfo.FromString,
                 _registered_method=True)
         self.Fetch = channel.unary_stream(
                 '/tannery.v1.Archives/Fetch',
-                request_serializer=tannery_dot_v1_dot_archives__pb2.FetchRequest.SerializeToString,
-                response_deserializer=tannery_dot_v1_dot_archives__pb2.FetchResponse.FromString,
+                request_serializer=tannery__protocol_dot_v1_dot_archives__pb2.FetchRequest.SerializeToString,
+                response_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.FetchResponse.FromString,
                 _registered_method=True)
         self.Describe = channel.unary_unary(
                 '/tannery.v1.Archives/Describe',
-                request_serializer=tannery_dot_v1_dot_archives__pb2.DescribeRequest.SerializeToString,
-                response_deserializer=tannery_dot_v1_dot_archives__pb2.ArchiveDescription.FromString,
+                request_serializer=tannery__protocol_dot_v1_dot_archives__pb2.DescribeRequest.SerializeToString,
+                response_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.ArchiveDescription.FromString,
                 _registered_method=True)
         self.List = channel.unary_unary(
                 '/tannery.v1.Archives/List',
-                request_serializer=tannery_dot_v1_dot_archives__pb2.ListRequest.SerializeToString,
-                response_deserializer=tannery_dot_v1_dot_archives__pb2.ListResponse.FromString,
+                request_serializer=tannery__protocol_dot_v1_dot_archives__pb2.ListRequest.SerializeToString,
+                response_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.ListResponse.FromString,
                 _registered_method=True)
         self.Delete = channel.unary_unary(
                 '/tannery.v1.Archives/Delete',
-                request_serializer=tannery_dot_v1_dot_archives__pb2.DeleteRequest.SerializeToString,
-                response_deserializer=tannery_dot_v1_dot_archives__pb2.DeleteResponse.FromString,
+                request_serializer=tannery__protocol_dot_v1_dot_archives__pb2.DeleteRequest.SerializeToString,
+                response_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.DeleteResponse.FromString,
                 _registered_method=True)
         self.DataPaths = channel.unary_unary(
                 '/tannery.v1.Archives/DataPaths',
-                request_serializer=tannery_dot_v1_dot_archives__pb2.DataPathsRequest.SerializeToString,
-                response_deserializer=tannery_dot_v1_dot_archives__pb2.DataPathsResponse.FromString,
+                request_serializer=tannery__protocol_dot_v1_dot_archives__pb2.DataPathsRequest.SerializeToString,
+                response_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.DataPathsResponse.FromString,
                 _registered_method=True)
 
 
@@ -157,38 +157,38 @@ def add_ArchivesServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Store': grpc.stream_unary_rpc_method_handler(
                     servicer.Store,
-                    request_deserializer=tannery_dot_v1_dot_archives__pb2.StoreRequest.FromString,
-                    response_serializer=tannery_dot_v1_dot_archives__pb2.ArchiveInfo.SerializeToString,
+                    request_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.StoreRequest.FromString,
+                    response_serializer=tannery__protocol_dot_v1_dot_archives__pb2.ArchiveInfo.SerializeToString,
             ),
             'Union': grpc.unary_unary_rpc_method_handler(
                     servicer.Union,
-                    request_deserializer=tannery_dot_v1_dot_archives__pb2.UnionRequest.FromString,
-                    response_serializer=tannery_dot_v1_dot_archives__pb2.ArchiveInfo.SerializeToString,
+                    request_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.UnionRequest.FromString,
+                    response_serializer=tannery__protocol_dot_v1_dot_archives__pb2.ArchiveInfo.SerializeToString,
             ),
             'Fetch': grpc.unary_stream_rpc_method_handler(
                     servicer.Fetch,
-                    request_deserializer=tannery_dot_v1_dot_archives__pb2.FetchRequest.FromString,
-                    response_serializer=tannery_dot_v1_dot_archives__pb2.FetchResponse.SerializeToString,
+                    request_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.FetchRequest.FromString,
+                    response_serializer=tannery__protocol_dot_v1_dot_archives__pb2.FetchResponse.SerializeToString,
             ),
             'Describe': grpc.unary_unary_rpc_method_handler(
                     servicer.Describe,
-                    request_deserializer=tannery_dot_v1_dot_archives__pb2.DescribeRequest.FromString,
-                    response_serializer=tannery_dot_v1_dot_archives__pb2.ArchiveDescription.SerializeToString,
+                    request_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.DescribeRequest.FromString,
+                    response_serializer=tannery__protocol_dot_v1_dot_archives__pb2.ArchiveDescription.SerializeToString,
             ),
             'List': grpc.unary_unary_rpc_method_handler(
                     servicer.List,
-                    request_deserializer=tannery_dot_v1_dot_archives__pb2.ListRequest.FromString,
-                    response_serializer=tannery_dot_v1_dot_archives__pb2.ListResponse.SerializeToString,
+                    request_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.ListRequest.FromString,
+                    response_serializer=tannery__protocol_dot_v1_dot_archives__pb2.ListResponse.SerializeToString,
             ),
             'Delete': grpc.unary_unary_rpc_method_handler(
                     servicer.Delete,
-                    request_deserializer=tannery_dot_v1_dot_archives__pb2.DeleteRequest.FromString,
-                    response_serializer=tannery_dot_v1_dot_archives__pb2.DeleteResponse.SerializeToString,
+                    request_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.DeleteRequest.FromString,
+                    response_serializer=tannery__protocol_dot_v1_dot_archives__pb2.DeleteResponse.SerializeToString,
             ),
             'DataPaths': grpc.unary_unary_rpc_method_handler(
                     servicer.DataPaths,
-                    request_deserializer=tannery_dot_v1_dot_archives__pb2.DataPathsRequest.FromString,
-                    response_serializer=tannery_dot_v1_dot_archives__pb2.DataPathsResponse.SerializeToString,
+                    request_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.DataPathsRequest.FromString,
+                    response_serializer=tannery__protocol_dot_v1_dot_archives__pb2.DataPathsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -216,8 +216,8 @@ class Archives:
             request_iterator,
             target,
             '/tannery.v1.Archives/Store',
-            tannery_dot_v1_dot_archives__pb2.StoreRequest.SerializeToString,
-            tannery_dot_v1_dot_archives__pb2.ArchiveInfo.FromString,
+            tannery__protocol_dot_v1_dot_archives__pb2.StoreRequest.SerializeToString,
+            tannery__protocol_dot_v1_dot_archives__pb2.ArchiveInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -243,8 +243,8 @@ class Archives:
             request,
             target,
             '/tannery.v1.Archives/Union',
-            tannery_dot_v1_dot_archives__pb2.UnionRequest.SerializeToString,
-            tannery_dot_v1_dot_archives__pb2.ArchiveInfo.FromString,
+            tannery__protocol_dot_v1_dot_archives__pb2.UnionRequest.SerializeToString,
+            tannery__protocol_dot_v1_dot_archives__pb2.ArchiveInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -270,8 +270,8 @@ class Archives:
             request,
             target,
             '/tannery.v1.Archives/Fetch',
-            tannery_dot_v1_dot_archives__pb2.FetchRequest.SerializeToString,
-            tannery_dot_v1_dot_archives__pb2.FetchResponse.FromString,
+            tannery__protocol_dot_v1_dot_archives__pb2.FetchRequest.SerializeToString,
+            tannery__protocol_dot_v1_dot_archives__pb2.FetchResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -297,8 +297,8 @@ class Archives:
             request,
             target,
             '/tannery.v1.Archives/Describe',
-            tannery_dot_v1_dot_archives__pb2.DescribeRequest.SerializeToString,
-            tannery_dot_v1_dot_archives__pb2.ArchiveDescription.FromString,
+            tannery__protocol_dot_v1_dot_archives__pb2.DescribeRequest.SerializeToString,
+            tannery__protocol_dot_v1_dot_archives__pb2.ArchiveDescription.FromString,
             options,
             channel_credentials,
             insecure,
@@ -324,8 +324,8 @@ class Archives:
             request,
             target,
             '/tannery.v1.Archives/List',
-            tannery_dot_v1_dot_archives__pb2.ListRequest.SerializeToString,
-            tannery_dot_v1_dot_archives__pb2.ListResponse.FromString,
+            tannery__protocol_dot_v1_dot_archives__pb2.ListRequest.SerializeToString,
+            tannery__protocol_dot_v1_dot_archives__pb2.ListResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -351,8 +351,8 @@ class Archives:
             request,
             target,
             '/tannery.v1.Archives/Delete',
-            tannery_dot_v1_dot_archives__pb2.DeleteRequest.SerializeToString,
-            tannery_dot_v1_dot_archives__pb2.DeleteResponse.FromString,
+            tannery__protocol_dot_v1_dot_archives__pb2.DeleteRequest.SerializeToString,
+            tannery__protocol_dot_v1_dot_archives__pb2.DeleteResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -378,8 +378,8 @@ class Archives:
             request,
             target,
             '/tannery.v1.Archives/DataPaths',
-            tannery_dot_v1_dot_archives__pb2.DataPathsRequest.SerializeToString,
-            tannery_dot_v1_dot_archives__pb2.DataPathsResponse.FromString,
+            tannery__protocol_dot_v1_dot_archives__pb2.DataPathsRequest.SerializeToString,
+            tannery__protocol_dot_v1_dot_archives__pb2.DataPathsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Iterator, Sequence, Union
 
 from google.protobuf.message import DecodeError
 
-from tannery.v1 import archives_pb2
+from tannery_protocol.v1 import archives_pb2
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 
