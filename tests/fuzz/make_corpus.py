@@ -16,7 +16,7 @@ import numpy as np
 import sys
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "client"))
-from tannery import codec  # noqa: E402
+from tannery_protocol import codec  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
