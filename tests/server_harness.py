@@ -72,9 +72,9 @@ class InProcessServer:
 
     @property
     def data_paths(self):
-        """The server's :class:`tannery_server.data_paths.DataPaths` (its socket, data port and
+        """The server's :class:`tannery_server.dataplane.listeners.DataPaths` (its socket, data port and
         the tickets waiting; for white-box checks)."""
-        from tannery_server.data_paths import DataPaths
+        from tannery_server.dataplane.listeners import DataPaths
 
         for close in self._running._closers:
             if isinstance(getattr(close, "__self__", None), DataPaths):

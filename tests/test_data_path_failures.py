@@ -141,7 +141,7 @@ def test_a_ticket_for_the_socket_is_refused_on_the_data_port_and_the_reverse(ser
 
 
 def test_an_expired_ticket_is_refused_and_its_call_ends_unavailable(server, monkeypatch):
-    from tannery_server import data_paths
+    from tannery_server.dataplane import listeners as data_paths
 
     monkeypatch.setattr(data_paths, "CONNECT_SECONDS", 0.5)
     call, ticket = fetch_call(server, "tcp")
@@ -164,7 +164,7 @@ def test_an_expired_ticket_is_refused_and_its_call_ends_unavailable(server, monk
 
 
 def test_a_connection_that_says_nothing_is_closed_after_the_handshake_time(server, monkeypatch):
-    from tannery_server import data_paths
+    from tannery_server.dataplane import listeners as data_paths
 
     monkeypatch.setattr(data_paths, "HANDSHAKE_SECONDS", 0.3)
     for transport in ("local", "tcp"):

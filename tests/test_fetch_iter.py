@@ -54,9 +54,9 @@ def srv(tmp_path):
 def one_message_batches(monkeypatch):
     """The server reads one message per trip to its worker threads, so that a failure on a
     later entry comes after the earlier ones were sent (not in the first batch)."""
-    import tannery_server.archives
+    import tannery_server.dataplane.fetch
 
-    monkeypatch.setattr(tannery_server.archives, "FETCH_BATCH_BYTES", 1)
+    monkeypatch.setattr(tannery_server.dataplane.fetch, "FETCH_BATCH_BYTES", 1)
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -10,9 +10,8 @@ import pytest
 
 from tannery_protocol import codec
 from tannery_protocol.v1 import archives_pb2 as pb
-from tannery_server.archives import FETCH_BATCH_BYTES
+from tannery_server.dataplane.fetch import FETCH_BATCH_BYTES, FetchStream
 from tannery_server.failures import DataLoss
-from tannery_server.fetching import FetchStream
 
 from .server_harness import collect_fetch, running_server, store_requests
 

@@ -26,7 +26,7 @@ from . import archives, tls
 from .auth import AuthInterceptor, Tokens, load_tokens
 from .calllog import CallLogInterceptor
 from .config import Config
-from .data_paths import DataPaths
+from .dataplane.listeners import DataPaths
 from .storage import Storage
 from .storage.factory import describe, open_storage
 from .storage_health import StorageHealth

@@ -35,23 +35,23 @@ from __future__ import annotations
 
 import asyncio
 import unicodedata
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Iterator
 
 import grpc
 from tannery_protocol.codec import Buffer, FormatError, Limits
 from tannery_protocol.framing import Deframer, Fragment
-from tannery_protocol.datalink import TICKET_KEY, Link
 from tannery_protocol.v1 import channels_pb2, channels_pb2_grpc
 
 from .calllog import current_call
 from .config import Config
 from .failures import BadPayload, Failure, LimitExceeded, Malformed, Unavailable
 from .handling import Undecodable, add_service, answering_failures
-from .channel_links import SharedPayload, publish_over, serve_subscriber
-from .data_paths import DataPathOff, DataPaths, requested_transport
-from .data_transfer import fail
+from .dataplane.channel_links import SharedPayload, publish_over, serve_subscriber
+from .dataplane.links import fail
+from .dataplane.listeners import DataPaths
+from .dataplane.plane import DataPlane
 from .fabric import open_fabric
+from .workers import Workers
 from .hub import Channel, FellBehind, Hub, HubClosed, Piece, Relay, SubscriptionEnded
 
 #: Longest channel name, in bytes of UTF-8.
@@ -103,7 +103,9 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
     def __init__(self, config: Config, data_paths: DataPaths | None = None) -> None:
         #: The same-host socket's tickets (None: channels over gRPC only).
         self.data_paths = data_paths
-        self._links = ThreadPoolExecutor(8, thread_name_prefix="tannery-channel-link")
+        self._links = Workers(8, "tannery-channel-link")
+        #: Channels take the same-host data path, or gRPC.
+        self.plane = DataPlane(data_paths, self._links, "channels", ("local",))
         self.chunk_size = config.chunk_size
         self.limits = Limits(max_payload=config.max_payload_bytes, max_rank=config.max_rank)
         self.timeout = config.channel_timeout_seconds
@@ -126,7 +128,7 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
         """End every subscription (UNAVAILABLE: shutting down) and refuse new calls."""
         await self.hub.close(timeout=max(self.timeout, 1.0))
         await self.fabric.close()
-        self._links.shutdown(wait=False)
+        self._links.close(wait=False)
 
     @staticmethod
     def failure_of(exc: BaseException) -> BaseException:
@@ -145,7 +147,7 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
         context: grpc.aio.ServicerContext,
     ) -> channels_pb2.PublishResponse:
         """Relay the payloads of the stream as they arrive; whatever ends the call frees what it held."""
-        if self._transport(context) is not None:
+        if self.plane.transport(context) is not None:
             return await self._publish_local(aiter(request_iterator), context)
         publication = _Publication(self, aiter(request_iterator))
         try:
@@ -170,7 +172,7 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
             self.fabric.leave(request.channel)
             raise Unavailable(str(closed)) from None
         try:
-            if self._transport(context) is not None:
+            if self.plane.transport(context) is not None:
                 await self._subscribe_local(subscription, context)
                 return
             # Registered: from here on every payload begun is queued for this subscriber.
@@ -191,29 +193,6 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
 
     # -- the same-host data path ----------------------------------------------------------
 
-    def _transport(self, context: grpc.aio.ServicerContext) -> str | None:
-        """"local" when the call asks for the same-host path (channels have no TCP one)."""
-        transport = requested_transport(context)
-        if transport is None:
-            return None
-        current_call().note("transport", transport)
-        if transport != "local":
-            raise DataPathOff(f"channels take the local data path or gRPC, not {transport!r}")
-        if self.data_paths is None:
-            raise DataPathOff("this server offers no local data path for channels")
-        self.data_paths.require(transport)
-        return transport
-
-    async def _link(self, context: grpc.aio.ServicerContext) -> Link:
-        """The call's ticket sent, its same-host connection once the client opens it."""
-        assert self.data_paths is not None
-        ticket = self.data_paths.ticket("local")
-        try:
-            await context.send_initial_metadata(((TICKET_KEY, ticket.hex),))
-            return await ticket.connection()
-        finally:
-            ticket.withdraw()
-
     async def _publish_local(self, requests: AsyncIterator[Any], context) -> channels_pb2.PublishResponse:
         """A Publish whose call names the channel and whose payloads come as sealed memory files."""
         first = await anext(requests, None)
@@ -221,7 +200,7 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
             raise Malformed("a same-host Publish names its channel in its first message")
         channel = self.attach(first.channel)
         try:
-            link = await self._link(context)
+            link = await self.plane.link("local", context)
             try:
                 payloads, nbytes, dropped = await publish_over(link, channel, self.limits, self.timeout,
                                                                self._links, _relay_last)
@@ -239,7 +218,7 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
 
     async def _subscribe_local(self, subscription, context) -> None:
         """Pass the subscription's payloads on the same-host connection until it ends."""
-        link = await self._link(context)
+        link = await self.plane.link("local", context)
         try:
             await serve_subscriber(link, subscription, self._links, self.hub.buffer_bytes, self.timeout)
         except OSError:  # the subscriber closed its connection: as a cancelled gRPC subscriber

@@ -1,16 +1,18 @@
 """One Store call: entries named, payloads deframed and written to blobs, the archive committed.
 
-Runs in a worker thread one message at a time. Each payload's header is checked by the
-codec (and against the server's limits) before any of its bytes are written; its bytes
-go straight from the received message to a temporary file while they are hashed. Nothing
-is visible until :meth:`StoreSession.finish` commits the archive in one transaction, which
-it does only after the client's ``commit`` message agreed with what arrived; on any
-failure (a stream that ended without it included) :meth:`StoreSession.abort` removes what
-was written.
+Plain calls, made on a worker thread one at a time: :meth:`~StoreSession.begin_entry`
+names an entry, :meth:`~StoreSession.write` gives the next bytes of its payload,
+:meth:`~StoreSession.commit` takes the client's counts. Whatever carries them (the gRPC
+messages, a data connection) is a thin adapter in :mod:`.dataplane`. Each payload's header
+is checked by the codec (and against the server's limits) before any of its bytes are
+written; its bytes go straight from the buffer received to a temporary file while they are
+hashed. Nothing is visible until :meth:`StoreSession.finish` commits the archive in one
+transaction, which it does only after the client's ``commit`` agreed with what arrived; on
+any failure (a stream that ended without it included) :meth:`StoreSession.abort` removes
+what was written.
 
 Without ``replace``, a name that exists is compared instead (:mod:`.storage.same_content`):
-its metadata at ``begin``, each entry's name (and the digest sent ahead) at its first
-message, its dtype and shape at its payload's header, its payload's digest at its end, and
+its metadata at ``begin``, each entry's name (and the digest sent ahead) when it begins, its dtype and shape at its payload's header, its payload's digest at its end, and
 the whole archive again at commit. Payloads are then only hashed, never written: the same
 content answers OK with ``already_stored`` and stores nothing; other content is refused
 (ALREADY_EXISTS) at the first difference, naming it.
@@ -31,8 +33,6 @@ from .storage import ArchiveRecord, BlobInfo, DigestMismatch, EntryRecord, Paylo
 from .storage.same_content import (digest_difference, header_difference, metadata_difference, other_content,
                                    require_same, unknown_entry)
 from .validation import check_entry_name
-from tannery_protocol.v1.archives_pb2 import StoreCommit
-from tannery_protocol.wire import StoreMessage
 
 #: The codec checks the format and the rank (before it reads a shape of that rank); the
 #: payload size limit is checked separately, so that it answers RESOURCE_EXHAUSTED and a
@@ -67,7 +67,7 @@ class StoreSession:
         self._entry_sha256: str | None = None
         self._writer: PayloadWriter | None = None
         self._payload_size = 0
-        self._commit: StoreCommit | None = None
+        self._committed = False
         self._closed = False
         #: Whether :meth:`finish` committed the archive.
         self.stored = False
@@ -94,46 +94,8 @@ class StoreSession:
         if difference is not None:
             raise other_content(self.archive, difference)
 
-    def feed(self, message: StoreMessage, first: bool = False) -> None:
-        if self._commit is not None:
-            raise Malformed("a message after commit: commit must be the last message of Store")
-        if message.commit is not None:
-            self._take_commit(message)
-            return
-        if message.begin is not None and not first:
-            raise Malformed("begin is allowed in the first message only")
-        if message.entry:
-            self._start_entry(message.entry, message.sha256)
-        elif message.sha256:
-            raise Malformed("entry_sha256 without entry: a payload's SHA-256 comes with its entry's name")
-        if message.chunk.nbytes:
-            if self._entry is None:
-                raise Malformed("payload bytes before any entry name")
-            if self._entry_has_payload and self._writer is None:
-                self._extra_bytes()
-            self.bytes_received += message.chunk.nbytes
-            try:
-                for fragment in self._deframer.feed(message.chunk):
-                    if fragment.first:
-                        self._start_payload(fragment.info)
-                    assert self._writer is not None
-                    self._writer.write(fragment.data)
-                    if fragment.last:
-                        self._finish_payload(fragment.info)
-            except OverLimit as exc:  # the server's rank limit: not a malformed payload
-                raise Malformed(f"entry {self._entry!r}: {exc}") from None
-            except FormatError as exc:
-                raise BadPayload(f"entry {self._entry!r}: {exc}") from None
-            if self._entry_has_payload and self._writer is None and self._deframer.inside_payload:
-                self._extra_bytes()  # the start of a second payload's header
-
-    def _extra_bytes(self) -> None:
-        raise BadPayload(
-            f"entry {self._entry!r}: more bytes after its payload of {self._entries[-1].payload_bytes} bytes "
-            "(one payload per entry)"
-        )
-
-    def _start_entry(self, name: str, sha256: bytes = b"") -> None:
+    def begin_entry(self, name: str, sha256: bytes = b"") -> None:
+        """The next entry, by its name, with the SHA-256 of its payload when the client sent it ahead."""
         if self._deframer.inside_payload:
             got = f"{self._writer.size} of {self._payload_size} bytes" if self._writer else "in its header"
             raise BadPayload(f"entry {name!r} starts before the payload of entry {self._entry!r} ended: {got}")
@@ -151,6 +113,53 @@ class StoreSession:
         self._entry_sha256 = sha256.hex() if sha256 else None
         if self.existing is not None:
             self._compare_entry(name)
+
+    def write(self, data: memoryview) -> None:
+        """The next bytes of the current entry's payload, read whole before this returns (the
+        caller may reuse or unmap ``data`` then). Its header is checked before any of its bytes
+        are written."""
+        if not data.nbytes:
+            return
+        if self._entry is None:
+            raise Malformed("payload bytes before any entry name")
+        if self._entry_has_payload and self._writer is None:
+            self._extra_bytes()
+        self.bytes_received += data.nbytes
+        try:
+            for fragment in self._deframer.feed(data):
+                if fragment.first:
+                    self._start_payload(fragment.info)
+                assert self._writer is not None
+                self._writer.write(fragment.data)
+                if fragment.last:
+                    self._finish_payload(fragment.info)
+        except OverLimit as exc:  # the server's rank limit: not a malformed payload
+            raise Malformed(f"entry {self._entry!r}: {exc}") from None
+        except FormatError as exc:
+            raise BadPayload(f"entry {self._entry!r}: {exc}") from None
+        if self._entry_has_payload and self._writer is None and self._deframer.inside_payload:
+            self._extra_bytes()  # the start of a second payload's header
+
+    def commit(self, entries: int, payload_bytes: int) -> None:
+        """The client's final word: every payload complete, and its counts (``entries`` of
+        ``payload_bytes``) those received. :meth:`finish` stores the archive only after it."""
+        try:
+            self._deframer.close()
+        except FormatError as exc:
+            raise BadPayload(f"entry {self._entry!r}: {exc}") from None
+        self._require_payload()
+        if entries != len(self._entries) or payload_bytes != self.bytes_received:
+            raise Malformed(
+                f"commit says {entries} entries of {payload_bytes} payload bytes were sent, but "
+                f"{len(self._entries)} entries of {self.bytes_received} bytes arrived: nothing was stored"
+            )
+        self._committed = True
+
+    def _extra_bytes(self) -> None:
+        raise BadPayload(
+            f"entry {self._entry!r}: more bytes after its payload of {self._entries[-1].payload_bytes} bytes "
+            "(one payload per entry)"
+        )
 
     def _compare_entry(self, name: str) -> None:
         """At an entry's first message, before its payload: refuse a name the archive there
@@ -207,32 +216,14 @@ class StoreSession:
         self._refuse_if(digest_difference(self.existing.entries[self._entry], blob.digest))
         return blob
 
-    def _take_commit(self, message: StoreMessage) -> None:
-        """The client's final word: every payload complete, and its counts those received."""
-        if message.begin is not None or message.entry or message.chunk.nbytes or message.sha256:
-            raise Malformed("commit must come alone, in the last message of Store")
-        try:
-            self._deframer.close()
-        except FormatError as exc:
-            raise BadPayload(f"entry {self._entry!r}: {exc}") from None
-        self._require_payload()
-        commit = message.commit
-        assert commit is not None
-        if commit.entries != len(self._entries) or commit.payload_bytes != self.bytes_received:
-            raise Malformed(
-                f"commit says {commit.entries} entries of {commit.payload_bytes} payload bytes were sent, but "
-                f"{len(self._entries)} entries of {self.bytes_received} bytes arrived: nothing was stored"
-            )
-        self._commit = commit
-
     @property
     def committed(self) -> bool:
         """Whether the client's ``commit`` arrived (and agreed with what arrived)."""
-        return self._commit is not None
+        return self._committed
 
     def finish(self) -> ArchiveRecord:
         """Commit the archive once the client said so (``commit``) and every payload is durable."""
-        if self._commit is None:
+        if not self._committed:
             raise Malformed(
                 f"Store of {self.archive!r} ended without commit, after {len(self._entries)} whole entries "
                 f"({self.bytes_received} payload bytes): nothing was stored (a client that sent everything "

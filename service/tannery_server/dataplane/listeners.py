@@ -1,10 +1,10 @@
 """The data paths beside gRPC: a Unix socket for clients on this host and a TCP data port.
 
-A Store or Fetch call that asks for a data path (request metadata ``tannery-transport``)
-is checked as every call is (token, names, every ask), then gets a :class:`Ticket`: one
-use, for that call only, valid for :data:`CONNECT_SECONDS`. The client presents it on a
-new data connection; the listener's handshake thread hands the connection to the call,
-which moves the bytes (:mod:`.data_transfer`) and answers with its status as usual.
+A call that asks for a data path (request metadata ``tannery-transport``, see
+:mod:`.plane`) is checked as every call is (token, names, every ask), then gets a
+:class:`Ticket`: one use, for that call only, valid for :data:`CONNECT_SECONDS`. The
+client presents it on a new data connection; the listener's handshake thread hands the
+connection to the call, which moves the bytes and answers with its status as usual.
 
 Listeners and handshakes run on threads of their own (blocking sockets); the transfer runs
 on the storage's worker threads. Nothing here reads a byte of a payload.
@@ -24,11 +24,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tannery_protocol.datalink import DATA_TRANSPORTS, TRANSPORT_KEY, HANDSHAKE_SECONDS, Link, LinkError, connect_unix, expect, frame, tune_tcp, unix_address
+from tannery_protocol.datalink import HANDSHAKE_SECONDS, Link, LinkError, connect_unix, expect, frame, tune_tcp, unix_address
 from tannery_protocol.v1.data_pb2 import DataFailure, Welcome
 
-from .config import Config
-from .failures import Failure, Malformed, Mismatch, Unavailable
+from ..config import Config
+from ..failures import Unavailable
 
 log = logging.getLogger("tannery_server.data_paths")
 
@@ -36,12 +36,6 @@ log = logging.getLogger("tannery_server.data_paths")
 CONNECT_SECONDS = 30.0
 #: Handshakes in progress at once; more connections wait to be accepted.
 MAX_HANDSHAKES = 64
-
-
-class DataPathOff(Failure):
-    """A call asked for a data path this server does not offer."""
-
-    code = Mismatch.code  # FAILED_PRECONDITION: the server's settings, not the request, say no
 
 
 @dataclass
@@ -203,16 +197,9 @@ class DataPaths:
     def offers(self, transport: str) -> bool:
         return self.socket_path is not None if transport == "local" else self.data_port != 0
 
-    def require(self, transport: str) -> None:
-        """DataPathOff unless this server offers ``transport``."""
-        if not self.offers(transport):
-            setting = "--socket / TANNERY_SOCKET is off" if transport == "local" else "--data-port / TANNERY_DATA_PORT is off"
-            raise DataPathOff(f"this server offers no {transport} data path ({setting}): ask for transport 'auto' "
-                              "or 'grpc'")
-
     def ticket(self, transport: str) -> Ticket:
-        """A new ticket for a call that asked for ``transport``; DataPathOff when it is off."""
-        self.require(transport)
+        """A new ticket for a call that asked for ``transport`` (one this server :meth:`offers`)."""
+        assert self.offers(transport), transport
         loop = asyncio.get_running_loop()
         secret = secrets.token_bytes(16)
         ticket = Ticket(secret, transport, time.monotonic() + CONNECT_SECONDS, loop.create_future(), loop, self)
@@ -236,17 +223,6 @@ class DataPaths:
                 self.socket_path.unlink()
             except FileNotFoundError:
                 pass
-
-
-def requested_transport(context) -> str | None:
-    """The data path a call's metadata asks for, None for the gRPC stream; Malformed for an unknown one."""
-    for key, value in context.invocation_metadata() or ():
-        if key == TRANSPORT_KEY:
-            if value not in DATA_TRANSPORTS:
-                raise Malformed(f"{TRANSPORT_KEY} {value!r} is not one of {', '.join(DATA_TRANSPORTS)} (leave it out "
-                                "for the gRPC stream)")
-            return value
-    return None
 
 
 def _deliver(future: asyncio.Future, link: Link) -> None:

@@ -8,7 +8,7 @@ it: no payload byte is copied between the two processes. A gRPC subscriber of th
 channel gets the payload as messages made from the mapping; a same-host subscriber of a
 payload published over gRPC gets its pieces as raw bytes on its connection.
 
-The data connection is blocking, so its reads and writes run on the executor given.
+The data connection is blocking, so its reads and writes run on the worker threads given.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import select
 import socket
 import weakref
 from collections import deque
-from concurrent.futures import Executor
 from typing import Any, Callable, Iterator
 
 from tannery_protocol.codec import FormatError, Limits, parse
@@ -27,9 +26,10 @@ from tannery_protocol.datalink import Link, expect, frame
 from tannery_protocol.v1 import channels_pb2
 from tannery_protocol.v1.data_pb2 import Abandoned, DataEnd, EntryBytes, MappedEntry
 
-from .data_transfer import _sealed_map
-from .failures import BadPayload, Malformed
-from .hub import Channel, FellBehind, Subscription
+from .links import close_all, sealed_map
+from ..failures import BadPayload, Malformed
+from ..hub import Channel, FellBehind, Subscription
+from ..workers import Workers
 
 
 class SharedPayload:
@@ -38,7 +38,7 @@ class SharedPayload:
     def __init__(self, fd: int, size: int) -> None:
         self.fd = fd
         self.size = size
-        self.mapped = _sealed_map(fd, size, "published payload")
+        self.mapped = sealed_map(fd, size, "published payload")
         weakref.finalize(self, os.close, fd)
 
     def messages(self, chunk_size: int) -> Iterator[channels_pb2.SubscribeResponse]:
@@ -48,25 +48,22 @@ class SharedPayload:
             yield channels_pb2.SubscribeResponse(chunk=bytes(view[start : start + chunk_size]))
 
 
-async def publish_over(link: Link, channel: Channel, limits: Limits, timeout: float, executor: Executor,
+async def publish_over(link: Link, channel: Channel, limits: Limits, timeout: float, workers: Workers,
                        relay_last: Callable[..., Any]) -> tuple[int, int, int]:
     """Relay every payload a same-host publisher passes, until its ``end``; returns the payloads,
     bytes and subscribers dropped."""
-    loop = asyncio.get_running_loop()
     payloads = total = dropped = 0
     while True:
-        received, fds = await loop.run_in_executor(executor, link.receive, 1)
+        received, fds = await workers.run(link.receive, 1)
         if expect(received, "piece", "end") == "end":
-            for fd in fds:
-                os.close(fd)
+            close_all(fds)
             if received.end.entries != payloads or received.end.payload_bytes != total:
                 raise Malformed(f"the publisher's end says {received.end.entries} payloads of "
                                 f"{received.end.payload_bytes} bytes, {payloads} of {total} arrived")
-            await loop.run_in_executor(executor, link.send, frame(end=DataEnd(entries=payloads, payload_bytes=total)))
+            await workers.run(link.send, frame(end=DataEnd(entries=payloads, payload_bytes=total)))
             return payloads, total, dropped
         if len(fds) != 1:
-            for fd in fds:
-                os.close(fd)
+            close_all(fds)
             raise Malformed(f"payload {payloads + 1}: a piece came without its memory file")
         try:
             payload = SharedPayload(fds[0], received.piece.size)
@@ -83,7 +80,7 @@ async def publish_over(link: Link, channel: Channel, limits: Limits, timeout: fl
         total += payload.size
 
 
-async def serve_subscriber(link: Link, subscription: Subscription, executor: Executor, window: int,
+async def serve_subscriber(link: Link, subscription: Subscription, workers: Workers, window: int,
                            timeout: float) -> None:
     """Pass every piece queued for a same-host subscriber until the subscription ends.
 
@@ -91,20 +88,19 @@ async def serve_subscriber(link: Link, subscription: Subscription, executor: Exe
     stay unacknowledged, and a subscriber that neither takes them nor reads its bytes for
     ``timeout`` seconds is ended as fallen behind.
     """
-    loop = asyncio.get_running_loop()
     unacknowledged: deque[int] = deque()  # sizes of the shared payloads passed, not yet taken
     link.sock.settimeout(timeout)  # a send to a subscriber that reads nothing gives up
     while True:
         message = await subscription.next_piece()
         while unacknowledged and sum(unacknowledged) + _size(message) > window:
-            taken = await loop.run_in_executor(executor, _taken, link, 0.2)
+            taken = await workers.run(_taken, link, 0.2)
             if taken:
                 for _ in range(min(taken, len(unacknowledged))):
                     unacknowledged.popleft()
             elif subscription.ended:
                 await subscription.next_piece()  # raises why it ended
         try:
-            await loop.run_in_executor(executor, _send_piece, link, message)
+            await workers.run(_send_piece, link, message)
         except socket.timeout:
             raise FellBehind(f"a same-host subscriber read nothing for {timeout:g} s and was dropped") from None
         if isinstance(message, SharedPayload):

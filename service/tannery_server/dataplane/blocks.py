@@ -1,0 +1,171 @@
+"""The one reader of stored blocks: every byte a Fetch serves, on any transport, comes from it.
+
+A blob is read in its blocks (1 MiB), and each block is checked against the CRC-32C
+recorded when it was stored before any of its bytes leave (:mod:`..storage.integrity`
+holds the checks): a corrupted blob is DATA_LOSS, none of its corrupted bytes is served,
+and the blob is reported damaged. A whole entry reads every block; a row range reads only
+the blocks that cover it. (The SHA-256 that names a blob is checked on demand by
+:meth:`Storage.scrub`, not on every read: it costs twice the CRCs.)
+
+Three ways out, one check: :meth:`VerifiedBlob.blocks` reads the blocks that cover a range
+(what a row range, a cast, or a bucket's blob is made of); :meth:`VerifiedBlob.regions`
+checks them in place in a map of the file and says which regions are verified (what
+``sendfile`` sends); :meth:`VerifiedBlob.messages` reads a whole payload straight into
+the gRPC messages that carry it, and lets each out once its blocks are checked.
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+from collections import deque
+from typing import Callable, Iterator
+
+from tannery_protocol.wire import encode_fetch_response, encode_varint
+
+from ..failures import DataLoss
+from ..fetching import Plan
+from ..storage import BlobFile, BlobInfo, Storage
+from ..storage.integrity import BlockCheck, check_block
+from .transforms import made_pieces
+
+
+class VerifiedBlob:
+    """The open blob of one planned entry, read only in checked blocks; a context manager that
+    closes it, and reports it damaged to the storage when a block fails its check."""
+
+    def __init__(self, storage: Storage, plan: Plan) -> None:
+        """DataLoss when the blob is missing, of another size than was stored, or without checksums."""
+        self.storage = storage
+        self.plan = plan
+        self.entry = entry = plan.entry
+        self.what = what = f"entry {entry.name!r}"
+        try:
+            self.blob: BlobFile = storage.open_blob(entry.digest, entry.payload_bytes)
+        except FileNotFoundError:
+            raise DataLoss(f"{what}: stored blob {entry.digest} is missing") from None
+        try:
+            if self.blob.size != entry.payload_bytes:
+                raise DataLoss(f"{what}: stored blob {entry.digest} has {self.blob.size} bytes, "
+                               f"{entry.payload_bytes} were stored")
+            info = plan.blob or storage.catalog.blob(entry.digest)
+            if info is None:
+                raise DataLoss(f"{what}: stored blob {entry.digest} has no checksums in the catalog")
+        except BaseException:
+            self.blob.close()
+            raise
+        self.info: BlobInfo = info
+
+    def __enter__(self) -> "VerifiedBlob":
+        return self
+
+    def __exit__(self, kind, exc, tb) -> None:
+        try:
+            if isinstance(exc, DataLoss):
+                self.storage.damaged(self.entry.digest)
+        finally:
+            self.blob.close()
+
+    def has_file(self) -> bool:
+        """Whether the blob is a local file the data paths may pass or ``sendfile`` (an object in a
+        bucket that is not in the local cache is not: its bytes are read and sent instead)."""
+        try:
+            self.blob.fileno()
+        except io.UnsupportedOperation:
+            return False
+        return True
+
+    def _checked(self, start: int, stop: int, block: Callable[[int, int], bytes | memoryview]
+                 ) -> Iterator[tuple[int, bytes | memoryview]]:
+        """Each block that covers bytes [start, stop): its offset and its bytes (``block(offset,
+        size)``), checked. A view that fails its check is released at once: a slice of a map
+        that a traceback keeps would make closing the map fail (BufferError) in place of the DataLoss."""
+        size = self.info.block_size
+        for index in range(start // size, -(-stop // size)):
+            offset = index * size
+            data = block(offset, min(size, self.info.size - offset))
+            try:
+                check_block(self.what, self.info, index, data)
+            except BaseException:
+                if isinstance(data, memoryview):
+                    data.release()
+                raise
+            yield offset, data
+
+    def blocks(self, start: int, stop: int) -> Iterator[memoryview]:
+        """Bytes [start, stop) of the blob, read block by block, each covering block checked first."""
+        read_ahead_until = getattr(self.blob, "read_ahead_until", None)
+        if read_ahead_until is not None:  # a bucket's blob reads ahead no further than the range needs
+            read_ahead_until(-(-stop // self.info.block_size) * self.info.block_size)
+        for offset, data in self._checked(start, stop, self.blob.read):
+            lo, hi = max(start, offset), min(stop, offset + len(data))
+            yield memoryview(data)[lo - offset : hi - offset]
+
+    def regions(self, start: int, stop: int, batch: int) -> Iterator[tuple[int, int]]:
+        """Regions [lo, hi) of bytes [start, stop) of the blob's file, each once the ``batch``
+        blocks that cover it (fewer at the end) are checked in place, in a map of the file."""
+        with mmap.mmap(self.blob.fileno(), self.info.size, prot=mmap.PROT_READ) as mapped:
+            view = memoryview(mapped)
+            try:
+                checked, lo = 0, start
+                for offset, data in self._checked(start, stop, lambda at, size: view[at : at + size]):
+                    data.release()  # type: ignore[union-attr]
+                    checked += 1
+                    hi = min(stop, offset + self.info.block_size)
+                    if checked % batch == 0 or hi == stop:
+                        yield lo, hi
+                        lo = hi
+            finally:
+                view.release()
+
+    def pieces(self, window: int) -> Iterator[memoryview]:
+        """The payload as the client gets it, from checked blocks: as stored, or with a new
+        prefix and the rows or the cast the plan asks for (a cast converts ``window`` bytes at a time)."""
+        plan = self.plan
+        blocks = self.blocks(plan.start, plan.stop)
+        if plan.prefix is None:
+            return blocks
+        return made_pieces(plan, blocks, window)
+
+    def messages(self, chunk_size: int) -> Iterator[bytes]:
+        """The whole payload as stored, the fast path: the encoded ``FetchResponse`` messages of
+        ``chunk_size`` payload bytes (the last shorter), each read from the file straight into
+        the ``bytes`` gRPC sends, behind its message's framing (:func:`_new_message`: one copy),
+        and checked there. A message is let out only once every block it holds has matched
+        its checksum (with chunks of whole blocks, at once; smaller chunks wait for the end of
+        their block)."""
+        entry, info = self.entry, self.info
+        check = BlockCheck(self.what, info)
+        held: deque[tuple[int, bytes]] = deque()  # messages and where their bytes end
+        for offset in range(0, max(entry.payload_bytes, 1), chunk_size):
+            size = min(chunk_size, entry.payload_bytes - offset)
+            framing = encode_fetch_response(entry.name if offset == 0 else None, []) + b"\x12" + encode_varint(size)
+            message, got = _new_message(framing, self.blob, offset, size)
+            if got != size:
+                raise DataLoss(f"{self.what}: stored blob {entry.digest} is truncated at byte {offset + got}")
+            check.update(memoryview(message)[len(framing):])
+            held.append((offset + size, message))
+            while held and held[0][0] <= check.verified:
+                yield held.popleft()[1]
+        if check.verified != info.size or info.size != entry.payload_bytes:
+            raise DataLoss(f"{self.what}: stored blob {entry.digest}: {check.verified} of {info.size} bytes checked")
+        while held:
+            yield held.popleft()[1]
+
+
+def _new_message(framing: bytes, blob: BlobFile, offset: int, size: int) -> tuple[bytes, int]:
+    """A new ``bytes``: ``framing``, then ``size`` bytes of ``blob`` from ``offset``; and how many
+    of them were read (fewer: the blob is short).
+
+    grpcio sends only ``bytes``, and filling a ``bytearray`` first would cost a second copy of
+    each chunk. A ``BytesIO`` made from a new ``bytes`` owns it alone, writes through
+    ``getbuffer()`` land in it, and ``getvalue()`` hands that very object over once no view
+    of it is left (CPython; elsewhere it copies). No ``bytes`` anyone can see ever changes:
+    copy-on-write is ``BytesIO``'s own.
+    """
+    buffer = io.BytesIO(bytes(len(framing) + size))
+    view = buffer.getbuffer()
+    view[: len(framing)] = framing
+    got = blob.read_into(view[len(framing) :], offset)
+    view.release()
+    return buffer.getvalue(), got
