@@ -30,11 +30,12 @@ from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 from tannery_protocol import checksums, errors
 from . import buffer_pool
 from .connection import TRANSPORTS, check_transport
-from tannery_protocol.codec import DIM, FIXED_PREFIX, HEADER, METADATA, FormatError, PayloadInfo, parse, read_info
+from tannery_protocol.codec import DIM, FIXED_PREFIX, HEADER, METADATA, FormatError, parse, read_info
 from tannery_protocol.datalink import (
     HANDSHAKE_SECONDS, TICKET_KEY, TRANSPORT_KEY, Link, LinkError, PeerFailed, connect_unix, expect, frame, tune_tcp,
 )
 from tannery.gathering import receive_buffer
+from .received import Arrived, TensorPiece
 from tannery_protocol.v1.data_pb2 import DataEnd, EntryBytes, Hello, SealedPiece, Taken
 
 if TYPE_CHECKING:
@@ -179,20 +180,10 @@ def ticket_of(metadata: Sequence[tuple[str, object]] | None) -> str | None:
 # -- Fetch ------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Arrived:
-    """One fetched entry: its name, what its payload header says, and its tensor bytes (a view
-    of the mapped file or of the buffer received into; writable, so a tensor shares it)."""
-
-    name: str
-    info: PayloadInfo
-    data: memoryview
-
-
 def receive_fetch(link: Link, pieces: bool = False, pool: "buffer_pool.ReceivePool | None" = None
                   ) -> Iterator[object]:
     """The entries a Fetch sends on ``link``, as :class:`Arrived` (or, with ``pieces`` on a TCP
-    link, as :class:`~tannery.readers.TensorPiece`\\ s, so that only one piece is held); a TCP
+    link, as :class:`~tannery.received.TensorPiece`\\ s, so that only one piece is held); a TCP
     entry is received into one of ``pool``'s maps when it has one that fits."""
     entries = total = 0
     while True:
@@ -306,8 +297,6 @@ def _received(link: Link, entry: EntryBytes, pool: "buffer_pool.ReceivePool | No
 
 
 def _received_pieces(link: Link, entry: EntryBytes) -> Iterator[object]:
-    from .readers import TensorPiece
-
     prefix = _receive_prefix(link, entry.payload_bytes, entry.name)
     info = read_info(prefix)
     offset = 0
