@@ -82,28 +82,23 @@ def send(method: Any, messages: Iterable[bytes], options: dict[str, Any], target
         sent.join()
 
 
-class SyncUpload:
-    """A client-streaming call opened with ``first``, its payloads sent elsewhere (:class:`~tannery.waits.Upload`)."""
+class _Upload:
+    """A client-streaming call opened with ``first``, its payloads sent elsewhere
+    (:class:`~tannery.waits.Upload`): ``last(sent)`` ends its messages once :meth:`finish`
+    is told what was sent (nothing after a failed transfer)."""
 
-    def __init__(self, method: Any, first: bytes, last: Callable[[Any], bytes] | None, options: dict[str, Any],
-                 target: str) -> None:
+    call: Any
+
+    def __init__(self, first: bytes, last: Callable[[Any], bytes] | None, target: str, finished: Any) -> None:
         self._first, self._last, self._target = first, last, target
         self._sent: Any = None
-        self._finished = threading.Event()
-        self._messages = _Guarded(self._stream())
-        self.call = method.future(self._messages, **options)
+        self._finished = finished
 
-    def _stream(self) -> Iterator[bytes]:
-        yield self._first
-        self._finished.wait()
-        if self._sent is not None and self._last is not None:
-            yield self._last(self._sent)
+    def _closing(self) -> list[bytes]:
+        return [self._last(self._sent)] if self._sent is not None and self._last is not None else []
 
     def initial_metadata(self) -> Any:
         return self.call.initial_metadata()
-
-    def result(self) -> Any:
-        return self.call.result()
 
     def finish(self, sent: Any) -> None:
         self._sent = sent
@@ -111,6 +106,24 @@ class SyncUpload:
 
     def cancel(self) -> None:
         self.call.cancel()
+
+
+class SyncUpload(_Upload):
+    """An upload in the sync API: its messages taken by gRPC's thread, which :meth:`close` joins."""
+
+    def __init__(self, method: Any, first: bytes, last: Callable[[Any], bytes] | None, options: dict[str, Any],
+                 target: str) -> None:
+        super().__init__(first, last, target, threading.Event())
+        self._messages = _Guarded(self._stream())
+        self.call = method.future(self._messages, **options)
+
+    def _stream(self) -> Iterator[bytes]:
+        yield self._first
+        self._finished.wait()
+        yield from self._closing()
+
+    def result(self) -> Any:
+        return self.call.result()
 
     def error(self, error: BaseException) -> Exception:
         return rpc_error(error, self._target)
@@ -177,35 +190,23 @@ async def aio_send(method: Any, messages: Iterable[bytes] | AsyncIterable[bytes]
             raise final.error(error, target) from None
 
 
-class AioUpload:
-    """:class:`SyncUpload` in asyncio."""
+class AioUpload(_Upload):
+    """An upload in asyncio, its status kept as it ended (:class:`_FinalStatus`)."""
 
     def __init__(self, method: Any, first: bytes, last: Callable[[Any], bytes] | None, options: dict[str, Any],
                  target: str) -> None:
-        self._first, self._last, self._target = first, last, target
-        self._sent: Any = None
-        self._finished = asyncio.Event()
+        super().__init__(first, last, target, asyncio.Event())
         self.call = method(self._stream(), **options)
         self._final = _FinalStatus(self.call)
 
     async def _stream(self) -> AsyncIterator[bytes]:
         yield self._first
         await self._finished.wait()
-        if self._sent is not None and self._last is not None:  # no final message after a failed transfer
-            yield self._last(self._sent)
-
-    def initial_metadata(self) -> Any:
-        return self.call.initial_metadata()
+        for message in self._closing():
+            yield message
 
     async def result(self) -> Any:
         return await self.call
-
-    def finish(self, sent: Any) -> None:
-        self._sent = sent
-        self._finished.set()
-
-    def cancel(self) -> None:
-        self.call.cancel()
 
     def error(self, error: BaseException) -> Exception:
         return self._final.error(error, self._target)
