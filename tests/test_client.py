@@ -26,6 +26,7 @@ import torch
 import tannery
 import tannery.aio
 from tannery_protocol import codec, wire
+from tannery import grpc_streams
 from tannery.readers import EntryReader
 from tannery.remote import AsyncRemoteArchive
 from tannery.torch import serialize
@@ -757,10 +758,9 @@ def test_a_malformed_payload_is_a_format_error(client, server):
     target = client._target if isinstance(client, Blocking) else client
     with pytest.raises(tannery.FormatError, match="entry 'w': bad magic") as caught:
         if isinstance(target, tannery.aio.Client):
-            client._loop.run(target._send(target._methods.store, messages))
+            client._loop.run(grpc_streams.aio_send(target._methods.store, messages, {}, target.target))
         else:
-            with target._errors():
-                target._methods.store(iter(messages))
+            grpc_streams.send(target._methods.store, messages, {}, target.target)
     assert caught.value.code == "INVALID_ARGUMENT"
 
 

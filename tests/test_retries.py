@@ -150,17 +150,17 @@ def test_with_retries_off_a_killed_server_fails_the_calls_naming_it(server):
 def test_a_delete_retried_after_a_lost_answer_reports_the_archive_gone(server, monkeypatch):
     with tannery.Client(server.target, retries=2, transport="grpc") as client:
         client.store("old", {"w": torch.ones(3)})
-        real = client._unary_once
+        real = client._methods.delete
         lost = []
 
-        def answer_lost(method, request):
-            result = real(method, request)
+        def answer_lost(request, **options):
+            result = real(request, **options)
             if isinstance(request, pb.DeleteRequest) and not lost:
                 lost.append(result)
                 raise tannery.Unavailable("the answer was lost")
             return result
 
-        monkeypatch.setattr(client, "_unary_once", answer_lost)
+        monkeypatch.setattr(client._methods, "delete", answer_lost)
         deleted = client.delete("old")
         assert lost and deleted.already_gone and deleted.archive.name == "old"
         with pytest.raises(tannery.NotFound):

@@ -39,7 +39,7 @@ _EXPORTS = {
     "ArchiveInfo": "tannery.records",
     "ArchiveDescription": "tannery.records",
     "EntryDescription": "tannery.records",
-    "TensorPiece": "tannery.readers",
+    "TensorPiece": "tannery.received",
 }
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence, Union
+from typing import Any, Mapping, Sequence, Union
 
 import grpc
 
@@ -149,6 +149,24 @@ class Connection:
         return f"{self.target!r}, {tls}{', token' if self.metadata else ''}"
 
 
+class Calls:
+    """A client's calls: the RPC table on its channel (:class:`tannery.requests.Methods`, sync
+    or aio) and the options each call is made with. What the call core and the transports use."""
+
+    def __init__(self, connection: Connection, methods: Any) -> None:
+        self.connection = connection
+        self.methods = methods
+
+    @property
+    def target(self) -> str:
+        return self.connection.target
+
+    def options(self, *, timeout: bool = True, metadata: Sequence[tuple[str, str]] = ()) -> dict[str, Any]:
+        """A call's token (and ``metadata``), and the client's timeout unless ``timeout`` is False."""
+        return {"metadata": (*self.connection.metadata, *metadata),
+                "timeout": self.connection.timeout if timeout else None}
+
+
 _ERRORS: dict[grpc.StatusCode, type[Exception]] = {
     grpc.StatusCode.NOT_FOUND: errors.NotFound,
     grpc.StatusCode.ALREADY_EXISTS: errors.AlreadyExists,
@@ -206,4 +224,4 @@ def rpc_error(error: grpc.RpcError, target: str) -> Exception:
     return service_error(error.code(), error.details(), error.trailing_metadata(), target)
 
 
-__all__ = ["Connection", "DEFAULT_CHUNK_SIZE", "DEFAULT_TARGET", "TLS", "TLSLike", "rpc_error", "service_error"]
+__all__ = ["Calls", "Connection", "DEFAULT_CHUNK_SIZE", "DEFAULT_TARGET", "TLS", "TLSLike", "rpc_error", "service_error"]

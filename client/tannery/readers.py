@@ -9,21 +9,19 @@ received messages (:class:`PieceReader`, what ``tannery pull`` writes to files).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tannery_protocol import wire
 from tannery_protocol._lazy import lazy_module
-from tannery_protocol.codec import FormatError, PayloadInfo, byte_buffer
+from tannery_protocol.codec import FormatError, byte_buffer
 from .buffer_pool import ReceivePool
 from tannery_protocol.framing import Deframer
 from tannery.gathering import Reframer
+from .received import Arrived, TensorPiece
 from .requests import Progress
 
 if TYPE_CHECKING:
     import torch
-
-    from .transports import Arrived
 
 # Imported where a tensor is made: PieceReader never imports torch.
 torch_codec = lazy_module("tannery.torch")
@@ -121,25 +119,6 @@ class EntryReader(_EntryStream):
 
     def _close_entry(self) -> None:
         self._reframer.close()
-
-
-@dataclass(frozen=True)
-class TensorPiece:
-    """A piece of one entry's tensor bytes (its payload's buffer), as it arrived.
-
-    ``data`` views the received message (nothing is copied); it holds the tensor bytes
-    ``[offset, offset + len(data))`` of entry ``name``, whose payload header said ``info``
-    (dtype, shape, nbytes). Every entry comes as one or more pieces in order, from the
-    ``first`` (at offset 0, possibly empty) to the ``last`` (ending at ``info.nbytes``).
-    Booleans are bit-packed, eight to a byte, as the payload carries them.
-    """
-
-    name: str
-    info: PayloadInfo
-    offset: int
-    data: memoryview
-    first: bool
-    last: bool
 
 
 class PieceReader(_EntryStream):

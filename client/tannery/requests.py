@@ -9,7 +9,7 @@ Publish (each tensor's bytes copied once, into its message, from
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -200,6 +200,41 @@ def publish_messages(
             progress(sum(piece.nbytes for piece in chunk))
 
 
+
+def publish_stream(channel: str, tensors: Iterable[Any] | AsyncIterable[Any], chunk_size: int,
+                   progress: Progress = None) -> Iterator[bytes] | AsyncIterator[bytes]:
+    """The messages of a Publish of ``tensors`` (each read as it is sent; an async iterable
+    gives an async iterator), the first naming ``channel`` (alone when there is no tensor)."""
+    publishing = _Publishing(channel, chunk_size, progress)
+    return publishing.each_async(tensors) if isinstance(tensors, AsyncIterable) else publishing.each(tensors)
+
+
+class _Publishing:
+    def __init__(self, channel: str, chunk_size: int, progress: Progress) -> None:
+        self.channel, self.chunk_size, self.progress = channel, chunk_size, progress
+        self.count = 0
+
+    def of(self, tensor: Any) -> Iterator[bytes]:
+        messages = publish_messages(tensor, None if self.count else self.channel, self.chunk_size, self.progress,
+                                    self.count)
+        self.count += 1
+        return messages
+
+    def end(self) -> list[bytes]:
+        return [] if self.count else [wire.encode_publish_request(self.channel, [])]
+
+    def each(self, tensors: Iterable[Any]) -> Iterator[bytes]:
+        for tensor in tensors:
+            yield from self.of(tensor)
+        yield from self.end()
+
+    async def each_async(self, tensors: AsyncIterable[Any]) -> AsyncIterator[bytes]:
+        async for tensor in tensors:
+            for message in self.of(tensor):
+                yield message
+        for message in self.end():
+            yield message
+
 def entry_ask(entry: EntryDescription, cast: str | None = None, rows: tuple[int, int] | None = None
               ) -> archives_pb2.EntryAsk:
     """An ask for ``entry`` that the server checks against what the client saw (the archive
@@ -278,6 +313,7 @@ __all__ = [
     "fetch_request",
     "list_request",
     "publish_messages",
+    "publish_stream",
     "store_entries",
     "store_messages",
     "union_request",

@@ -15,8 +15,8 @@ off). Every retry is logged at INFO on the ``tannery.client`` logger. What is re
   entry is fetched twice into the result; the one cut off midway comes again whole.
 
 gRPC's own retry policy (a service config) is not used: it cannot replay a Store larger than
-its buffer, nor resume a Fetch, nor log. The loops of the two clients differ only in how
-they wait (:func:`pause` and ``asyncio.sleep``); what to do is decided here.
+its buffer, nor resume a Fetch, nor log. What to do is decided here; the one loop that
+does it is the call core's (:mod:`tannery.calls`), which both clients drive.
 """
 
 from __future__ import annotations

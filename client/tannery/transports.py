@@ -1,119 +1,71 @@
-"""The client's side of the data paths: which one a call takes, and the bytes moved on it.
+"""The client's data plane: one :class:`Transport` per way of moving a call's bytes, chosen in one place.
 
 A ``tannery.Client`` moves the bytes of Store and Fetch one of four ways (``transport=``):
 
 - ``"local"``: the server's Unix socket, on its host. A Fetch receives the stored blob files
   themselves (descriptors passed with SCM_RIGHTS) and maps them: the tensors are views of
   the page cache, each block checked against its checksum first. A Store writes each
-  payload into sealed memory files the server reads, hashes and stores.
+  payload into sealed memory files the server reads, hashes and stores. Publish and
+  Subscribe pass their payloads as sealed memory files too.
 - ``"tcp"``: a direct TCP connection to the server's data port (TLS when gRPC is), the
   server sending from its files with ``sendfile``, the client receiving straight into the
-  tensors' memory.
+  tensors' memory. Publish and Subscribe take the gRPC streams.
 - ``"grpc"``: the gRPC streams (every server offers them).
 - ``"auto"`` (the default): local when the server's socket is reachable from here and
   leads to the same server, else tcp when the server offers a data port that answers,
   else grpc.
 
-Every call is checked over gRPC first (token, names, every ask), then moves its bytes on
-the data connection with the call's one-time ticket; the call's status is the outcome.
+:func:`choose` makes the choice; the call core (:mod:`tannery.calls`) then calls the chosen
+transport's ``fetch``, ``store``, ``publish`` and ``subscribe``, each a generator of steps
+(:mod:`tannery.waits`) that either client drives. Every call on a data path is checked over
+gRPC first (token, names, every ask), then moves its bytes on the data connection
+(:mod:`tannery.links`) with the call's one-time ticket; the call's status is the outcome.
 """
 
 from __future__ import annotations
 
-import mmap
-import os
-import socket
 import ssl
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
+from collections import deque
+from collections.abc import AsyncIterable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
-from tannery_protocol import checksums, errors
-from . import buffer_pool
-from .connection import TRANSPORTS, check_transport
-from tannery_protocol.codec import DIM, FIXED_PREFIX, HEADER, METADATA, FormatError, PayloadInfo, parse, read_info
-from tannery_protocol.datalink import (
-    HANDSHAKE_SECONDS, TICKET_KEY, TRANSPORT_KEY, Link, LinkError, PeerFailed, connect_unix, expect, frame, tune_tcp,
-)
-from tannery.gathering import receive_buffer
-from tannery_protocol.v1.data_pb2 import DataEnd, EntryBytes, Hello, SealedPiece, Taken
+import grpc
+
+from tannery_protocol import errors
+from .connection import TRANSPORTS, Calls, check_transport, rpc_error, service_error
+from tannery_protocol.datalink import TICKET_KEY, TRANSPORT_KEY, LinkError, PeerFailed
+from .links import Route, coded, connect_call, link_failure, next_published, publish_over, receive_fetch, send_store
+from .requests import Progress, publish_stream, store_begin, store_entries, store_messages
+from .waits import END, Blocking, Read, Rpc, Send, Status, Steps, Upload
+from tannery_protocol.v1 import archives_pb2, channels_pb2
+from tannery_protocol.wire import ABANDONED, encode_publish_request, encode_store_commit, encode_store_request
 
 if TYPE_CHECKING:
+    from .archive import Archive
     from .connection import TLS
-    from .requests import Progress
+    from .readers import PayloadReader
     from tannery_protocol.v1.archives_pb2 import DataPathsResponse
 
-#: Bytes of one sealed memory file of a local Store (the server hashes one while the next fills).
-STORE_PIECE = 32 << 20
-#: Bytes sent between two reports to a Store's ``progress`` (a bar moves, and shows a rate).
-PROGRESS_STEP = 1 << 20
-#: Bytes of one piece of a TCP Fetch read as pieces (``fetch_pieces``): only these are held.
-RECEIVE_PIECE = 4 << 20
 #: Seconds to wait for a call's status after its data connection broke.
 STATUS_WAIT = 10.0
-#: madvise advice that maps a range's pages in for reading (Linux 5.14; the mmap module may lack the name).
-_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 
 
-@dataclass(frozen=True)
-class Route:
-    """How to reach the server's data path: its kind ("local" or "tcp") and address."""
+def choose(transport: str, offered: "DataPathsResponse | None", target: str, tls: "TLS | None") -> "Transport":
+    """The transport ``transport`` names, given what the server offers (:data:`GRPC` when
+    ``"auto"`` finds no data path that answers).
 
-    kind: str
-    server_id: str
-    socket_path: str = ""
-    host: str = ""
-    port: int = 0
-    tls: "TLS | None" = None
-
-    def describe(self) -> str:
-        return f"socket {self.socket_path}" if self.kind == "local" else f"data port {self.host}:{self.port}"
-
-    def open(self, timeout: float | None = HANDSHAKE_SECONDS) -> Link:
-        """A connection that the server has welcomed as itself (LinkError or OSError otherwise)."""
-        link = connect_unix(self.socket_path, timeout) if self.kind == "local" else self._connect_tcp(timeout)
-        try:
-            welcome, _ = link.receive()
-            expect(welcome, "welcome")
-            if welcome.welcome.server_id != self.server_id:
-                raise LinkError(f"another server answers on the {self.describe()} (its id differs from the one "
-                                "the gRPC port gave)")
-            link.sock.settimeout(None)
-        except BaseException:
-            link.close()
-            raise
-        return link
-
-    def connect(self, ticket: str) -> Link:
-        """A connection for one call: welcomed, and the call's ticket presented."""
-        link = self.open()
-        try:
-            link.send(frame(hello=Hello(ticket=bytes.fromhex(ticket))))
-        except BaseException:
-            link.close()
-            raise
-        return link
-
-    def _connect_tcp(self, timeout: float | None) -> Link:
-        sock = socket.create_connection((self.host, self.port), timeout=timeout)
-        try:
-            tune_tcp(sock)
-            if self.tls is not None:
-                sock = _client_context(self.tls).wrap_socket(sock, server_hostname=self.tls.server_name or self.host)
-        except BaseException:
-            sock.close()
-            raise
-        return Link(sock, local=False)
+    ``"auto"`` tries each data path (a connection and the server's welcome) and takes the
+    first that answers as this server; ``"local"`` and ``"tcp"`` raise Unavailable, saying
+    why, when theirs does not.
+    """
+    route = _route(transport, offered, target, tls)
+    if route is None:
+        return GRPC
+    return LocalTransport(route) if route.kind == "local" else LinkTransport(route)
 
 
-def _client_context(tls: "TLS") -> ssl.SSLContext:
-    context = ssl.create_default_context(cafile=os.fspath(tls.ca) if tls.ca is not None else None)
-    if tls.cert is not None and tls.key is not None:
-        context.load_cert_chain(os.fspath(tls.cert), os.fspath(tls.key))
-    return context
-
-
-def choose(transport: str, offered: "DataPathsResponse | None", target: str, tls: "TLS | None") -> Route | None:
-    """The route of ``transport`` given what the server offers (None: the gRPC streams).
+def _route(transport: str, offered: "DataPathsResponse | None", target: str, tls: "TLS | None") -> Route | None:
+    """The data path of ``transport`` given what the server offers (None: the gRPC streams).
 
     ``"auto"`` tries each data path (a connection and the server's welcome) and takes the
     first that answers as this server; ``"local"`` and ``"tcp"`` raise Unavailable, saying
@@ -154,7 +106,7 @@ def choose(transport: str, offered: "DataPathsResponse | None", target: str, tls
             reasons.append(f"the {route.describe()} does not answer as this server ({exc}; {where})")
     if transport == "auto":
         return None
-    raise _coded(errors.Unavailable, "UNAVAILABLE", f"transport {transport!r} is not available: {'; '.join(reasons)}; "
+    raise coded(errors.Unavailable, "UNAVAILABLE", f"transport {transport!r} is not available: {'; '.join(reasons)}; "
                  "use transport='auto' (or --transport auto) to fall back to what is")
 
 
@@ -176,287 +128,258 @@ def ticket_of(metadata: Sequence[tuple[str, object]] | None) -> str | None:
     return None
 
 
-# -- Fetch ------------------------------------------------------------------------------------
+class Transport(Protocol):
+    """How Store, Fetch, Publish and Subscribe move their bytes. Each method is a generator of
+    steps (:mod:`tannery.waits`) given the client's :class:`~tannery.connection.Calls`."""
+
+    kind: str  # "grpc", "local" or "tcp"
+
+    def fetch(self, calls: Calls, request: archives_pb2.FetchRequest, reader: Any) -> Steps[None]:
+        """Yields what ``reader`` makes of the entries as they arrive; leaving early ends the call."""
+
+    def store(self, calls: Calls, name: str, archive: Archive, prefix: str, replace: bool, progress: Progress,
+              metadata: Mapping[str, str] | None, digests: bool) -> Steps[Any]:
+        """The StoreResponse of one Store call of the whole archive."""
+
+    def publish(self, calls: Calls, channel: str, tensors: Iterable[Any], progress: Progress) -> Steps[Any]:
+        """The PublishResponse of one Publish call."""
+
+    def subscribe(self, calls: Calls, channel: str, reader: PayloadReader) -> Steps[Feed]:
+        """A subscription the server has registered."""
 
 
-@dataclass(frozen=True)
-class Arrived:
-    """One fetched entry: its name, what its payload header says, and its tensor bytes (a view
-    of the mapped file or of the buffer received into; writable, so a tensor shares it)."""
+class GrpcTransport:
+    """The gRPC streams: every byte in the calls' messages."""
 
-    name: str
-    info: PayloadInfo
-    data: memoryview
+    kind = "grpc"
 
-
-def receive_fetch(link: Link, pieces: bool = False, pool: "buffer_pool.ReceivePool | None" = None
-                  ) -> Iterator[object]:
-    """The entries a Fetch sends on ``link``, as :class:`Arrived` (or, with ``pieces`` on a TCP
-    link, as :class:`~tannery.readers.TensorPiece`\\ s, so that only one piece is held); a TCP
-    entry is received into one of ``pool``'s maps when it has one that fits."""
-    entries = total = 0
-    while True:
-        received, fds = link.receive(expect_fds=1 if link.local else 0)
-        kind = expect(received, "end", "mapped" if link.local else "entry")
-        if kind == "end":
-            end: DataEnd = received.end
-            if end.entries != entries or end.payload_bytes != total:
-                raise LinkError(f"data connection: the server says it sent {end.entries} entries of "
-                                f"{end.payload_bytes} bytes, {entries} of {total} arrived")
-            return
-        entries += 1
-        if link.local:
-            if len(fds) != 1:
-                for fd in fds:
-                    os.close(fd)
-                raise LinkError(f"data connection: entry {received.mapped.name!r} came without its file")
-            try:
-                arrived = _mapped(received.mapped, fds[0])
-            finally:
-                os.close(fds[0])
-            total += len(received.mapped.prefix) + received.mapped.length
-            yield arrived
-        elif pieces:
-            total += received.entry.payload_bytes
-            yield from _received_pieces(link, received.entry)
-        else:
-            total += received.entry.payload_bytes
-            yield _received(link, received.entry, pool)
-
-
-def _mapped(entry, fd: int) -> Arrived:
-    """An entry from the region of a file: mapped privately (the tensor may be written; the file
-    never is), its covering blocks checked first."""
-    what = f"entry {entry.name!r}"
-    start, stop = entry.offset, entry.offset + entry.length
-    if entry.block_crcs:
-        map_start = entry.first_block * entry.block_size
-        map_stop = min(entry.file_size, map_start + len(entry.block_crcs) // 4 * entry.block_size)
-    else:
-        map_start, map_stop = 0, stop
-    map_start -= map_start % mmap.ALLOCATIONGRANULARITY
-    if not map_start <= start <= stop <= map_stop:
-        raise LinkError(f"data connection: {what}: region [{start}, {stop}) outside the checked blocks")
-    if map_stop == map_start:
-        region = memoryview(bytearray(0))
-    else:
-        mapped = mmap.mmap(fd, map_stop - map_start, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE,
-                           offset=map_start)
-        _populate(mapped)
-        region = memoryview(mapped)
-        if entry.block_crcs:
-            first = entry.first_block * entry.block_size - map_start
-            bad = checksums.first_bad_block(region[first:], entry.block_size, entry.block_crcs, entry.checksum,
-                                            entry.first_block)
-            if bad is not None:
-                raise _coded(errors.DataLoss, "DATA_LOSS", checksums.corrupted_message(what, entry.digest, bad))
-        region = region[start - map_start : stop - map_start]
-    try:
-        if entry.prefix:
-            info = read_info(entry.prefix)
-            if info is None or info.nbytes != entry.length:
-                raise FormatError(f"a prefix for {info.nbytes if info else '?'} bytes before {entry.length}")
-            return Arrived(entry.name, info, region)
-        info = parse(region)
-    except FormatError as exc:
-        raise FormatError(f"Fetch: {what}: {exc}") from None
-    return Arrived(entry.name, info, region[info.data_offset :])
-
-
-def _populate(mapped: mmap.mmap) -> None:
-    """Map the file's pages in at once, read-only (the block check reads them all next).
-
-    Not MAP_POPULATE: on a private writable map it faults every page in for writing, which
-    copies the whole file (about 0.6 s per GiB here). MADV_POPULATE_READ (Linux 5.14) maps the
-    page cache's own pages; a page is copied only if the tensor is written. Older kernels
-    refuse it, and the check then faults the pages in as it reads them.
-    """
-    try:
-        mapped.madvise(_MADV_POPULATE_READ)
-    except (OSError, AttributeError):
-        pass
-
-
-def _receive_prefix(link: Link, size: int, name: str) -> bytearray:
-    """A payload's header, metadata and shape, read off the connection."""
-    prefix = link.receive_exactly(min(size, FIXED_PREFIX))
-    try:
-        if len(prefix) == FIXED_PREFIX and read_info(prefix) is None:
-            rank = METADATA.unpack_from(prefix, HEADER.size)[3]
-            prefix += link.receive_exactly(min(size - FIXED_PREFIX, DIM.size * rank))
-        info = read_info(prefix)
-        if info is None or info.size != size:
-            raise FormatError(f"a payload of {size} bytes whose header says "
-                              f"{info.size if info else 'too little'}")
-    except FormatError as exc:
-        raise FormatError(f"Fetch: entry {name!r}: {exc}") from None
-    return prefix
-
-
-def _received(link: Link, entry: EntryBytes, pool: "buffer_pool.ReceivePool | None" = None) -> Arrived:
-    """A payload received in one aligned buffer, which the tensor then shares."""
-    prefix = _receive_prefix(link, entry.payload_bytes, entry.name)
-    info = read_info(prefix)
-    buffer = receive_buffer(entry.payload_bytes, info.data_offset, pool)
-    buffer[: len(prefix)] = prefix
-    rest = buffer[len(prefix) :]
-    with buffer_pool.faulting_in_behind(rest):
-        link.receive_into(rest)
-    return Arrived(entry.name, info, buffer[info.data_offset :])
-
-
-def _received_pieces(link: Link, entry: EntryBytes) -> Iterator[object]:
-    from .readers import TensorPiece
-
-    prefix = _receive_prefix(link, entry.payload_bytes, entry.name)
-    info = read_info(prefix)
-    offset = 0
-    if info.nbytes == 0:
-        yield TensorPiece(entry.name, info, 0, memoryview(b""), True, True)
-        return
-    while offset < info.nbytes:
-        piece = memoryview(bytearray(min(RECEIVE_PIECE, info.nbytes - offset)))
-        link.receive_into(piece)
-        yield TensorPiece(entry.name, info, offset, piece, offset == 0, offset + piece.nbytes == info.nbytes)
-        offset += piece.nbytes
-
-
-# -- Store ------------------------------------------------------------------------------------
-
-
-def send_store(link: Link, entries: Iterable[tuple[str, list, bytes]], progress: "Progress" = None
-               ) -> tuple[int, int]:
-    """Send each ``(name, payload parts, SHA-256 or empty)`` on ``link``, then ``end``, and wait
-    for the server's ``end``; returns the entries and payload bytes sent."""
-    count = total = 0
-    for name, parts, sha256 in entries:
-        views = [memoryview(part).cast("B") for part in parts]
-        size = sum(view.nbytes for view in views)
-        link.send(frame(entry=EntryBytes(name=name, payload_bytes=size, sha256=sha256)))
-        if link.local:
-            for piece in _pieces(views, STORE_PIECE):
-                _send_sealed(link, piece, name, progress)
-        else:
-            for step in _pieces(views, PROGRESS_STEP):
-                for view in step:
-                    link.send_bytes(view)
-                if progress is not None:
-                    progress(sum(view.nbytes for view in step))
-        count += 1
-        total += size
-    link.send(frame(end=DataEnd(entries=count, payload_bytes=total)))
-    answer, _ = link.receive()
-    expect(answer, "end")
-    return count, total
-
-
-def _pieces(views: list[memoryview], size: int) -> Iterator[list[memoryview]]:
-    """The views cut into consecutive lists of at most ``size`` bytes."""
-    batch: list[memoryview] = []
-    room = size
-    for view in views:
-        while view.nbytes:
-            take = view[:room]
-            batch.append(take)
-            view, room = view[take.nbytes :], room - take.nbytes
-            if not room:
-                yield batch
-                batch, room = [], size
-    if batch:
-        yield batch
-
-
-def _send_sealed(link: Link, views: list[memoryview], name: str, progress: "Progress" = None) -> None:
-    """Write ``views`` into a new memory file, seal it against any change, and pass it on
-    (``progress`` hears of every :data:`PROGRESS_STEP` written)."""
-    import fcntl
-
-    size = sum(view.nbytes for view in views)
-    fd = os.memfd_create(f"tannery-store-{name[:40]}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
-        os.ftruncate(fd, size)
-        offset = 0
-        for view in views:
-            while view.nbytes:
-                written = os.pwrite(fd, view[:PROGRESS_STEP], offset)
-                view, offset = view[written:], offset + written
-                if progress is not None:
-                    progress(written)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
-                    fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-        link.send(frame(piece=SealedPiece(size=size)), [fd])
-    finally:
-        os.close(fd)
-
-
-# -- Channels ---------------------------------------------------------------------------------
-
-
-def publish_over(link: Link, tensors: Iterable[object], progress: "Progress" = None) -> tuple[int, int]:
-    """Pass each tensor as one sealed memory file (its payload), then ``end``; wait for the
-    server's ``end``. Returns the payloads and bytes published."""
-    from . import torch as torch_codec
-    from .values import as_tensor
-
-    count = total = 0
-    for index, tensor in enumerate(tensors):
-        tensor = as_tensor(tensor, f"tensor {index}", "Client.publish")
-        views = [memoryview(part).cast("B") for part in torch_codec.serialize_parts(tensor)]
-        _send_sealed(link, views, "publish")
-        size = sum(view.nbytes for view in views)
-        count, total = count + 1, total + size
-        if progress is not None:
-            progress(size)
-    link.send(frame(end=DataEnd(entries=count, payload_bytes=total)))
-    answer, _ = link.receive()
-    expect(answer, "end")
-    return count, total
-
-
-def next_published(link: Link, reader: object) -> list:
-    """The tensors the next frame of a same-host subscription completes (a mapped payload is
-    one, acknowledged at once; pieces of a payload published over gRPC are gathered by
-    ``reader``, a :class:`~tannery.readers.PayloadReader`)."""
-    received, fds = link.receive(expect_fds=1)
-    kind = expect(received, "mapped", "entry", "abandoned")
-    if kind == "mapped":
-        if len(fds) != 1:
-            raise LinkError("data connection: a published payload came without its memory file")
+    def fetch(self, calls: Calls, request: archives_pb2.FetchRequest, reader: Any) -> Steps[None]:
+        call = calls.methods.fetch(request, **calls.options())
         try:
-            arrived = _mapped(received.mapped, fds[0])
+            try:
+                while (message := (yield Read(call))) is not END:
+                    yield from reader.feed(message)
+            except grpc.RpcError as error:
+                raise rpc_error(error, calls.target) from None
+            reader.close()
         finally:
-            os.close(fds[0])
-        link.send(frame(taken=Taken(payloads=1)))
-        return [reader.arrived(arrived)]
-    if kind == "abandoned":
-        reader.discard()
-        return []
-    return reader.feed(memoryview(link.receive_exactly(received.entry.payload_bytes)))
+            call.cancel()  # a no-op once the call is over; ends it if reading stopped early or failed
+
+    def store(self, calls: Calls, name: str, archive: Archive, prefix: str, replace: bool, progress: Progress,
+              metadata: Mapping[str, str] | None, digests: bool) -> Steps[Any]:
+        messages = store_messages(name, archive, prefix, replace, calls.connection.chunk_size, progress, metadata,
+                                  digests)
+        # A message may wait for its entry's hash: in asyncio, not on the event loop.
+        return (yield Send(calls.methods.store, messages, calls.options(), calls.target, off_loop=digests))
+
+    def publish(self, calls: Calls, channel: str, tensors: Iterable[Any], progress: Progress) -> Steps[Any]:
+        messages = publish_stream(channel, tensors, calls.connection.chunk_size, progress)
+        return (yield Send(calls.methods.publish, messages, calls.options(), calls.target))
+
+    def subscribe(self, calls: Calls, channel: str, reader: PayloadReader) -> Steps[Feed]:
+        call = calls.methods.subscribe(channels_pb2.SubscribeRequest(channel=channel), **calls.options(timeout=False))
+        yield from _registered(call, calls.target)
+        return Feed(call, reader, calls.target)
 
 
-def connect_call(route: Route, ticket: str) -> Link:
-    """A call's data connection; Unavailable at once when it cannot be made (the caller then
-    cancels the call: the server would answer only when its wait for the connection ends)."""
+#: The gRPC streams (what ``"auto"`` falls back to).
+GRPC = GrpcTransport()
+
+
+class LinkTransport:
+    """A data path (``route``: its kind, "tcp" here and "local" in :class:`LocalTransport`):
+    Store and Fetch move their bytes on a data connection, Publish and Subscribe on gRPC."""
+
+    def __init__(self, route: Route) -> None:
+        self.route = route
+        self.kind = route.kind
+
+    def _options(self, calls: Calls, *, timeout: bool = True) -> dict[str, Any]:
+        return calls.options(timeout=timeout, metadata=((TRANSPORT_KEY, self.kind),))
+
+    def fetch(self, calls: Calls, request: archives_pb2.FetchRequest, reader: Any) -> Steps[None]:
+        """A Fetch checked over gRPC, its entries received on the data path."""
+        call = calls.methods.fetch(request, **self._options(calls))
+        link = None
+        try:
+            try:
+                ticket = ticket_of((yield Rpc(call.initial_metadata)))
+            except grpc.RpcError as error:
+                raise rpc_error(error, calls.target) from None
+            if ticket is None:  # the call failed before any byte: its status says why
+                yield from _ended(call, calls.target)
+                raise errors.ServiceError("the server answered a data-path Fetch without a ticket")
+            # Unavailable at once when the connection cannot be made; the call is cancelled (finally).
+            link = yield Blocking(connect_call, self.route, ticket)
+            try:
+                items = receive_fetch(link, pieces=reader.pieces, pool=reader.pool)
+                while (item := (yield Blocking(next, items, None))) is not None:
+                    yield from reader.arrived(item)
+            except (LinkError, OSError) as exc:
+                raise (yield from broken(call, exc, self.route, calls.target)) from None
+            yield from _ended(call, calls.target)  # the status: OK, or what stopped the transfer
+        finally:
+            if link is not None:
+                link.abort()  # a worker thread still reading returns at once
+                link.close()
+            call.cancel()
+
+    def store(self, calls: Calls, name: str, archive: Archive, prefix: str, replace: bool, progress: Progress,
+              metadata: Mapping[str, str] | None, digests: bool) -> Steps[Any]:
+        """A Store whose call carries begin and commit, its payloads sent on the data path."""
+        return (yield from self._upload(
+            calls, calls.methods.store, encode_store_request(begin=store_begin(name, replace, metadata)),
+            lambda link: send_store(link, store_entries(archive, prefix, digests), progress),
+            lambda sent: encode_store_commit(*sent)))
+
+    def _upload(self, calls: Calls, method: Any, first: bytes, transfer: Any, last: Any = None) -> Steps[Any]:
+        """A client-streaming call (Store, Publish) whose ``first`` message opens it and whose
+        payloads ``transfer(link)`` sends on the data path; ``last(sent)`` is its final message
+        (not sent after a failed transfer: the server then keeps nothing). The call's answer."""
+        upload = yield Upload(method, first, last, self._options(calls), calls.target)
+        try:
+            sent = failure = None
+            try:
+                ticket = ticket_of((yield Rpc(upload.initial_metadata)))
+                if ticket is not None:
+                    # Unavailable at once when the connection cannot be made; the call is cancelled (below).
+                    link = yield Blocking(connect_call, self.route, ticket)
+                    try:
+                        sent = yield Blocking(_transferred, link, transfer)
+                    except (LinkError, OSError) as exc:
+                        failure = exc
+            except BaseException:
+                upload.cancel()
+                raise
+            finally:
+                upload.finish(sent)
+            try:
+                if failure is not None:
+                    raise (yield from broken(upload.call, failure, self.route, calls.target))
+                return (yield Rpc(upload.result))
+            except grpc.RpcError as error:
+                raise upload.error(error) from None
+        finally:
+            upload.close()
+
+    def publish(self, calls: Calls, channel: str, tensors: Iterable[Any], progress: Progress) -> Steps[Any]:
+        return (yield from GRPC.publish(calls, channel, tensors, progress))
+
+    def subscribe(self, calls: Calls, channel: str, reader: PayloadReader) -> Steps[Feed]:
+        return (yield from GRPC.subscribe(calls, channel, reader))
+
+
+class LocalTransport(LinkTransport):
+    """The same-host data path: Publish and Subscribe pass their payloads as sealed memory files too."""
+
+    def publish(self, calls: Calls, channel: str, tensors: Iterable[Any], progress: Progress) -> Steps[Any]:
+        """A Publish whose call names the channel, its payloads passed as sealed memory files
+        (an async iterable of tensors is gathered first: the passing runs on a worker thread)."""
+        if isinstance(tensors, AsyncIterable):
+            tensors = yield Rpc(_gathered, tensors)
+        return (yield from self._upload(calls, calls.methods.publish, encode_publish_request(channel, []),
+                                        lambda link: publish_over(link, tensors, progress)))
+
+    def subscribe(self, calls: Calls, channel: str, reader: PayloadReader) -> Steps[Feed]:
+        """A subscription registered over gRPC whose payloads come on the same-host connection."""
+        request = channels_pb2.SubscribeRequest(channel=channel)
+        call = calls.methods.subscribe(request, **self._options(calls, timeout=False))
+        try:
+            ticket = ticket_of((yield from _registered(call, calls.target)))
+            if ticket is None:
+                raise errors.ServiceError("the server answered a same-host Subscribe without a ticket")
+            link = yield Blocking(connect_call, self.route, ticket)
+        except BaseException:
+            call.cancel()  # the server would wait for the connection until its ticket expires
+            raise
+        return Feed(call, reader, calls.target, link, self.route)
+
+
+class Feed:
+    """A subscription, whichever client holds it: its call, the same-host connection its
+    payloads come on (None: they come in the call's messages), and the tensors ready."""
+
+    def __init__(self, call: Any, reader: PayloadReader, target: str, link: Any = None,
+                 route: Route | None = None) -> None:
+        self.call, self.reader, self.target = call, reader, target
+        self.link, self.route = link, route
+        self.closed = False
+        self._ready: deque[Any] = deque()
+
+    def next_tensor(self) -> Steps[Any]:
+        """The next tensor published, :data:`~tannery.waits.END` once the subscription is over."""
+        while not self._ready:
+            if self.closed:
+                return END
+            try:
+                if self.link is not None:
+                    self._ready.extend((yield Blocking(next_published, self.link, self.reader)))
+                    continue
+                message = yield Read(self.call)
+            except grpc.RpcError as error:
+                if self.closed:
+                    return END
+                raise rpc_error(error, self.target) from None
+            except (LinkError, OSError) as exc:
+                if self.closed:
+                    return END
+                raise (yield from broken(self.call, exc, self.route, self.target)) from None
+            if message is END:
+                return END
+            if message is ABANDONED:
+                self.reader.discard()  # a torn payload is never returned
+            else:
+                self._ready.extend(self.reader.feed(message))
+        return self._ready.popleft()
+
+    def close(self) -> None:
+        """End the subscription (the server forgets it); iterating stops."""
+        self.closed = True
+        if self.link is not None:
+            self.link.abort()  # a thread reading it returns
+        self.call.cancel()
+
+
+def broken(call: Any, exc: BaseException, route: Route, target: str) -> Steps[Exception]:
+    """The error of a call whose data connection broke: the call's own failure when it has one."""
+    if not (isinstance(exc, PeerFailed) and exc.code == "PERMISSION_DENIED"):
+        status = yield Status(call, STATUS_WAIT)
+        if status is not None and status[0] is not grpc.StatusCode.OK:
+            return service_error(*status, target)
+    return link_failure(exc, route)
+
+
+def _registered(call: Any, target: str) -> Steps[Any]:
+    """A Subscribe's initial metadata, sent once the server has registered the subscription;
+    the tannery exception of a refused one."""
     try:
-        return route.connect(ticket)
-    except (LinkError, OSError) as exc:
-        raise link_failure(exc, route) from None
+        metadata = yield Rpc(call.initial_metadata)
+    except grpc.RpcError as error:
+        raise rpc_error(error, target) from None
+    if call.done():
+        status = yield Status(call, 0.0)
+        if status is not None and status[0] is not grpc.StatusCode.OK:
+            raise service_error(*status, target)
+    return metadata
 
 
-def link_failure(exc: BaseException, route: Route) -> errors.ServiceError:
-    """The client's error for a data connection that broke (when the call's status says nothing more)."""
-    if isinstance(exc, PeerFailed) and exc.code == "PERMISSION_DENIED":
-        return _coded(errors.PermissionDenied, exc.code, f"the server refused the data connection: {exc.message}")
-    return _coded(errors.Unavailable, "UNAVAILABLE", f"the data connection ({route.describe()}) broke: {exc}")
+def _ended(call: Any, target: str) -> Steps[None]:
+    """Read a call to its end: the tannery exception of its failure."""
+    try:
+        while (yield Read(call)) is not END:
+            pass
+    except grpc.RpcError as error:
+        raise rpc_error(error, target) from None
 
 
-def _coded(kind: type[errors.ServiceError], code: str, message: str) -> errors.ServiceError:
-    """A service error raised by the client itself, carrying ``.code`` as those made from a
-    call's status do (:func:`tannery.connection.service_error`)."""
-    error = kind(message)
-    error.code = code  # type: ignore[attr-defined]
-    return error
+def _transferred(link: Any, transfer: Any) -> Any:
+    with link:
+        return transfer(link)
 
 
-__all__ = ["Arrived", "Route", "TRANSPORT_KEY", "TRANSPORTS", "check_transport", "choose", "connect_call", "next_published",
-           "publish_over", "receive_fetch", "send_store", "ticket_of"]
+async def _gathered(items: AsyncIterable[Any]) -> list[Any]:
+    return [item async for item in items]
+
+
+__all__ = ["GRPC", "TRANSPORTS", "Feed", "GrpcTransport", "LinkTransport", "LocalTransport", "STATUS_WAIT", "Transport",
+           "broken", "check_transport", "choose", "ticket_of"]
