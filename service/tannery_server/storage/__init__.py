@@ -9,7 +9,7 @@ from .base import (ArchiveRecord, BlobFile, BlobInfo, BlobStore, Catalog, Catalo
 from .reserve import SpaceReserve
 from .blob_cache import CachedBlobStore
 from .catalog_and_blobs import Collected, Storage
-from .errors import DigestMismatch, StorageFull, StorageUnavailable
+from .errors import DigestMismatch, OutOfResources, StorageError, StorageFull, StorageUnavailable
 from .lock import DataDirectoryInUse, DataDirectoryLock
 from .payload_writer import PayloadWriter
 from .sqlite_catalog import CatalogTooNew
@@ -28,6 +28,7 @@ __all__ = [
     "DataDirectoryLock",
     "DigestMismatch",
     "EntryRecord",
+    "OutOfResources",
     "ArchiveLimits",
     "PayloadWriter",
     "PostgresCatalog",
@@ -35,6 +36,7 @@ __all__ = [
     "SpaceReserve",
     "SharedCatalog",
     "Storage",
+    "StorageError",
     "StorageFull",
     "StorageUnavailable",
     "TempBlob",

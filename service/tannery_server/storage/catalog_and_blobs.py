@@ -20,14 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence, TypeVar
 
-from ..failures import LimitExceeded
 from .base import ArchiveLimits, ArchiveRecord, BlobFile, BlobInfo, BlobStore, Catalog, EntryRecord
-from .errors import EXHAUSTED_ERRNOS, StorageFull, StorageUnavailable, is_disk_full
+from .disk import EXHAUSTED_ERRNOS, free_bytes, is_disk_full
+from .errors import OutOfResources, StorageFull, StorageUnavailable
 from .file_blobs import FileBlobStore
 from .lock import DataDirectoryLock
 from .payload_writer import PayloadHash, PayloadWriter
 from .integrity import BLOCK_SIZE, verify_digest
-from .reserve import DEFAULT_CAP, SpaceReserve, free_bytes
+from .reserve import DEFAULT_CAP, SpaceReserve
 from .sqlite_catalog import SqliteCatalog
 
 log = logging.getLogger("tannery_server.storage")
@@ -122,10 +122,10 @@ class Storage:
         return StorageFull(f"storage is full: no space left on device in {self.data_dir} "
                            f"({self._free_text()}): delete archives to free space")
 
-    def failure_of(self, exc: BaseException) -> BaseException:
-        """The server's failure for an error of the storage's drivers (files, SQLite), so that
+    def storage_error(self, exc: BaseException) -> BaseException:
+        """The storage error an error of the storage's drivers (files, SQLite) means, so that
         callers know no driver: a full disk or a file size limit is StorageFull, exhausted
-        descriptors or memory LimitExceeded, any other I/O or database error
+        descriptors or memory OutOfResources, any other I/O or database error
         StorageUnavailable. Anything else is returned as it is."""
         full = self.full_error(exc)
         if full is not exc:
@@ -134,11 +134,18 @@ class Storage:
             return StorageFull(f"storage is full: a file size limit stopped a write in {self.data_dir} "
                                f"({exc.strerror or exc}): raise the limit (ulimit -f) or store smaller entries")
         if isinstance(exc, OSError) and exc.errno in EXHAUSTED_ERRNOS:
-            return LimitExceeded(f"the server is out of resources: {exc.strerror or exc}")
+            return OutOfResources(f"the server is out of resources: {exc.strerror or exc}")
         if isinstance(exc, (OSError, sqlite3.Error)):
             log.warning("storage error", exc_info=exc)
             return StorageUnavailable(f"storage error in {self.data_dir}: {exc}")
         return exc
+
+    def failure_of(self, exc: BaseException) -> BaseException:
+        """The server's failure for ``exc`` (kept for the servicers: a thin call to
+        :func:`tannery_server.storage_failures.failure_of`, where storage errors get their statuses)."""
+        from ..storage_failures import failure_of
+
+        return failure_of(exc, self)
 
     def check_room(self) -> None:
         """StorageFull unless the space reserve is held (it is released while the disk is full)."""

@@ -10,6 +10,9 @@ import uuid
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from .disk import fsync_directory
+from .errors import StorageUnavailable
+
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 #: Bytes of a temporary blob written between two requests to the kernel to start writing them
 #: to disk: by the fsync that makes the blob durable most of it is there already, instead of
@@ -32,15 +35,6 @@ def _writeback_starter():
 
 
 _start_writeback = _writeback_starter()
-
-
-def fsync_directory(path: Path) -> None:
-    """Make a directory's entries (a rename, a new file) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class FileBlob:
@@ -203,8 +197,6 @@ class FileBlobStore:
 
     def check(self) -> None:
         """StorageUnavailable when the blob directory cannot be read."""
-        from .errors import StorageUnavailable  # errors imports reserve, which imports this module
-
         try:
             os.stat(self.blobs)
         except OSError as exc:
