@@ -30,4 +30,8 @@ class DigestMismatch(StorageError):
     changed on the way, or the sender hashed something else)."""
 
 
-__all__ = ["DigestMismatch", "OutOfResources", "StorageError", "StorageFull", "StorageUnavailable"]
+class CatalogTooNew(StorageError, RuntimeError):
+    """The catalog was written by a newer tannery (its schema version is above the one this code reads)."""
+
+
+__all__ = ["CatalogTooNew", "DigestMismatch", "OutOfResources", "StorageError", "StorageFull", "StorageUnavailable"]
