@@ -10,6 +10,7 @@ import uuid
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from .base import BlobFile, BlobStore, TempBlob
 from .disk import fsync_directory
 from .errors import StorageUnavailable
 
@@ -37,8 +38,10 @@ def _writeback_starter():
 _start_writeback = _writeback_starter()
 
 
-class FileBlob:
+class FileBlob(BlobFile):
     """An open blob file, read with ``pread`` so many readers share nothing."""
+
+    local_file = True
 
     def __init__(self, path: Path) -> None:
         self._fd = os.open(path, os.O_RDONLY)
@@ -73,7 +76,7 @@ class FileBlob:
             self._fd = -1
 
 
-class FileTempBlob:
+class FileTempBlob(TempBlob):
     """A blob written to ``tmp/`` and renamed into place once fsynced."""
 
     def __init__(self, store: "FileBlobStore") -> None:
@@ -118,7 +121,7 @@ class FileTempBlob:
         self.path.unlink(missing_ok=True)
 
 
-class FileBlobStore:
+class FileBlobStore(BlobStore):
     """Blobs under ``root/blobs``, named by SHA-256; temporary files under ``root/tmp``."""
 
     #: A digest given ahead saves nothing here (see :meth:`create`).

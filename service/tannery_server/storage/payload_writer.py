@@ -97,7 +97,7 @@ class PayloadWriter:
         return blob
 
 
-class _Nowhere:
+class _Nowhere(TempBlob):
     """A temporary blob that keeps nothing: the bytes of a payload that is only hashed."""
 
     def write(self, data: memoryview | bytes) -> None:

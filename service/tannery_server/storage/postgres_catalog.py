@@ -35,7 +35,7 @@ import time
 from typing import Callable, Iterable, Mapping, Sequence
 
 from ..failures import Malformed, Missing, NameTaken
-from .base import ArchiveLimits, ArchiveRecord, BlobInfo, CatalogTotals, EntryRecord
+from .base import ArchiveLimits, ArchiveRecord, BlobInfo, CatalogTotals, EntryRecord, SharedCatalog
 from .catalog_sql import (ARCHIVE_COLUMNS, BLOB_COLUMNS, ENTRY_COLUMNS, ENTRY_INSERT, archive_from_row,
                           check_union_limits, compare_existing, duplicate_error, entries_under_query, entry_from_row,
                           entry_values, metadata_text)
@@ -49,7 +49,7 @@ _PREFIXED = "CASE WHEN %(p)s = '' THEN {0} ELSE %(p)s || '.' || {0} END"
 _UNREFERENCED = "NOT EXISTS (SELECT 1 FROM entries e WHERE e.digest = b.digest)"
 
 
-class PostgresCatalog:
+class PostgresCatalog(SharedCatalog):
     """:class:`~.base.Catalog` and :class:`~.base.SharedCatalog` on PostgreSQL.
 
     ``url``: a libpq URL or DSN. ``min_size``/``max_size``: the pool's connections.

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 from ..failures import Malformed, Missing, NameTaken
-from .base import ArchiveLimits, ArchiveRecord, BlobInfo, CatalogTotals, EntryRecord
+from .base import ArchiveLimits, ArchiveRecord, BlobInfo, Catalog, CatalogTotals, EntryRecord
 from .catalog_sql import (ARCHIVE_COLUMNS, BLOB_COLUMNS, ENTRY_COLUMNS, ENTRY_INSERT, archive_from_row,
                           check_union_limits, compare_existing, duplicate_error, entries_under_query, entry_from_row,
                           entry_values, metadata_text)
@@ -29,7 +29,7 @@ _BUILDING = "\x00building:"
 _IN_BATCH = 500
 
 
-class SqliteCatalog:
+class SqliteCatalog(Catalog):
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self._writer = self._connect()
@@ -124,6 +124,10 @@ class SqliteCatalog:
         ).fetchone()
         blobs, blob_bytes = conn.execute("SELECT count(*), coalesce(sum(size), 0) FROM blobs").fetchone()
         return CatalogTotals(archives, archive_bytes, blobs, blob_bytes)
+
+    def check(self) -> None:
+        """Nothing to ask: the catalog is a file of this host, open while the server runs (the
+        blob directory's check finds a disk that went away)."""
 
     def referenced_digests(self) -> set[str]:
         return {row[0] for row in self._reader().execute("SELECT DISTINCT digest FROM entries")}
