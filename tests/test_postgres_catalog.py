@@ -343,11 +343,11 @@ def test_a_closed_catalog_says_so(catalog):
 
 
 def test_a_version_1_catalog_gets_the_metadata_column(postgres_url):
-    from tannery_server.storage import postgres_catalog
+    from tannery_server.storage import postgres_schema
 
     with psycopg.connect(postgres_url) as conn:  # the schema as version 1 left it, with an archive
         with conn.cursor() as cur:
-            postgres_catalog._to_version_1(cur)
+            postgres_schema._to_version_1(cur)
             cur.execute("CREATE TABLE schema_version (version integer NOT NULL)")
             cur.execute("INSERT INTO schema_version (version) VALUES (1)")
             cur.execute("INSERT INTO archives (name, created_ns, entries, nbytes, payload_bytes) "

@@ -351,7 +351,7 @@ def test_ranged_reads_reuse_their_connections(store: S3BlobStore, monkeypatch):
         at = (i * 7919 * 13) % (len(data) - 5000)
         assert blob.read(at, 5000) == data[at:at + 5000]
     assert len(connects) <= 1  # each GET's connection went back to the pool
-    from tannery_server.storage.s3_blobs import _plain_http_response
+    from tannery_server.storage.s3_reads import _plain_http_response
 
     body = store.client.get_object(Bucket=store.bucket, Key=store.key(digest), Range="bytes=0-9")["Body"]
     assert _plain_http_response(body) is not None  # read straight into the caller's buffer, not through urllib3

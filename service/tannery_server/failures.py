@@ -1,7 +1,9 @@
 """The failures a call can end with, each tied to the gRPC status it is answered with.
 
-Storage and validation raise these; the servicers turn them into statuses (with the
-``tannery-error`` trailing metadata the protocol defines) in one place. Their names are the
+Validation, the servicers and the catalogs' refusals raise these; the storage's own errors
+(:mod:`.storage.errors`, plain exceptions) become these in :mod:`.storage_failures`. The
+servicers turn them into statuses (with the ``tannery-error`` trailing metadata the protocol
+defines) in one place. Their names are the
 server's own (``Missing``, ``Malformed``, ``NameTaken``), distinct from the client's
 exceptions (``tannery.NotFound``, ``tannery.InvalidArgument``, ``tannery.AlreadyExists``).
 """

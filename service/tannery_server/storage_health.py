@@ -13,7 +13,7 @@ from typing import Sequence
 
 from grpc_health.v1 import health, health_pb2
 
-from .storage import Storage
+from .storage import StorageBase
 
 log = logging.getLogger("tannery_server.health")
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -23,7 +23,7 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 class StorageHealth:
     """Checks the storage every ``interval`` seconds and sets the health of ``services``."""
 
-    def __init__(self, storage: Storage, servicer: health.aio.HealthServicer, services: Sequence[str],
+    def __init__(self, storage: StorageBase, servicer: health.aio.HealthServicer, services: Sequence[str],
                  interval: float) -> None:
         self.storage = storage
         self.servicer = servicer

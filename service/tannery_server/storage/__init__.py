@@ -1,5 +1,8 @@
-"""Where archives live: a catalog (SQLite) and content-addressed blobs (files), behind
-the small :class:`Catalog` and :class:`BlobStore` protocols of :mod:`.base`.
+"""Where archives live: a catalog and content-addressed blobs, behind the :class:`Catalog` and
+:class:`BlobStore` bases of :mod:`.base`, kept consistent by a :class:`StorageBase`: the
+embedded :class:`Storage` (SQLite and files) or :class:`~.shared_storage.SharedStorage`
+(PostgreSQL and a bucket, for replicas). Its errors (:mod:`.errors`) are plain exceptions;
+the server gives them their statuses (``tannery_server.storage_failures``).
 
 ``PostgresCatalog`` and ``S3BlobStore`` (what replicas share) are imported on first use, so
 the embedded server never needs psycopg or boto3."""
@@ -8,11 +11,11 @@ from .base import (ArchiveRecord, BlobFile, BlobInfo, BlobStore, Catalog, Catalo
                    SharedCatalog, TempBlob)
 from .reserve import SpaceReserve
 from .blob_cache import CachedBlobStore
-from .catalog_and_blobs import Collected, Storage
-from .errors import DigestMismatch, StorageFull, StorageUnavailable
+from .catalog_and_blobs import Storage
+from .core import Collected, StorageBase
+from .errors import CatalogTooNew, DigestMismatch, OutOfResources, StorageError, StorageFull, StorageUnavailable
 from .lock import DataDirectoryInUse, DataDirectoryLock
 from .payload_writer import PayloadWriter
-from .sqlite_catalog import CatalogTooNew
 
 __all__ = [
     "ArchiveRecord",
@@ -28,6 +31,7 @@ __all__ = [
     "DataDirectoryLock",
     "DigestMismatch",
     "EntryRecord",
+    "OutOfResources",
     "ArchiveLimits",
     "PayloadWriter",
     "PostgresCatalog",
@@ -35,6 +39,8 @@ __all__ = [
     "SpaceReserve",
     "SharedCatalog",
     "Storage",
+    "StorageBase",
+    "StorageError",
     "StorageFull",
     "StorageUnavailable",
     "TempBlob",

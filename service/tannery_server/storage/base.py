@@ -1,16 +1,22 @@
 """The storage interface: a catalog of archives and a store of content-addressed blobs.
 
 The embedded implementations are :class:`~.sqlite_catalog.SqliteCatalog` and
-:class:`~.file_blobs.FileBlobStore`; a PostgreSQL catalog or an S3-compatible blob store
-would implement the same two protocols. Every method is synchronous and may block: the
-server calls them from worker threads.
+:class:`~.file_blobs.FileBlobStore`; :class:`~.postgres_catalog.PostgresCatalog` and
+:class:`~.s3_blobs.S3BlobStore` (what replicas share) implement the same bases. Each base
+declares what every implementation does (abstract methods) and the optional capabilities,
+with what a store without them does (``wants_digests``, :meth:`BlobStore.evict`,
+:meth:`BlobStore.close`, :meth:`BlobFile.read_ahead_until`, :attr:`BlobFile.local_file`): the
+callers ask no object what it happens to have. Every method is synchronous and may block:
+the server calls them from worker threads.
 """
 
 from __future__ import annotations
 
+import io
 import struct
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Mapping, Protocol, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 from tannery_protocol.names import join
 
@@ -90,25 +96,31 @@ class ArchiveLimits:
     max_name_bytes: int
 
 
-class Catalog(Protocol):
+class Catalog(ABC):
     """Archives, their entries and the blobs they reference; each write is one transaction."""
 
+    @abstractmethod
     def archive(self, name: str) -> ArchiveRecord | None: ...
 
+    @abstractmethod
     def entries(self, archive: str, names: Sequence[str]) -> dict[str, EntryRecord]:
         """The entries of these names that exist (KeyError-free: absent names are left out)."""
         ...
 
+    @abstractmethod
     def entries_under(self, archive: str, prefix: str) -> list[EntryRecord]:
         """The entries ``prefix`` owns, sorted by name (every entry for an empty prefix)."""
         ...
 
+    @abstractmethod
     def list_archives(self, prefix: str, after: str, limit: int) -> list[ArchiveRecord]:
         """Archives whose names start with ``prefix`` and sort after ``after``, by name."""
         ...
 
+    @abstractmethod
     def blob(self, digest: str) -> BlobInfo | None: ...
 
+    @abstractmethod
     def commit_archive(
         self, name: str, entries: Sequence[EntryRecord], blobs: Sequence[BlobInfo], replace: bool, created_ns: int,
         metadata: Mapping[str, str] | None = None,
@@ -120,6 +132,7 @@ class Catalog(Protocol):
         """
         ...
 
+    @abstractmethod
     def union(
         self, target: str, sources: Sequence[tuple[str, str]], replace: bool, created_ns: int, limits: ArchiveLimits,
         metadata: Mapping[str, str] | None = None,
@@ -135,63 +148,88 @@ class Catalog(Protocol):
         """
         ...
 
+    @abstractmethod
     def delete_archive(self, name: str) -> tuple[ArchiveRecord | None, list[str]]:
         """Remove an archive; returns it (None if absent) and the digests it referenced."""
         ...
 
+    @abstractmethod
     def unreferenced(self, digests: Iterable[str]) -> list[BlobInfo]:
         """Of these digests, the recorded blobs no entry references any more."""
         ...
 
+    @abstractmethod
     def forget_blobs(self, digests: Iterable[str]) -> None: ...
 
+    @abstractmethod
     def referenced_digests(self) -> set[str]:
         """Every digest some entry references (start-up garbage collection)."""
         ...
 
+    @abstractmethod
     def referrers(self, digest: str) -> list[tuple[str, str]]:
         """The (archive, entry) pairs whose payload is this blob, sorted."""
         ...
 
+    @abstractmethod
     def forget_unreferenced_blobs(self) -> int:
         """Drop blob rows no entry references; returns how many."""
         ...
 
+    @abstractmethod
     def totals(self) -> CatalogTotals:
         """Counts and sizes of the archives and blobs recorded now."""
         ...
 
+    @abstractmethod
+    def check(self) -> None:
+        """Return when the catalog answers; StorageUnavailable naming it otherwise (health checks)."""
+        ...
+
+    @abstractmethod
     def close(self) -> None: ...
 
 
-class BlobFile(Protocol):
+class BlobFile(ABC):
     """An open blob to read ranges of."""
 
     size: int
+    #: Whether :meth:`fileno` gives an open descriptor of the blob's bytes (a file on this host).
+    local_file: bool = False
 
+    @abstractmethod
     def read(self, offset: int, size: int) -> bytes: ...
 
+    @abstractmethod
     def read_into(self, buffer: memoryview, offset: int) -> int:
         """Fill ``buffer`` with the bytes from ``offset``; returns how many were read."""
         ...
 
     def fileno(self) -> int:
-        """An open descriptor of the blob's bytes (the data paths send or pass it).
+        """An open descriptor of the blob's bytes (the data paths send or pass it), when
+        :attr:`local_file`.
 
         ``io.UnsupportedOperation`` for a blob with no local file (an object in a bucket
-        that is not in the local cache): the data paths then send bytes read with
-        :meth:`read_into` instead.
+        that is not in the local cache), as :mod:`io` says it: the data paths then send bytes
+        read with :meth:`read_into` instead.
         """
-        ...
+        raise io.UnsupportedOperation(f"{type(self).__name__} has no local file")
 
+    def read_ahead_until(self, stop: int) -> None:
+        """Read no byte at or past ``stop`` ahead of the reads (the end of a row range). A blob
+        that reads nothing ahead (a local file: the kernel does) has nothing to bound."""
+
+    @abstractmethod
     def close(self) -> None: ...
 
 
-class TempBlob(Protocol):
+class TempBlob(ABC):
     """A blob being written; nothing of it is visible until :meth:`seal`."""
 
+    @abstractmethod
     def write(self, data: memoryview | bytes) -> None: ...
 
+    @abstractmethod
     def seal(self, digest: str) -> bool:
         """Make the written bytes blob ``digest`` (not yet durable: see ``make_durable``).
 
@@ -200,39 +238,47 @@ class TempBlob(Protocol):
         """
         ...
 
+    @abstractmethod
     def discard(self) -> None: ...
 
 
-class BlobStore(Protocol):
+class BlobStore(ABC):
     #: Whether a digest given ahead to :meth:`create` saves work (a copy in a bucket).
-    wants_digests: bool
+    wants_digests: bool = False
 
+    @abstractmethod
     def create(self, expected: str | None = None) -> TempBlob:
         """A new temporary blob. ``expected``, the digest its bytes will have (checked by the
         caller before seal), lets a remote store write them straight to their final place."""
         ...
 
+    @abstractmethod
     def make_durable(self, digests: Iterable[str]) -> None:
         """Return once these blobs survive a crash (the catalog references only durable blobs)."""
         ...
 
+    @abstractmethod
     def open(self, digest: str, size: int | None = None) -> BlobFile:
         """FileNotFoundError when the blob is missing. ``size``, when the caller knows it
         (the catalog does), spares a remote store the request that would find it."""
         ...
 
+    @abstractmethod
     def remove(self, digest: str) -> int:
         """Delete a blob; returns the bytes freed (0 if it was absent)."""
         ...
 
+    @abstractmethod
     def digests(self) -> Iterator[str]:
         """Every stored blob."""
         ...
 
+    @abstractmethod
     def temporaries(self) -> list[str]:
         """The names of the temporary blobs there now (Stores in flight, or left by a crash)."""
         ...
 
+    @abstractmethod
     def clear_temporary(self, older_than_ns: int | None = None) -> int:
         """Remove blobs left half-written by an interrupted run; returns how many.
 
@@ -242,12 +288,22 @@ class BlobStore(Protocol):
         """
         ...
 
+    @abstractmethod
     def check(self) -> None:
         """Return when the store answers; StorageUnavailable naming it otherwise (health checks)."""
         ...
 
+    def evict(self, digest: str) -> None:
+        """Drop a local copy of blob ``digest`` whose bytes failed a check (the next read goes to the
+        store itself); the blob stays. A store that keeps no copies (every one but a cache) has
+        none to drop."""
 
-class SharedCatalog(Catalog, Protocol):
+    def close(self) -> None:
+        """Stop the store's own threads (a bucket's uploads and reads, a cache's fills); a store
+        with none (a directory) has nothing to stop."""
+
+
+class SharedCatalog(Catalog):
     """A catalog that several server replicas share (PostgreSQL).
 
     Replicas keep nothing that matters in memory, so what protects a blob from collection
@@ -268,20 +324,24 @@ class SharedCatalog(Catalog, Protocol):
     the catalog (never the driver's own exception).
     """
 
+    @abstractmethod
     def lease(self, blob: BlobInfo, replica: str, holder: str, expires_ns: int) -> bool:
         """Record ``blob`` (its row created if absent, else touched) and a lease on it by
         ``(replica, holder)`` until ``expires_ns``, in one transaction that holds the blob
         row's lock. Returns whether the row existed before."""
         ...
 
+    @abstractmethod
     def renew_leases(self, replica: str, expires_ns: int) -> int:
         """Extend every lease of ``replica`` to ``expires_ns``; returns how many."""
         ...
 
+    @abstractmethod
     def drop_leases(self, replica: str, holder: str) -> None:
         """Remove the leases of ``(replica, holder)`` and touch their blobs."""
         ...
 
+    @abstractmethod
     def commit_leased(
         self, name: str, entries: Sequence[EntryRecord], replace: bool, created_ns: int, replica: str, holder: str,
         now_ns: int, metadata: Mapping[str, str] | None = None,
@@ -294,18 +354,16 @@ class SharedCatalog(Catalog, Protocol):
         blobs the replaced archive released (returned, as by ``commit_archive``)."""
         ...
 
+    @abstractmethod
     def collectable(self, touched_before_ns: int, now_ns: int, limit: int) -> list[str]:
         """Up to ``limit`` digests of blob rows that no entry references, with no lease live at
         ``now_ns``, last touched before ``touched_before_ns``."""
         ...
 
+    @abstractmethod
     def collect_blob(self, digest: str, touched_before_ns: int, now_ns: int, remove: Callable[[str], object]) -> bool:
         """In one transaction holding the blob row's lock: if the blob is still collectable
         (as :meth:`collectable` says), call ``remove(digest)`` (which deletes its bytes) and
         delete the row. Returns whether it was collected; an exception from ``remove``
         leaves the row."""
-        ...
-
-    def check(self) -> None:
-        """Return when the catalog answers; StorageUnavailable naming it otherwise."""
         ...

@@ -37,7 +37,7 @@ _DIGEST = re.compile(r"[0-9a-f]{64}")
 FILL_CHUNK = 32 << 20
 
 
-class CachedBlobStore:
+class CachedBlobStore(BlobStore):
     """``inner`` with an LRU of whole blobs under ``cache_dir``, at most ``max_bytes`` of them."""
 
     def __init__(self, inner: BlobStore, cache_dir: Path, max_bytes: int, fillers: int = 2) -> None:
@@ -246,6 +246,4 @@ class CachedBlobStore:
 
     def close(self) -> None:
         self._fills.shutdown(wait=True, cancel_futures=True)
-        close = getattr(self.inner, "close", None)
-        if close is not None:
-            close()
+        self.inner.close()

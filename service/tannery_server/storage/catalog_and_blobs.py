@@ -1,6 +1,8 @@
-"""Storage as the server uses it: a catalog and a blob store, kept consistent.
+"""The embedded storage: a SQLite catalog and blob files in one data directory (or a bucket's
+blobs), for one server; the sibling of :class:`~.shared_storage.SharedStorage` under
+:class:`~.core.StorageBase`.
 
-It owns the rules that span both: a blob is durable before the catalog references it;
+It owns the rules that span catalog and blobs: a blob is durable before the catalog references it;
 blobs nobody references are collected; a blob pinned by a call in flight (a Store that
 reuses it, a Fetch that reads it) is never collected under it; one server at a time
 uses a data directory; and a full disk never locks the operator out: a space reserve
@@ -10,41 +12,35 @@ refused (:class:`StorageFull`) while it cannot be held.
 
 from __future__ import annotations
 
-import errno
 import logging
 import sqlite3
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence, TypeVar
 
-from ..failures import LimitExceeded
-from .base import ArchiveLimits, ArchiveRecord, BlobFile, BlobInfo, BlobStore, Catalog, EntryRecord
-from .errors import EXHAUSTED_ERRNOS, StorageFull, StorageUnavailable, is_disk_full
+from .base import ArchiveLimits, ArchiveRecord, BlobInfo, BlobStore, Catalog, EntryRecord
+from .core import Collected, StorageBase
+from .disk import is_disk_full
+from .errors import StorageFull
 from .file_blobs import FileBlobStore
+from .integrity import BLOCK_SIZE
 from .lock import DataDirectoryLock
-from .payload_writer import PayloadHash, PayloadWriter
-from .integrity import BLOCK_SIZE, verify_digest
-from .reserve import DEFAULT_CAP, SpaceReserve, free_bytes
+from .payload_writer import PayloadWriter
+from .reserve import DEFAULT_CAP, SpaceReserve
 from .sqlite_catalog import SqliteCatalog
 
 log = logging.getLogger("tannery_server.storage")
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class Collected:
-    blobs: int = 0
-    bytes: int = 0
+class Storage(StorageBase):
+    """The embedded storage (see the module): pins in memory, collection at once, a space reserve."""
 
-
-class Storage:
     def __init__(self, catalog: Catalog, blobs: BlobStore, lock: DataDirectoryLock | None = None,
                  reserve: SpaceReserve | None = None, data_dir: Path | None = None) -> None:
-        self.catalog = catalog
-        self.blobs = blobs
+        super().__init__(catalog, blobs)
         self._lock = lock
         #: The space kept for Deletes on a full disk (None: none kept, writes never refused for it).
         self.reserve = reserve
@@ -101,44 +97,12 @@ class Storage:
             )
 
     def close(self) -> None:
-        self.catalog.close()
-        self._close_blobs()
+        super().close()
         if self._lock is not None:
             self._lock.release()
             self._lock = None
 
-    def _close_blobs(self) -> None:
-        """Stop a blob store's own threads (a bucket's uploads and reads, a cache's fills)."""
-        close = getattr(self.blobs, "close", None)
-        if close is not None:
-            close()
-
     # A full disk ------------------------------------------------------------------------
-
-    def full_error(self, exc: BaseException) -> BaseException:
-        """The StorageFull for ``exc`` when it means the disk is full, else ``exc`` itself."""
-        if self.data_dir is None or not is_disk_full(exc, self.data_dir):
-            return exc
-        return StorageFull(f"storage is full: no space left on device in {self.data_dir} "
-                           f"({self._free_text()}): delete archives to free space")
-
-    def failure_of(self, exc: BaseException) -> BaseException:
-        """The server's failure for an error of the storage's drivers (files, SQLite), so that
-        callers know no driver: a full disk or a file size limit is StorageFull, exhausted
-        descriptors or memory LimitExceeded, any other I/O or database error
-        StorageUnavailable. Anything else is returned as it is."""
-        full = self.full_error(exc)
-        if full is not exc:
-            return full
-        if isinstance(exc, OSError) and exc.errno == errno.EFBIG:
-            return StorageFull(f"storage is full: a file size limit stopped a write in {self.data_dir} "
-                               f"({exc.strerror or exc}): raise the limit (ulimit -f) or store smaller entries")
-        if isinstance(exc, OSError) and exc.errno in EXHAUSTED_ERRNOS:
-            return LimitExceeded(f"the server is out of resources: {exc.strerror or exc}")
-        if isinstance(exc, (OSError, sqlite3.Error)):
-            log.warning("storage error", exc_info=exc)
-            return StorageUnavailable(f"storage error in {self.data_dir}: {exc}")
-        return exc
 
     def check_room(self) -> None:
         """StorageFull unless the space reserve is held (it is released while the disk is full)."""
@@ -155,12 +119,6 @@ class Storage:
         return StorageFull(f"storage is full: no space left on device in {self.data_dir} ({self._free_text()}, "
                            f"fewer than the {target} bytes kept in reserve so that Delete works on a full disk): "
                            "delete archives to free space")
-
-    def _free_text(self) -> str:
-        try:
-            return f"{free_bytes(self.data_dir)} bytes free" if self.data_dir is not None else "no bytes free"
-        except OSError:
-            return "free space unknown"
 
     def _write_catalog(self, write: Callable[[], T], use_reserve: bool = False) -> T:
         """Run a catalog write, answering a full disk with StorageFull.
@@ -260,11 +218,6 @@ class Storage:
             raise self.full_error(exc) from exc
         return PayloadWriter(temp, BLOCK_SIZE, self, expected)
 
-    def hashing_payload(self, expected: str | None = None) -> PayloadWriter:
-        """A payload only hashed, written nowhere (``expected``: its SHA-256 given ahead, which it
-        must hash to): what a Store compares with an entry already stored, and never stores."""
-        return PayloadHash(BLOCK_SIZE, expected)
-
     def seal(self, writer: PayloadWriter, holder: str | None = None) -> BlobInfo:
         """Make a written payload a blob, pinned until :meth:`release` (``holder``: see there)."""
         blob = writer.finish()
@@ -315,40 +268,3 @@ class Storage:
             if self.reserve is not None:
                 self.reserve.ensure()
         return record, collected
-
-    # Reading ----------------------------------------------------------------------------
-
-    def open_blob(self, digest: str, size: int | None = None) -> BlobFile:
-        """An open blob (FileNotFoundError when missing); ``size`` from the catalog spares a
-        remote store a request."""
-        return self.blobs.open(digest, size)
-
-    def damaged(self, digest: str) -> None:
-        """A blob's bytes failed their check: a cached copy of it is dropped (the next read goes
-        to the store itself); a stored blob stays, for ``tannery scrub`` to name."""
-        evict = getattr(self.blobs, "evict", None)
-        if evict is not None:
-            evict(digest)
-
-    def check(self) -> None:
-        """StorageUnavailable naming what does not answer (the health check asks)."""
-        self.blobs.check()
-
-    def scrub(self) -> list[str]:
-        """Re-hash every referenced blob and compare it with its name (the SHA-256 a Fetch no
-        longer recomputes: it checks the cheaper block CRCs); the digests of blobs that are
-        missing, of the wrong size, or no longer match."""
-        bad = []
-        for digest in sorted(self.catalog.referenced_digests()):
-            info = self.catalog.blob(digest)
-            try:
-                blob = self.blobs.open(digest)
-            except FileNotFoundError:
-                bad.append(digest)
-                continue
-            try:
-                if info is None or blob.size != info.size or not verify_digest(blob.read_into, blob.size, digest):
-                    bad.append(digest)
-            finally:
-                blob.close()
-        return bad

@@ -43,9 +43,7 @@ def open_storage(config: Config, collecting: bool = True, offer_create: bool = T
     try:
         catalog = PostgresCatalog(config.catalog)
     except BaseException:
-        close = getattr(blobs, "close", None)  # a bucket's threads; a directory has none
-        if close is not None:
-            close()
+        blobs.close()  # a bucket's threads; a directory has none
         raise
     storage = SharedStorage(catalog, blobs, grace_seconds=config.gc_grace_seconds,
                             lease_seconds=config.lease_seconds, collecting=collecting)

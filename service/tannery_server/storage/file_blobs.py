@@ -10,6 +10,10 @@ import uuid
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from .base import BlobFile, BlobStore, TempBlob
+from .disk import fsync_directory
+from .errors import StorageUnavailable
+
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 #: Bytes of a temporary blob written between two requests to the kernel to start writing them
 #: to disk: by the fsync that makes the blob durable most of it is there already, instead of
@@ -34,17 +38,10 @@ def _writeback_starter():
 _start_writeback = _writeback_starter()
 
 
-def fsync_directory(path: Path) -> None:
-    """Make a directory's entries (a rename, a new file) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class FileBlob:
+class FileBlob(BlobFile):
     """An open blob file, read with ``pread`` so many readers share nothing."""
+
+    local_file = True
 
     def __init__(self, path: Path) -> None:
         self._fd = os.open(path, os.O_RDONLY)
@@ -79,7 +76,7 @@ class FileBlob:
             self._fd = -1
 
 
-class FileTempBlob:
+class FileTempBlob(TempBlob):
     """A blob written to ``tmp/`` and renamed into place once fsynced."""
 
     def __init__(self, store: "FileBlobStore") -> None:
@@ -124,7 +121,7 @@ class FileTempBlob:
         self.path.unlink(missing_ok=True)
 
 
-class FileBlobStore:
+class FileBlobStore(BlobStore):
     """Blobs under ``root/blobs``, named by SHA-256; temporary files under ``root/tmp``."""
 
     #: A digest given ahead saves nothing here (see :meth:`create`).
@@ -203,8 +200,6 @@ class FileBlobStore:
 
     def check(self) -> None:
         """StorageUnavailable when the blob directory cannot be read."""
-        from .errors import StorageUnavailable  # errors imports reserve, which imports this module
-
         try:
             os.stat(self.blobs)
         except OSError as exc:

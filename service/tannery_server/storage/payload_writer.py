@@ -5,15 +5,11 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .base import BlobInfo, TempBlob
 from .errors import DigestMismatch
 from .integrity import PayloadDigest
-
-if TYPE_CHECKING:
-    from .catalog_and_blobs import Storage
-
 
 #: Bytes written and checksummed (and, in a small piece, hashed) at a time. The write brings a
 #: slice this small into the CPU's cache, where the CRC and SHA-256 then read it (SHA-256 runs
@@ -31,12 +27,25 @@ PARALLEL_FROM = 1 << 20
 _HASHING = ThreadPoolExecutor(os.cpu_count() or 2, thread_name_prefix="tannery-sha256")
 
 
+class Room(Protocol):
+    """What a payload writer asks of the storage it writes for (the embedded one keeps a space
+    reserve): whether there is room for more bytes, and what a failed write means."""
+
+    def check_room(self) -> None:
+        """StorageFull when the disk has no room for more bytes (its space reserve released)."""
+        ...
+
+    def full_error(self, exc: BaseException) -> BaseException:
+        """StorageFull for a write that failed for want of room, else ``exc`` itself."""
+        ...
+
+
 class PayloadWriter:
     """One payload going to a temporary blob, checksummed as it is written, slice by slice, on
     the caller's thread, and hashed there too or, for a large piece, beside it (hashlib, the
     CRC and the write release the GIL: a data path receives the next piece meanwhile)."""
 
-    def __init__(self, temp: TempBlob, block_size: int, storage: "Storage | None" = None,
+    def __init__(self, temp: TempBlob, block_size: int, storage: Room | None = None,
                  expected: str | None = None) -> None:
         self.temp = temp
         self.digest = PayloadDigest(block_size)
@@ -88,7 +97,7 @@ class PayloadWriter:
         return blob
 
 
-class _Nowhere:
+class _Nowhere(TempBlob):
     """A temporary blob that keeps nothing: the bytes of a payload that is only hashed."""
 
     def write(self, data: memoryview | bytes) -> None:

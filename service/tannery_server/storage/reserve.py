@@ -24,7 +24,7 @@ import resource
 import threading
 from pathlib import Path
 
-from .file_blobs import fsync_directory
+from .disk import free_bytes, fsync_directory
 
 log = logging.getLogger("tannery_server.storage")
 
@@ -39,12 +39,6 @@ DEFAULT_CAP = 64 * MiB
 FRACTION = 32
 #: errnos that mean "no room" when the reserve is written.
 NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-
-
-def free_bytes(path: Path) -> int:
-    """Bytes an unprivileged writer may still use on the filesystem of ``path``."""
-    stats = os.statvfs(path)
-    return stats.f_bavail * stats.f_frsize
 
 
 def _file_size_limit() -> int:

@@ -25,7 +25,7 @@ import uuid
 from typing import Callable, Iterable, Mapping, Sequence, TypeVar
 
 from .base import ArchiveLimits, ArchiveRecord, BlobInfo, BlobStore, EntryRecord, SharedCatalog
-from .catalog_and_blobs import Collected, Storage
+from .core import Collected, StorageBase
 from .integrity import BLOCK_SIZE
 from .payload_writer import PayloadWriter
 
@@ -34,8 +34,9 @@ T = TypeVar("T")
 NS = 1_000_000_000
 
 
-class SharedStorage(Storage):
-    """A :class:`Storage` on a shared catalog: leases in the catalog, collection by a sweeper."""
+class SharedStorage(StorageBase):
+    """Storage on a shared catalog, the sibling of the embedded :class:`~.catalog_and_blobs.Storage`:
+    leases in the catalog, collection by a sweeper, no space reserve (the disk is not ours)."""
 
     def __init__(self, catalog: SharedCatalog, blobs: BlobStore, *, grace_seconds: float, lease_seconds: float,
                  sweep_seconds: float | None = None, replica: str | None = None, collecting: bool = True) -> None:
@@ -66,20 +67,15 @@ class SharedStorage(Storage):
         if self._sweeper is not None:
             self._sweeper.join(timeout=10)
             self._sweeper = None
-        self.catalog.close()
-        self._close_blobs()
-
-    def check(self) -> None:
-        """StorageUnavailable naming the catalog or the bucket when either does not answer."""
-        self.catalog.check()
-        self.blobs.check()
+        super().close()
 
     # Writing ------------------------------------------------------------------------------
 
     def new_payload(self, expected: str | None = None) -> PayloadWriter:
         """A payload to write; ``expected``: its SHA-256 given ahead, which lets a bucket upload
-        it straight to its digest key (no temporary object, no copy)."""
-        return PayloadWriter(self.blobs.create(expected), BLOCK_SIZE, self, expected)
+        it straight to its digest key (no temporary object, no copy). No space reserve is kept:
+        the writer checks no room."""
+        return PayloadWriter(self.blobs.create(expected), BLOCK_SIZE, None, expected)
 
     def seal(self, writer: PayloadWriter, holder: str | None = None) -> BlobInfo:
         """Lease the payload's blob for ``holder``, then put its bytes under its digest (or find
@@ -140,9 +136,6 @@ class SharedStorage(Storage):
     def pinned(self, lookup: Callable[[], T], digests_of: Callable[[T], Iterable[str]]) -> T:
         """A lookup with no pin: the grace period keeps an unreferenced blob for a read under way."""
         return lookup()
-
-    def collect(self, candidates: Iterable[str]) -> Collected:
-        return Collected()  # the sweeper collects, after the grace period
 
     # Collecting ---------------------------------------------------------------------------
 

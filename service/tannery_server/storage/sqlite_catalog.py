@@ -3,182 +3,33 @@
 WAL lets readers go on while a writer commits; every write is one ``BEGIN IMMEDIATE``
 transaction on a single writer connection, and each reading thread has its own
 connection. ``synchronous=FULL`` makes a commit durable when it returns. The schema is
-versioned (``PRAGMA user_version``, :data:`SCHEMA_VERSION`): a catalog of an older version
-is migrated (:data:`MIGRATIONS`) when it is opened, in one transaction.
+versioned (:mod:`.sqlite_schema`): a catalog of an older version is migrated
+(:data:`MIGRATIONS`) when it is opened, in one transaction.
 """
 
 from __future__ import annotations
 
-import json
 import sqlite3
 import threading
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
-from ..failures import LimitExceeded, Malformed, Missing, NameTaken
-from .base import ArchiveRecord, BlobInfo, CatalogTotals, EntryRecord, ArchiveLimits
-from .same_content import AlreadyThere, require_same
+from ..failures import Malformed, Missing, NameTaken
+from .base import ArchiveLimits, ArchiveRecord, BlobInfo, Catalog, CatalogTotals, EntryRecord
+from .catalog_sql import (ARCHIVE_COLUMNS, BLOB_COLUMNS, ENTRY_COLUMNS, ENTRY_INSERT, archive_from_row,
+                          check_union_limits, compare_existing, duplicate_error, entries_under_query, entry_from_row,
+                          entry_values, metadata_text)
+from .errors import CatalogTooNew
+from .same_content import AlreadyThere
+from .sqlite_schema import MIGRATIONS, SCHEMA_VERSION, migrate
 
-#: The first schema (version 0, before versions were kept): its block checksums are all
-#: zlib CRC-32s.
-SCHEMA_V0 = (
-    """CREATE TABLE IF NOT EXISTS archives (
-    id INTEGER PRIMARY KEY,
-    name TEXT NOT NULL UNIQUE,
-    created_ns INTEGER NOT NULL,
-    entries INTEGER NOT NULL,
-    nbytes INTEGER NOT NULL,
-    payload_bytes INTEGER NOT NULL
-)""",
-    """CREATE TABLE IF NOT EXISTS blobs (
-    digest TEXT PRIMARY KEY,
-    size INTEGER NOT NULL,
-    block_size INTEGER NOT NULL,
-    block_crcs BLOB NOT NULL
-) WITHOUT ROWID""",
-    """CREATE TABLE IF NOT EXISTS entries (
-    archive_id INTEGER NOT NULL REFERENCES archives(id) ON DELETE CASCADE,
-    name TEXT NOT NULL,
-    dtype TEXT NOT NULL,
-    shape TEXT NOT NULL,
-    nbytes INTEGER NOT NULL,
-    payload_bytes INTEGER NOT NULL,
-    data_offset INTEGER NOT NULL,
-    digest TEXT NOT NULL REFERENCES blobs(digest),
-    PRIMARY KEY (archive_id, name)
-) WITHOUT ROWID""",
-    "CREATE INDEX IF NOT EXISTS entries_by_digest ON entries(digest)",
-)
-
-
-def _to_version_1(conn: sqlite3.Connection) -> None:
-    """``blobs.checksum``: the algorithm of a blob's block checksums (:mod:`tannery_protocol.checksums`).
-    The rows already there get ``'crc32'``, what they were computed with. (A new file gets the
-    first schema here first.)"""
-    for statement in SCHEMA_V0:
-        conn.execute(statement)
-    columns = {row[1] for row in conn.execute("PRAGMA table_info(blobs)")}
-    if "checksum" not in columns:
-        conn.execute("ALTER TABLE blobs ADD COLUMN checksum TEXT NOT NULL DEFAULT 'crc32'")
-
-
-def _to_version_2(conn: sqlite3.Connection) -> None:
-    """``archives.metadata``: an archive's string-to-string metadata as a JSON object (the rows
-    already there get ``'{}'``, none)."""
-    columns = {row[1] for row in conn.execute("PRAGMA table_info(archives)")}
-    if "metadata" not in columns:
-        conn.execute("ALTER TABLE archives ADD COLUMN metadata TEXT NOT NULL DEFAULT '{}'")
-
-
-#: The steps of the schema, in order: ``MIGRATIONS[n]`` brings version ``n`` to ``n + 1``. Each
-#: may be run again on a catalog it has already changed.
-MIGRATIONS = (_to_version_1, _to_version_2)
-#: The schema's version (``PRAGMA user_version``) this code reads and writes.
-SCHEMA_VERSION = len(MIGRATIONS)
-
-
-class CatalogTooNew(RuntimeError):
-    """The catalog was written by a newer tannery (its schema version is above :data:`SCHEMA_VERSION`)."""
-
-
-def _schema_version(conn: sqlite3.Connection) -> int:
-    return conn.execute("PRAGMA user_version").fetchone()[0]
-
-
-def _migrate(conn: sqlite3.Connection, path: Path) -> None:
-    """Bring the catalog to :data:`SCHEMA_VERSION`, every step and the new version in one
-    transaction: a failure (a full disk) leaves it as it was, to migrate at the next open."""
-    version = _schema_version(conn)
-    if version == len(MIGRATIONS):
-        return  # the common case writes nothing (a full disk still opens its catalog)
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        version = _schema_version(conn)  # as of this transaction
-        if version > len(MIGRATIONS):
-            raise CatalogTooNew(
-                f"{path}: catalog schema version {version} is newer than this tannery's ({len(MIGRATIONS)}): "
-                "run a newer tannery"
-            )
-        for step in MIGRATIONS[version:]:
-            step(conn)
-        conn.execute(f"PRAGMA user_version = {len(MIGRATIONS)}")
-        conn.execute("COMMIT")
-    except BaseException:
-        if conn.in_transaction:
-            try:
-                conn.execute("ROLLBACK")
-            except sqlite3.Error:
-                pass
-        raise
-
-
-_ENTRY_COLUMNS = "e.name, e.dtype, e.shape, e.nbytes, e.payload_bytes, e.data_offset, e.digest"
-_ARCHIVE_COLUMNS = "name, entries, nbytes, payload_bytes, created_ns, metadata"
-_BLOB_COLUMNS = "digest, size, block_size, block_crcs, checksum"
 #: Archives being built carry this prefix until their transaction renames them (a user's
 #: name never starts with a control character).
 _BUILDING = "\x00building:"
 _IN_BATCH = 500
 
 
-# Shared with the PostgreSQL catalog, which keeps the same columns and the same rules.
-
-
-def entry_from_row(row: tuple) -> EntryRecord:
-    """An entry from its columns (:data:`_ENTRY_COLUMNS`; the shape as JSON text)."""
-    name, dtype, shape, nbytes, payload_bytes, data_offset, digest = row
-    return EntryRecord(name, dtype, tuple(json.loads(shape)), nbytes, payload_bytes, data_offset, digest)
-
-
-def entry_values(archive_id: int, e: EntryRecord) -> tuple:
-    """The row of ``e`` in archive ``archive_id`` (archive_id, name, dtype, shape, nbytes,
-    payload_bytes, data_offset, digest)."""
-    return (archive_id, e.name, e.dtype, json.dumps(list(e.shape)), e.nbytes, e.payload_bytes, e.data_offset,
-            e.digest)
-
-
-def archive_from_row(row: tuple) -> ArchiveRecord:
-    """An archive from its columns (:data:`_ARCHIVE_COLUMNS`; the metadata as JSON text)."""
-    *fields, metadata = row
-    return ArchiveRecord(*fields, metadata=json.loads(metadata) if metadata else {})
-
-
-def metadata_text(metadata: Mapping[str, str] | None) -> str:
-    """An archive's metadata as its column holds it: a JSON object, keys sorted."""
-    return json.dumps(dict(metadata or {}), sort_keys=True, ensure_ascii=False)
-
-
-def check_union_limits(target: str, count: int, longest: int, longest_name: Callable[[], str],
-                       limits: ArchiveLimits) -> None:
-    """LimitExceeded for a union of more than ``limits.max_entries`` entries, Malformed when its
-    longest name (``longest`` bytes, ``longest_name()``) is over ``limits.max_name_bytes``."""
-    if count > limits.max_entries:
-        raise LimitExceeded(f"union {target!r}: {count} entries, over the limit of {limits.max_entries}")
-    if longest > limits.max_name_bytes:
-        name = longest_name()
-        raise Malformed(
-            f"union {target!r}: entry name {name[:64]!r}... is {longest} bytes, over the limit of "
-            f"{limits.max_name_bytes}"
-        )
-
-
-def duplicate_error(name: str, sources: Sequence[tuple[str, str]], ids: Sequence[int],
-                    has_entry: Callable[[int, str], bool]) -> Malformed:
-    """The error for the last of ``sources``, which gives the entry ``name`` that an earlier
-    source already gave; ``has_entry(archive_id, entry)`` finds which one."""
-    archive = sources[-1][0]
-    first = "?"
-    for (other, other_prefix), other_id in zip(sources[:-1], ids):
-        if other_prefix and not (name == other_prefix or name.startswith(other_prefix + ".")):
-            continue
-        inner = name[len(other_prefix) + 1 :] if other_prefix else name
-        if has_entry(other_id, inner):
-            first = other
-            break
-    return Malformed(f"union: {name!r} is in two sources, {first!r} and {archive!r}")
-
-
-class SqliteCatalog:
+class SqliteCatalog(Catalog):
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self._writer = self._connect()
@@ -186,7 +37,7 @@ class SqliteCatalog:
             # Statement journals (a Delete's cascade keeps one) in memory, not in a temporary
             # file that a full disk (or a full /tmp) would refuse.
             self._writer.execute("PRAGMA temp_store=MEMORY")
-            _migrate(self._writer, self.path)
+            migrate(self._writer, self.path, MIGRATIONS)  # looked up here: a test may add a step
         except BaseException:
             self._writer.close()  # a catalog that does not open (a full disk) leaves no connection
             raise
@@ -219,7 +70,7 @@ class SqliteCatalog:
 
     def archive(self, name: str) -> ArchiveRecord | None:
         row = self._reader().execute(
-            f"SELECT {_ARCHIVE_COLUMNS} FROM archives WHERE name = ?", (name,)
+            f"SELECT {ARCHIVE_COLUMNS} FROM archives WHERE name = ?", (name,)
         ).fetchone()
         return archive_from_row(row) if row else None
 
@@ -232,7 +83,7 @@ class SqliteCatalog:
             for start in range(0, len(unique), _IN_BATCH):
                 batch = unique[start : start + _IN_BATCH]
                 rows = conn.execute(
-                    f"SELECT {_ENTRY_COLUMNS} FROM entries e JOIN archives a ON a.id = e.archive_id "
+                    f"SELECT {ENTRY_COLUMNS} FROM entries e JOIN archives a ON a.id = e.archive_id "
                     f"WHERE a.name = ? AND e.name IN ({','.join('?' * len(batch))})",
                     (archive, *batch),
                 )
@@ -243,20 +94,12 @@ class SqliteCatalog:
         return found
 
     def entries_under(self, archive: str, prefix: str) -> list[EntryRecord]:
-        query = (
-            f"SELECT {_ENTRY_COLUMNS} FROM entries e JOIN archives a ON a.id = e.archive_id WHERE a.name = ?"
-        )
-        args: tuple = (archive,)
-        if prefix:
-            # The prefix itself and the names in [prefix + ".", prefix + "/"): '/' follows '.'.
-            query += " AND (e.name = ? OR (e.name >= ? AND e.name < ?))"
-            args += (prefix, prefix + ".", prefix + "/")
-        query += " ORDER BY e.name"
-        return [entry_from_row(row) for row in self._reader().execute(query, args)]
+        query, args = entries_under_query("?", prefix)
+        return [entry_from_row(row) for row in self._reader().execute(query, (archive, *args))]
 
     def list_archives(self, prefix: str, after: str, limit: int) -> list[ArchiveRecord]:
         rows = self._reader().execute(
-            f"SELECT {_ARCHIVE_COLUMNS} FROM archives WHERE name >= ? AND name > ? "
+            f"SELECT {ARCHIVE_COLUMNS} FROM archives WHERE name >= ? AND name > ? "
             f"AND substr(name, 1, 1) != ? ORDER BY name LIMIT ?",
             (prefix, after, _BUILDING[0], limit),
         )
@@ -269,7 +112,7 @@ class SqliteCatalog:
 
     def blob(self, digest: str) -> BlobInfo | None:
         row = self._reader().execute(
-            f"SELECT {_BLOB_COLUMNS} FROM blobs WHERE digest = ?", (digest,)
+            f"SELECT {BLOB_COLUMNS} FROM blobs WHERE digest = ?", (digest,)
         ).fetchone()
         return BlobInfo(*row) if row else None
 
@@ -281,6 +124,10 @@ class SqliteCatalog:
         ).fetchone()
         blobs, blob_bytes = conn.execute("SELECT count(*), coalesce(sum(size), 0) FROM blobs").fetchone()
         return CatalogTotals(archives, archive_bytes, blobs, blob_bytes)
+
+    def check(self) -> None:
+        """Nothing to ask: the catalog is a file of this host, open while the server runs (the
+        blob directory's check finds a disk that went away)."""
 
     def referenced_digests(self) -> set[str]:
         return {row[0] for row in self._reader().execute("SELECT DISTINCT digest FROM entries")}
@@ -298,7 +145,7 @@ class SqliteCatalog:
         out = []
         for digest in dict.fromkeys(digests):
             row = conn.execute(
-                f"SELECT {_BLOB_COLUMNS} FROM blobs b WHERE digest = ? "
+                f"SELECT {BLOB_COLUMNS} FROM blobs b WHERE digest = ? "
                 "AND NOT EXISTS (SELECT 1 FROM entries e WHERE e.digest = b.digest)",
                 (digest,),
             ).fetchone()
@@ -336,7 +183,7 @@ class SqliteCatalog:
             " FROM entries WHERE archive_id = ?) WHERE id = ?",
             (name, archive_id, archive_id),
         )
-        row = conn.execute(f"SELECT {_ARCHIVE_COLUMNS} FROM archives WHERE id = ?", (archive_id,)).fetchone()
+        row = conn.execute(f"SELECT {ARCHIVE_COLUMNS} FROM archives WHERE id = ?", (archive_id,)).fetchone()
         return archive_from_row(row), released
 
     @staticmethod
@@ -355,12 +202,11 @@ class SqliteCatalog:
         with self._transaction() as conn:
             archive_id = self._begin_archive(conn, name, replace, created_ns, metadata)
             conn.executemany(
-                f"INSERT OR IGNORE INTO blobs ({_BLOB_COLUMNS}) VALUES (?, ?, ?, ?, ?)",
+                f"INSERT OR IGNORE INTO blobs ({BLOB_COLUMNS}) VALUES (?, ?, ?, ?, ?)",
                 ((b.digest, b.size, b.block_size, b.block_crcs, b.checksum) for b in blobs),
             )
             conn.executemany(
-                "INSERT INTO entries (archive_id, name, dtype, shape, nbytes, payload_bytes, data_offset, digest) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT INTO entries ({ENTRY_INSERT}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (entry_values(archive_id, e) for e in entries),
             )
             return self._finish_archive(conn, archive_id, name)
@@ -392,8 +238,8 @@ class SqliteCatalog:
             for index, ((archive, prefix), source_id) in enumerate(zip(sources, ids)):
                 try:
                     conn.execute(
-                        "INSERT INTO entries (archive_id, name, dtype, shape, nbytes, payload_bytes, data_offset, "
-                        "digest) SELECT ?2, CASE WHEN ?1 = '' THEN name ELSE ?1 || '.' || name END, dtype, shape, "
+                        f"INSERT INTO entries ({ENTRY_INSERT}) SELECT ?2, "
+                        "CASE WHEN ?1 = '' THEN name ELSE ?1 || '.' || name END, dtype, shape, "
                         "nbytes, payload_bytes, data_offset, digest FROM entries WHERE archive_id = ?3",
                         (prefix, archive_id, source_id),
                     )
@@ -408,22 +254,9 @@ class SqliteCatalog:
                 (archive_id,),
             ).fetchone()[0], limits)
             if not replace:
-                self._compare_existing(conn, target, archive_id, metadata)
+                compare_existing(lambda sql, args: conn.execute(sql, args).fetchall(), "?", target, archive_id,
+                                 metadata)
             return self._finish_archive(conn, archive_id, target)
-
-    @staticmethod
-    def _compare_existing(conn: sqlite3.Connection, name: str, archive_id: int,
-                          metadata: Mapping[str, str] | None) -> None:
-        """Return when no archive ``name`` exists; raise AlreadyThere when it holds exactly the
-        entries of archive ``archive_id`` (being built) and ``metadata``, NameTaken otherwise."""
-        row = conn.execute(f"SELECT {_ARCHIVE_COLUMNS} FROM archives WHERE name = ?", (name,)).fetchone()
-        if row is None:
-            return
-        there = conn.execute(f"SELECT {_ENTRY_COLUMNS} FROM entries e JOIN archives a ON a.id = e.archive_id "
-                             "WHERE a.name = ?", (name,)).fetchall()
-        new = conn.execute(f"SELECT {_ENTRY_COLUMNS} FROM entries e WHERE e.archive_id = ?", (archive_id,)).fetchall()
-        raise AlreadyThere(require_same(archive_from_row(row), [entry_from_row(r) for r in there],
-                                        [entry_from_row(r) for r in new], metadata, "in the union"))
 
     @staticmethod
     def _duplicate(conn, archive_id: int, sources: Sequence[tuple[str, str]], ids: Sequence[int]) -> Malformed:
@@ -440,7 +273,7 @@ class SqliteCatalog:
 
     def delete_archive(self, name: str) -> tuple[ArchiveRecord | None, list[str]]:
         with self._transaction() as conn:
-            row = conn.execute(f"SELECT {_ARCHIVE_COLUMNS} FROM archives WHERE name = ?", (name,)).fetchone()
+            row = conn.execute(f"SELECT {ARCHIVE_COLUMNS} FROM archives WHERE name = ?", (name,)).fetchone()
             if row is None:
                 return None, []
             return archive_from_row(row), self._drop(conn, name)
@@ -505,3 +338,6 @@ class _Transaction:
                 self._conn.execute("ROLLBACK")
             except sqlite3.Error:
                 pass
+
+
+__all__ = ["CatalogTooNew", "MIGRATIONS", "SCHEMA_VERSION", "SqliteCatalog"]

@@ -1,0 +1,110 @@
+"""What the SQLite and PostgreSQL catalogs share: the same columns, how a row becomes a record
+and a record a row, and the rules of a union and of an archive that already holds a Store's
+or Union's content, written once for both.
+
+The two differ in their placeholders (``?`` and ``%s``), given to the queries here as ``mark``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Callable, Mapping, Sequence
+
+from ..failures import LimitExceeded, Malformed
+from .base import ArchiveLimits, ArchiveRecord, EntryRecord
+from .same_content import AlreadyThere, require_same
+
+#: Columns of an entry (``e``: the entries table), in :class:`EntryRecord`'s order.
+ENTRY_COLUMNS = "e.name, e.dtype, e.shape, e.nbytes, e.payload_bytes, e.data_offset, e.digest"
+#: Columns an entry is inserted with (:func:`entry_values`' order).
+ENTRY_INSERT = "archive_id, name, dtype, shape, nbytes, payload_bytes, data_offset, digest"
+#: Columns of an archive, in :class:`ArchiveRecord`'s order (the metadata last).
+ARCHIVE_COLUMNS = "name, entries, nbytes, payload_bytes, created_ns, metadata"
+#: Columns of a blob, in :class:`~.base.BlobInfo`'s order.
+BLOB_COLUMNS = "digest, size, block_size, block_crcs, checksum"
+
+#: A query of a catalog's: its rows for ``(sql, args)``, in the catalog's own transaction.
+Query = Callable[[str, tuple], Sequence[tuple]]
+
+
+def entry_from_row(row: tuple) -> EntryRecord:
+    """An entry from its columns (:data:`ENTRY_COLUMNS`; the shape as JSON text)."""
+    name, dtype, shape, nbytes, payload_bytes, data_offset, digest = row
+    return EntryRecord(name, dtype, tuple(json.loads(shape)), nbytes, payload_bytes, data_offset, digest)
+
+
+def entry_values(archive_id: int, e: EntryRecord) -> tuple:
+    """The row of ``e`` in archive ``archive_id`` (:data:`ENTRY_INSERT`)."""
+    return (archive_id, e.name, e.dtype, json.dumps(list(e.shape)), e.nbytes, e.payload_bytes, e.data_offset,
+            e.digest)
+
+
+def archive_from_row(row: tuple) -> ArchiveRecord:
+    """An archive from its columns (:data:`ARCHIVE_COLUMNS`; the metadata as JSON text)."""
+    *fields, metadata = row
+    return ArchiveRecord(*fields, metadata=json.loads(metadata) if metadata else {})
+
+
+def metadata_text(metadata: Mapping[str, str] | None) -> str:
+    """An archive's metadata as its column holds it: a JSON object, keys sorted."""
+    return json.dumps(dict(metadata or {}), sort_keys=True, ensure_ascii=False)
+
+
+def entries_under_query(mark: str, prefix: str) -> tuple[str, tuple]:
+    """The query of the entries of archive (``args[0]``, to prepend) that ``prefix`` owns, by name,
+    and its arguments after the archive's name."""
+    query = f"SELECT {ENTRY_COLUMNS} FROM entries e JOIN archives a ON a.id = e.archive_id WHERE a.name = {mark}"
+    args: tuple = ()
+    if prefix:
+        # The prefix itself and the names in [prefix + ".", prefix + "/"): '/' follows '.'.
+        query += f" AND (e.name = {mark} OR (e.name >= {mark} AND e.name < {mark}))"
+        args = (prefix, prefix + ".", prefix + "/")
+    return query + " ORDER BY e.name", args
+
+
+def check_union_limits(target: str, count: int, longest: int, longest_name: Callable[[], str],
+                       limits: ArchiveLimits) -> None:
+    """LimitExceeded for a union of more than ``limits.max_entries`` entries, Malformed when its
+    longest name (``longest`` bytes, ``longest_name()``) is over ``limits.max_name_bytes``."""
+    if count > limits.max_entries:
+        raise LimitExceeded(f"union {target!r}: {count} entries, over the limit of {limits.max_entries}")
+    if longest > limits.max_name_bytes:
+        name = longest_name()
+        raise Malformed(
+            f"union {target!r}: entry name {name[:64]!r}... is {longest} bytes, over the limit of "
+            f"{limits.max_name_bytes}"
+        )
+
+
+def duplicate_error(name: str, sources: Sequence[tuple[str, str]], ids: Sequence[int],
+                    has_entry: Callable[[int, str], bool]) -> Malformed:
+    """The error for the last of ``sources``, which gives the entry ``name`` that an earlier
+    source already gave; ``has_entry(archive_id, entry)`` finds which one."""
+    archive = sources[-1][0]
+    first = "?"
+    for (other, other_prefix), other_id in zip(sources[:-1], ids):
+        if other_prefix and not (name == other_prefix or name.startswith(other_prefix + ".")):
+            continue
+        inner = name[len(other_prefix) + 1 :] if other_prefix else name
+        if has_entry(other_id, inner):
+            first = other
+            break
+    return Malformed(f"union: {name!r} is in two sources, {first!r} and {archive!r}")
+
+
+def compare_existing(query: Query, mark: str, name: str, archive_id: int, metadata: Mapping[str, str] | None) -> None:
+    """Return when no archive ``name`` exists; raise AlreadyThere when it holds exactly the
+    entries of archive ``archive_id`` (being built) and ``metadata``, NameTaken otherwise."""
+    rows = query(f"SELECT {ARCHIVE_COLUMNS} FROM archives WHERE name = {mark}", (name,))
+    if not rows:
+        return
+    there = query(f"SELECT {ENTRY_COLUMNS} FROM entries e JOIN archives a ON a.id = e.archive_id "
+                  f"WHERE a.name = {mark}", (name,))
+    new = query(f"SELECT {ENTRY_COLUMNS} FROM entries e WHERE e.archive_id = {mark}", (archive_id,))
+    raise AlreadyThere(require_same(archive_from_row(rows[0]), [entry_from_row(r) for r in there],
+                                    [entry_from_row(r) for r in new], metadata, "in the union"))
+
+
+__all__ = ["ARCHIVE_COLUMNS", "BLOB_COLUMNS", "ENTRY_COLUMNS", "ENTRY_INSERT", "Query", "archive_from_row",
+           "check_union_limits", "compare_existing", "duplicate_error", "entries_under_query", "entry_from_row",
+           "entry_values", "metadata_text"]

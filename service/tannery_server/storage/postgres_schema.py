@@ -1,0 +1,96 @@
+"""The shared catalog's schema in PostgreSQL: its tables, and the steps that bring an older
+database to the version this code reads and writes (table ``schema_version``), in one
+transaction under an advisory lock, so replicas starting at once migrate one after the other."""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from .errors import CatalogTooNew
+from .postgres_pool import Cursor
+
+log = logging.getLogger("tannery_server.storage.postgres_catalog")
+
+_SCHEMA_V1 = (
+    """CREATE TABLE archives (
+    id bigserial PRIMARY KEY,
+    name text COLLATE "C" CONSTRAINT archives_name UNIQUE,  -- NULL while its transaction builds it
+    created_ns bigint NOT NULL,
+    entries bigint NOT NULL,
+    nbytes bigint NOT NULL,
+    payload_bytes bigint NOT NULL
+)""",
+    """CREATE TABLE blobs (
+    digest text COLLATE "C" PRIMARY KEY,
+    size bigint NOT NULL,
+    block_size bigint NOT NULL,
+    block_crcs bytea NOT NULL,
+    checksum text NOT NULL,
+    touched_ns bigint NOT NULL
+)""",
+    "CREATE INDEX blobs_by_touched ON blobs (touched_ns)",
+    """CREATE TABLE entries (
+    archive_id bigint NOT NULL REFERENCES archives (id) ON DELETE CASCADE,
+    name text COLLATE "C" NOT NULL,
+    dtype text NOT NULL,
+    shape text NOT NULL,
+    nbytes bigint NOT NULL,
+    payload_bytes bigint NOT NULL,
+    data_offset bigint NOT NULL,
+    digest text COLLATE "C" NOT NULL REFERENCES blobs (digest),
+    PRIMARY KEY (archive_id, name)
+)""",
+    "CREATE INDEX entries_by_digest ON entries (digest)",
+    """CREATE TABLE leases (
+    digest text COLLATE "C" NOT NULL REFERENCES blobs (digest) ON DELETE CASCADE,
+    replica text NOT NULL,
+    holder text NOT NULL,
+    expires_ns bigint NOT NULL,
+    PRIMARY KEY (digest, replica, holder)
+)""",
+    "CREATE INDEX leases_by_holder ON leases (replica, holder)",
+)
+
+
+def _to_version_1(cur: Cursor) -> None:
+    """The first schema: archives, entries, blobs (with ``touched_ns``) and leases. Names sort
+    by their bytes (``COLLATE "C"``), as SQLite sorts them."""
+    for statement in _SCHEMA_V1:
+        cur.execute(statement)
+
+
+def _to_version_2(cur: Cursor) -> None:
+    """``archives.metadata``: an archive's string-to-string metadata as a JSON object in text
+    (the rows already there get ``'{}'``, none)."""
+    cur.execute("ALTER TABLE archives ADD COLUMN IF NOT EXISTS metadata text NOT NULL DEFAULT '{}'")
+
+
+#: ``MIGRATIONS[n]`` brings schema version ``n`` to ``n + 1`` (0: an empty database).
+MIGRATIONS: tuple[Callable[[Cursor], None], ...] = (_to_version_1, _to_version_2)
+SCHEMA_VERSION = len(MIGRATIONS)
+#: The advisory lock (two-key form, apart from the names' one-key locks) of schema changes.
+_SCHEMA_LOCK = (0x7A77, 1)
+
+def migrate(cur: Cursor, name: str) -> None:
+    """Bring the schema to :data:`SCHEMA_VERSION` in this transaction, under the schema lock
+    (replicas starting at once migrate one after the other; the later ones find it done);
+    ``name`` names the catalog in messages."""
+    cur.execute("SELECT pg_advisory_xact_lock(%s, %s)", _SCHEMA_LOCK)
+    cur.execute("CREATE TABLE IF NOT EXISTS schema_version (version integer NOT NULL)")
+    version = cur.execute("SELECT coalesce(max(version), 0) FROM schema_version").fetchone()[0]
+    if version > SCHEMA_VERSION:
+        raise CatalogTooNew(
+            f"{name}: catalog schema version {version} is newer than this tannery's ({SCHEMA_VERSION}): "
+            "run a newer tannery"
+        )
+    if version == SCHEMA_VERSION:
+        return
+    for step in MIGRATIONS[version:]:
+        step(cur)
+    cur.execute("DELETE FROM schema_version")
+    cur.execute("INSERT INTO schema_version (version) VALUES (%s)", (SCHEMA_VERSION,))
+    log.info("catalog %s: schema migrated from version %d to %d", name, version, SCHEMA_VERSION)
+
+
+__all__ = ["MIGRATIONS", "SCHEMA_VERSION", "migrate"]
