@@ -59,7 +59,7 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
         self.data_paths = data_paths
         self.workers = Workers(config.io_threads, "tannery-io")
         #: Where the bytes of Store and Fetch move, whatever the transport.
-        self.plane = DataPlane(data_paths, self.workers)
+        self.plane = DataPlane(data_paths, self.workers, failure_of=self.failure_of)
         self._run = self.workers.run
         self._limits = ArchiveLimits(config.max_entries, config.max_name_bytes)
 

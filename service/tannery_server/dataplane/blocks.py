@@ -94,9 +94,8 @@ class VerifiedBlob:
 
     def blocks(self, start: int, stop: int) -> Iterator[memoryview]:
         """Bytes [start, stop) of the blob, read block by block, each covering block checked first."""
-        read_ahead_until = getattr(self.blob, "read_ahead_until", None)
-        if read_ahead_until is not None:  # a bucket's blob reads ahead no further than the range needs
-            read_ahead_until(-(-stop // self.info.block_size) * self.info.block_size)
+        # A bucket's blob reads ahead no further than the range needs (a file's ignores it).
+        self.blob.read_ahead_until(-(-stop // self.info.block_size) * self.info.block_size)
         for offset, data in self._checked(start, stop, self.blob.read):
             lo, hi = max(start, offset), min(stop, offset + len(data))
             yield memoryview(data)[lo - offset : hi - offset]

@@ -36,9 +36,13 @@ class DataPlane:
     """The data paths of one service (``paths``; None: gRPC only) and the threads its transfers run on."""
 
     def __init__(self, paths: DataPaths | None, workers: Workers, service: str = "",
-                 offered: tuple[str, ...] = DATA_TRANSPORTS) -> None:
+                 offered: tuple[str, ...] = DATA_TRANSPORTS,
+                 failure_of: Callable[[BaseException], BaseException] = lambda exc: exc) -> None:
         self.paths = paths
         self.workers = workers
+        #: The failure (with its status) a transfer's exception stands for: the servicer's
+        #: mapping of storage errors, so that the peer's failure frame says what the status says.
+        self.failure_of = failure_of
         #: What the service is called in a refusal ("channels"; empty: the archives).
         self.service = service
         #: The data paths the service takes at all.
@@ -84,7 +88,8 @@ class DataPlane:
             if isinstance(exc, LINK_ERRORS):  # the connection's, not the storage's: no "storage error"
                 failure: BaseException = link_failure(transport, exc)
             else:
-                failure = exc if not isinstance(exc, asyncio.CancelledError) else Cancelled("the call was cancelled")
+                cancelled = isinstance(exc, asyncio.CancelledError)
+                failure = Cancelled("the call was cancelled") if cancelled else self.failure_of(exc)
             fail(link, failure)
             await settle(job)
             # The transfer's frames hold its buffers (mapped memory files, receive windows):
