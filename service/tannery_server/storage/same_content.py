@@ -47,13 +47,22 @@ def metadata_difference(there: Mapping[str, str], sent: Mapping[str, str], side:
         return None
     counts = f"{count(len(there), 'key')} there, {len(sent)} {side}"
     for key in sorted(set(there) | set(sent)):
-        if key not in there:
-            return f"metadata key {key!r} is not there ({counts})"
-        if key not in sent:
-            return f"metadata key {key!r} is missing ({counts})"
-        if there[key] != sent[key]:
-            return f"metadata key {key!r} differs ({there[key]!r} there, {sent[key]!r} {side})"
+        difference = (one_side_only(f"metadata key {key!r}", key in there, key in sent, counts)
+                      or (f"metadata key {key!r} differs ({there[key]!r} there, {sent[key]!r} {side})"
+                          if there[key] != sent[key] else None))
+        if difference is not None:
+            return difference
     raise AssertionError("unequal metadata with no differing key")
+
+
+def one_side_only(what: str, is_there: bool, is_new: bool, counts: str) -> str | None:
+    """``what`` (an entry or a metadata key) when only one side has it, with both sides'
+    counts; None when both have it."""
+    if not is_there:
+        return f"{what} is not there ({counts})"
+    if not is_new:
+        return f"{what} is missing ({counts})"
+    return None
 
 
 def unknown_entry(name: str, there_count: int, side: str = "sent") -> str:
@@ -83,13 +92,12 @@ def entries_difference(there: Sequence[EntryRecord], new: Sequence[EntryRecord],
     made = {e.name: e for e in new}
     counts = f"{count(len(old), 'entry')} there, {len(made)} {side}"
     for name in sorted(set(old) | set(made)):
-        if name not in old:
-            return f"entry {name!r} {side} is not there ({counts})"
-        if name not in made:
-            return f"entry {name!r} is missing ({counts})"
-        entry = made[name]
-        difference = (header_difference(old[name], entry.dtype, entry.shape, side)
-                      or digest_difference(old[name], entry.digest, side))
+        what = f"entry {name!r}" if name in old else f"entry {name!r} {side}"
+        difference = one_side_only(what, name in old, name in made, counts)
+        if difference is None:
+            entry = made[name]
+            difference = (header_difference(old[name], entry.dtype, entry.shape, side)
+                          or digest_difference(old[name], entry.digest, side))
         if difference is not None:
             return difference
     return None
