@@ -347,7 +347,7 @@ def refusals(target: str, request: bytes) -> tuple[grpc.RpcError, grpc.RpcError]
 
 BAD_REQUESTS = {
     "non-utf8-channel": (NOT_UTF8, "field channel b'a\\xff\\xfe' is not valid UTF-8"),
-    "truncated": (bytes.fromhex("0a05616263"), "is not a valid tannery_protocol.v1."),
+    "truncated": (bytes.fromhex("0a05616263"), "is not a valid tannery.v1."),
 }
 
 
