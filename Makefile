@@ -12,7 +12,7 @@ SERVER_STAMP := $(VENV)/.server-stamp
 STAMP := $(VENV)/.dev-stamp
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: setup serve test postgresql nats-server bench bench-docs fuzz proto clean
+.PHONY: setup serve test test-quick postgresql nats-server bench bench-docs fuzz proto clean
 
 setup: $(STAMP)
 
@@ -59,8 +59,15 @@ $(STAMP): $(SERVER_STAMP) pyproject.toml constraints.txt
 serve: $(SERVER_STAMP)
 	$(VENV)/bin/tannery serve
 
+# The whole suite (what CI runs: .ci/run).
 test: $(STAMP) postgresql nats-server
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The quick run, for between edits: all but the tests marked slow and those of servers outside
+# the project (marked external: PostgreSQL, SeaweedFS, NATS, a container engine; tests/conftest.py
+# marks them), so none of those is needed. About 3 minutes on 2 cores; make test runs them all.
+test-quick: $(STAMP)
+	$(PY) -m pytest -m "not slow and not external" $(PYTEST_ARGS)
 
 # The shared-catalog tests start a private PostgreSQL (tests/postgres_harness.py) from Debian's
 # postgresql package, whose binaries live in /usr/lib/postgresql/*/bin: installed here when

@@ -30,6 +30,23 @@ os.environ.setdefault("TANNERY_TRANSPORT", "grpc")
 os.environ.setdefault("TANNERY_RETRIES", "0")
 
 
+#: Fixtures of the servers outside the project the suite starts (PostgreSQL, SeaweedFS's S3,
+#: NATS): every test that uses one, itself or through another fixture, is marked ``external``
+#: (``make test-quick`` leaves those out).
+EXTERNAL_FIXTURES = frozenset({"postgres_server", "postgres_url", "seaweedfs", "s3_url", "nats_server", "nats_url"})
+#: Parameters that take one of those fixtures at run time (``request.getfixturevalue``), which
+#: collection cannot see: the parameter's name and the values that do.
+EXTERNAL_PARAMS = {"backend": {"shared", "replica"}, "catalog": {"postgres"}}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if (EXTERNAL_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+                or any(params.get(name) in values for name, values in EXTERNAL_PARAMS.items())):
+            item.add_marker(pytest.mark.external)
+
+
 def peer(module: str) -> ModuleType:
     """``module`` of another program the suite compares tannery with (pytannic, installed by
     make's setup), imported. Missing, it fails the test that needs it, unless

@@ -526,11 +526,6 @@ def test_the_package_exports_archives_lazily():
     assert tannery.Archive is Archive
 
 
-def test_the_former_name_of_tensor_info_still_works_with_a_warning():
-    with pytest.warns(DeprecationWarning, match="tannery.EntryInfo is now tannery.TensorInfo"):
-        assert tannery.EntryInfo is TensorInfo
-
-
 def test_repr_names_the_kind_and_the_entries(archive):
     assert repr(archive) == "<MemoryArchive of 4 entries: count, half, scalar, w>"
     assert repr(Archive.of_list({})) == "<empty MemoryArchive>"

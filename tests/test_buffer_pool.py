@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import tannery
-from tannery_protocol import framing
 from tannery import gathering
 from tannery import buffer_pool
 from tannery.buffer_pool import ReceivePool
+from tannery_protocol import codec
 from tannery_protocol.codec import DTYPES, encode_prefix
 
 from .server_harness import running_server, wait_for
@@ -25,30 +25,65 @@ MiB = 1 << 20
 SIZE = 8 * MiB  # over gathering.MAP_GATHER: a map of its own
 
 
-def backing(view: memoryview) -> mmap.mmap:
-    """The map behind a buffer a pool handed out (its owner is a numpy array over the map)."""
-    owner = view.obj
-    assert isinstance(owner, np.ndarray) and isinstance(owner.base, memoryview), owner
-    return owner.base.obj
+def address(buffer: memoryview) -> int:
+    """Where ``buffer``'s bytes are in this process's memory."""
+    return np.frombuffer(buffer, np.uint8).ctypes.data
+
+
+def mark(buffer: memoryview, byte: int) -> memoryview:
+    """``buffer`` with ``byte`` in its first and last 64 bytes (a fresh map holds zeros)."""
+    buffer[:64] = bytes([byte]) * 64
+    buffer[-64:] = bytes([byte]) * 64
+    return buffer
+
+
+def marked(buffer: memoryview, byte: int) -> bool:
+    """``buffer`` holds what :func:`mark` wrote: its memory is that of the buffer marked, used again."""
+    return bytes(buffer[:64]) == bytes(buffer[-64:]) == bytes([byte]) * 64
+
+
+def maps_of(count: int, size: int = SIZE) -> range:
+    """The bytes ``count`` idle maps of buffers of ``size`` may take (a pad aligns their data)."""
+    return range(count * size, count * (size + codec.ALIGNMENT))
+
+
+def mapped(start: int, size: int) -> bool:
+    """One mapping of this process covers ``[start, start + size)`` (/proc/self/maps)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        low, high = (int(x, 16) for x in line.split(maxsplit=1)[0].split("-"))
+        if low <= start and start + size <= high:
+            return True
+    return False
+
+
+def on_a_thread(call, timeout: float = 10):
+    """``call()`` on another thread; fails (instead of hanging) if it has not returned in ``timeout`` s."""
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(call()), daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert result, f"blocked for {timeout} s"
+    return result[0]
 
 
 def test_a_buffer_comes_back_when_its_tensor_is_gone_and_the_next_receive_takes_its_map():
     pool = ReceivePool()
-    buffer = gathering.receive_buffer(SIZE, 56, pool)
-    first = backing(buffer)
+    buffer = mark(gathering.receive_buffer(SIZE, 56, pool), 7)
+    first = address(buffer)
     tensor = torch.frombuffer(buffer, dtype=torch.uint8)
     del buffer
     gc.collect()
     assert pool.idle_bytes() == 0, "given back while a tensor still used it"
     del tensor
-    assert pool.idle_bytes() == len(first)
+    assert pool.idle_bytes() in maps_of(1)
     again = gathering.receive_buffer(SIZE, 56, pool)
-    assert backing(again) is first and pool.idle_bytes() == 0
+    assert address(again) == first and marked(again, 7) and pool.idle_bytes() == 0
 
 
 def test_without_a_pool_a_receive_buffer_is_a_fresh_map_of_its_own():
     buffer = gathering.receive_buffer(SIZE, 56)
     assert isinstance(buffer.obj, mmap.mmap)
+    assert not any(np.frombuffer(buffer, np.uint8))
 
 
 def test_a_map_in_use_is_never_handed_out_twice_and_its_bytes_stay():
@@ -58,7 +93,7 @@ def test_a_map_in_use_is_never_handed_out_twice_and_its_bytes_stay():
     others = [gathering.receive_buffer(SIZE, 8, pool) for _ in range(3)]
     for other in others:
         other[:] = b"\x01" * SIZE
-    assert len({id(backing(b)) for b in [held, *others]}) == 4
+    assert len({address(b) for b in [held, *others]}) == 4
     assert bytes(held[:16]) == b"\x07" * 16 and held[SIZE - 1] == 7
 
 
@@ -69,54 +104,79 @@ def test_a_numpy_view_alone_keeps_the_map_out_of_the_pool():
     del buffer
     assert pool.idle_bytes() == 0
     del every_other
-    assert pool.idle_bytes() > SIZE
+    assert pool.idle_bytes() in maps_of(1)
 
 
 def test_a_request_much_smaller_than_an_idle_map_gets_a_new_one():
     pool = ReceivePool()
-    big = gathering.receive_buffer(4 * SIZE, 8, pool)
-    big_map = backing(big)
+    big = mark(gathering.receive_buffer(4 * SIZE, 8, pool), 9)
+    big_address = address(big)
     del big
     small = gathering.receive_buffer(SIZE, 8, pool)
-    assert backing(small) is not big_map and pool.idle_bytes() == len(big_map)
+    assert address(small) != big_address and not marked(small, 9)
+    assert pool.idle_bytes() in maps_of(1, 4 * SIZE)
 
 
 def test_a_pool_keeps_its_newest_maps_up_to_its_limits_unmapping_the_oldest():
+    assert buffer_pool.IDLE_MAPS == 2
     pool = ReceivePool()
-    buffers = [gathering.receive_buffer(SIZE, 8, pool) for _ in range(buffer_pool.IDLE_MAPS + 1)]
-    maps = [backing(b) for b in buffers]
+    buffers = [mark(gathering.receive_buffer(SIZE, 8, pool), i + 1) for i in range(3)]
+    addresses = [address(b) for b in buffers]
     while buffers:  # given back in order, the first the oldest
         del buffers[0]
-    assert pool.idle_bytes() == sum(len(m) for m in maps[1:])
-    assert maps[0].closed and not any(m.closed for m in maps[1:])
+    assert pool.idle_bytes() in maps_of(2)
+    assert not mapped(addresses[0], SIZE), "the oldest map is still there"
+    again = [gathering.receive_buffer(SIZE, 8, pool) for _ in range(3)]
+    assert sorted((address(b), marked(b, i + 2)) for i, b in enumerate(again[:2])) == sorted(
+        (a, True) for a in addresses[1:])
+    assert not any(marked(again[2], byte) for byte in (1, 2, 3))  # a fresh one: the pool had two
 
 
 def test_a_map_given_back_to_a_pool_that_is_gone_goes_with_its_last_reference():
     pool = ReceivePool()
     buffer = gathering.receive_buffer(SIZE, 8, pool)
+    start = address(buffer)
     del pool
     gc.collect()
     del buffer  # the finalizer finds no pool, and nothing fails
+    assert not mapped(start, SIZE)
 
 
-def test_a_map_given_back_while_the_pool_is_busy_waits_for_the_holder_and_nothing_blocks():
+def test_a_map_given_back_while_the_pool_chooses_one_lands_in_it_and_nothing_blocks(monkeypatch):
     """A finalizer may run anywhere, in the pool's own code included (a collection inside
-    reuse()): it neither waits for the lock nor changes the pool under its holder."""
+    reuse(), while it chooses a map): it neither waits for the pool nor loses the map."""
     pool = ReceivePool()
-    buffer = gathering.receive_buffer(SIZE, 8, pool)
-    memory = backing(buffer)
-    with pool._lock:  # the pool busy, on this very thread
-        del buffer  # the finalizer runs here, and must not block
-        assert pool._idle == []  # not moved in under the holder
-    assert pool.idle_bytes() == len(memory)  # the next holder moved it in
-    assert backing(gathering.receive_buffer(SIZE, 8, pool)) is memory
+    idle = mark(gathering.receive_buffer(SIZE, 8, pool), 1)
+    dropped = [mark(gathering.receive_buffer(SIZE, 8, pool), 2)]
+    idle_address, dropped_address = address(idle), address(dropped[0])
+    del idle  # one idle map, for the next receive to choose
+    ran = []
+
+    class DropsWhenUsed:
+        """FIT, whose use while the pool weighs its idle maps drops the last reference to a buffer:
+        its map is given back in the middle of reuse(), on the same thread."""
+
+        def __rmul__(self, other: int) -> float:
+            if dropped:
+                ran.append(True)
+                dropped.clear()
+            return other * FIT
+
+    FIT = buffer_pool.FIT
+    monkeypatch.setattr(buffer_pool, "FIT", DropsWhenUsed())
+    chosen = on_a_thread(lambda: gathering.receive_buffer(SIZE, 8, pool))
+    assert ran, "no map was given back while the pool chose one"
+    assert address(chosen) == idle_address and marked(chosen, 1)
+    assert pool.idle_bytes() in maps_of(1)  # the map given back meanwhile is in the pool now
+    again = gathering.receive_buffer(SIZE, 8, pool)
+    assert address(again) == dropped_address and marked(again, 2)
 
 
 def test_maps_given_back_from_many_threads_at_once_all_land_in_the_pool(monkeypatch):
     monkeypatch.setattr(buffer_pool, "IDLE_MAPS", 8)
     pool = ReceivePool()
-    buffers: list = [gathering.receive_buffer(SIZE, 8, pool) for _ in range(8)]
-    maps = {id(backing(b)) for b in buffers}
+    buffers: list = [mark(gathering.receive_buffer(SIZE, 8, pool), i + 1) for i in range(8)]
+    addresses = {address(b): i + 1 for i, b in enumerate(buffers)}
     start = threading.Barrier(8)
 
     def drop(index: int) -> None:
@@ -128,8 +188,11 @@ def test_maps_given_back_from_many_threads_at_once_all_land_in_the_pool(monkeypa
         thread.start()
     for thread in threads:
         thread.join()
-    assert {id(memory) for memory in pool._idle} | {id(m) for m in pool._returned} == maps
-    assert pool.idle_bytes() == 8 * len(next(iter(pool._idle)))
+    assert pool.idle_bytes() in maps_of(8)
+    again = [gathering.receive_buffer(SIZE, 8, pool) for _ in range(8)]
+    assert {address(b) for b in again} == set(addresses)
+    assert all(marked(b, addresses[address(b)]) for b in again)
+    assert pool.idle_bytes() == 0
 
 
 def test_a_gathered_payload_takes_an_idle_map_of_its_stream_it_fits_whole():
@@ -143,11 +206,12 @@ def test_a_gathered_payload_takes_an_idle_map_of_its_stream_it_fits_whole():
         return payload
 
     first = gather()
-    first_map = backing(first)
+    first_address = address(first)
     assert first == data
     del first
-    second = gather()
-    assert backing(second) is first_map and second == data
+    assert pool.idle_bytes() in maps_of(1, len(data))
+    second = gather()  # while the first map is idle in the pool, no new map can be where it is
+    assert address(second) == first_address and second == data and pool.idle_bytes() == 0
 
 
 def _resident_bytes(view: memoryview) -> int:

@@ -161,6 +161,44 @@ async def publish_in_background(
     return asyncio.create_task(publish(stub, channel, payloads, sizes))
 
 
+class Tally:
+    """A Publish's requests, counting the chunk bytes gRPC has taken from them (``taken``): what
+    the publisher got to send so far. Once the server makes it wait, ``taken`` stops growing."""
+
+    def __init__(self, channel: str, payloads: Sequence[bytes], sizes: Iterable[int] = (256 * KiB,)) -> None:
+        self.total = sum(len(p) for p in payloads)
+        self.taken = 0
+        self._requests = requests(channel, chunked(b"".join(payloads), sizes))
+
+    def __iter__(self) -> Iterator[channels_pb2.PublishRequest]:
+        for request in self._requests:
+            self.taken += len(request.chunk)
+            yield request
+
+
+async def eventually(condition: Callable[[], bool], timeout: float = 30, what: str = "the condition") -> None:
+    """Wait until ``condition()`` holds, polling while other tasks run; fail after ``timeout`` s."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"{what} did not hold within {timeout} s"
+        await asyncio.sleep(0.02)
+
+
+async def stalled(tally: Tally, quiet: float = 0.5, timeout: float = 30) -> int:
+    """Wait until the publisher has taken no more bytes for ``quiet`` seconds (it is held), then
+    its bytes taken; fail if it never stops within ``timeout`` s or sends everything."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    seen, since = tally.taken, loop.time()
+    while loop.time() - since < quiet:
+        assert loop.time() < deadline, f"the publisher never stopped within {timeout} s ({tally.taken} bytes taken)"
+        assert tally.taken < tally.total, "the publisher sent everything: nothing held it"
+        await asyncio.sleep(0.02)
+        if tally.taken != seen:
+            seen, since = tally.taken, loop.time()
+    return seen
+
+
 async def refused_publish(target: str, channel: str, requests: Iterable[channels_pb2.PublishRequest]) -> grpc.RpcError:
     """The error of a Publish the server refuses, seen by a synchronous client.
 
@@ -400,16 +438,21 @@ def test_a_slow_subscriber_makes_the_publisher_wait(serve):
         async with grpc.aio.insecure_channel(server.target) as ch:
             stub = channels_pb2_grpc.ChannelsStub(ch)
             slow = Receiver(await subscribe(stub, "bp"))
-            publishing = await publish_in_background(stub, "bp", payloads)
-            await asyncio.sleep(2)
-            waited = not publishing.done()
-            got = await slow.payloads(len(payloads))  # now read everything
+            tally = Tally("bp", payloads)
+            publishing = asyncio.ensure_future(stub.Publish(iter(tally)))
+            # The subscriber reads nothing: the publisher is held with most of its bytes unsent.
+            held = await stalled(tally)
+            assert not publishing.done(), "the publisher finished while its subscriber read nothing"
+            # Reading lets it go on: reading some releases more than it had sent, then all.
+            got = await slow.payloads(10)
+            await eventually(lambda: tally.taken > held, what="the publisher going on once the subscriber read")
+            got += await slow.payloads(len(payloads) - 10)
             result = await publishing
             slow.call.cancel()
-            return waited, result, got
+            return held, tally.total, result, got
 
-    waited, result, got = run(scenario())
-    assert waited, "the publisher finished while its subscriber read nothing"
+    held, total, result, got = run(scenario())
+    assert held < total // 2, f"{held} of {total} bytes sent to a subscriber that read nothing"
     assert result.dropped_subscribers == 0
     assert got == payloads
 
@@ -473,16 +516,18 @@ def test_a_cancelled_subscriber_is_removed_and_no_publisher_waits_on_it(serve):
             stub = channels_pb2_grpc.ChannelsStub(ch)
             stuck = await subscribe(stub, "cancel")
             reader = Receiver(await subscribe(stub, "cancel"))
-            publishing = await publish_in_background(stub, "cancel", payloads)
-            # The reader gets what the stuck subscriber's transport and buffer take in, no more.
-            first = await reader.payloads(2)
-            await asyncio.sleep(1)
+            tally = Tally("cancel", payloads)
+            publishing = asyncio.ensure_future(stub.Publish(iter(tally)))
+            reading = asyncio.create_task(reader.payloads(len(payloads)))
+            # The reader reads all along; the publisher is held by the subscriber that reads nothing.
+            await stalled(tally)
             assert not publishing.done(), "the publisher did not wait for the subscriber that reads nothing"
+            assert not reading.done()
             stuck.cancel()
-            rest = await reader.payloads(len(payloads) - 2)
+            got = await reading
             result = await asyncio.wait_for(publishing, 20)
             reader.call.cancel()
-            return result, first + rest
+            return result, got
 
     result, got = run(scenario())
     assert result.dropped_subscribers == 0

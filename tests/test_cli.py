@@ -440,7 +440,16 @@ def test_target_from_the_environment(server, capsys: pytest.CaptureFixture[str],
     assert "127.0.0.1:1" in capsys.readouterr().err
 
 
-def test_token_and_tls_flags_reach_the_client(cli: Cli, tmp_path: Path) -> None:
+def test_token_and_tls_flags_reach_the_client(cli: Cli, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.server_harness import running_server
+
+    # --token is sent as the bearer token: a server that knows only this token lets it in, and
+    # refuses the same command without it or with another.
+    with running_server(tmp_path / "tokens", tokens="s3cret:read") as guarded:
+        with_tokens = Cli(guarded.target, capsys)
+        assert with_tokens.json("ls", "--token", "s3cret") == []
+        assert with_tokens.error("ls") == "tannery ls: error: this server needs a token: send 'authorization: Bearer <token>'\n"
+        assert with_tokens.error("ls", "--token", "s3cre") == "tannery ls: error: the token is not one this server knows\n"
     # A server without tokens accepts any; one without TLS refuses a TLS handshake.
     assert cli.json("ls", "--token", "s3cret") == []
     err = cli.fails("ls", "--tls")

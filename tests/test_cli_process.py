@@ -33,9 +33,18 @@ def tannery(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([*command, *argv], capture_output=True, text=True, timeout=timeout, env=_env())
 
 
-def spawn(*argv: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tannery.cli", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=_env())
+def spawn(*argv: str, interruptible: bool = False) -> subprocess.Popen:
+    """``tannery argv`` as a process with pipes. ``interruptible``: SIGINT back to its default
+    first, through a small wrapper that then execs the command (a suite run as a background job
+    ignores SIGINT, and a child inherits that; ``preexec_fn`` is unsafe beside gRPC's threads)."""
+    command = [sys.executable, "-m", "tannery.cli", *argv]
+    if interruptible:
+        command = [sys.executable, "-c", _WITH_SIGINT, *command]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+
+
+#: Runs ``argv[1:]`` with SIGINT at its default disposition (which exec keeps).
+_WITH_SIGINT = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
 
 
 def _read_line(stream, timeout: float = 60) -> str:
@@ -152,7 +161,7 @@ def test_usage_error_exits_2() -> None:
 
 @pytest.mark.slow
 def test_ctrl_c_exits_130_without_a_traceback(server) -> None:
-    process = spawn("subscribe", "nobody-publishes", "--target", server.target)
+    process = spawn("subscribe", "nobody-publishes", "--target", server.target, interruptible=True)
     try:
         assert _read_line(process.stderr).startswith("subscribed to nobody-publishes")
         process.send_signal(signal.SIGINT)

@@ -163,6 +163,7 @@ def test_get_refuses_to_overwrite_without_force(server, model: str, tmp_path: Pa
     assert run.code == 0 and np.load(tmp_path / "b.npy").tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
+@pytest.mark.slow
 def test_every_command_creates_its_output_directories(server, model: str, tmp_path: Path) -> None:
     run = tannery("pull", model, "-o", str(tmp_path / "out" / "deep" / "x.tannic"), target=server.target, tmp=tmp_path)
     assert run.code == 0, run.err
@@ -215,6 +216,7 @@ def test_quiet_push_still_prints_its_result(server, tmp_path: Path) -> None:
 # -- refusals name their remedy ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_refused_push_names_replace(server, model: str, tmp_path: Path) -> None:
     run = tannery("push", str(tmp_path / "m.safetensors"), "--as", model, target=server.target, tmp=tmp_path)
     assert (run.code, run.out) == (0, f"{model} is already stored with this content ({tmp_path / 'm.safetensors'}: "

@@ -21,6 +21,7 @@ ENGINE = os.environ.get("CONTAINER_ENGINE", "docker")
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.external,
     pytest.mark.skipif(os.environ.get("TANNERY_CONTAINER_TESTS") != "1",
                        reason="set TANNERY_CONTAINER_TESTS=1 to build and run the image"),
     pytest.mark.skipif(shutil.which(ENGINE) is None, reason=f"no container engine {ENGINE!r} on this machine"),

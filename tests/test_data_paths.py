@@ -449,18 +449,29 @@ def test_one_client_serves_concurrent_calls_from_many_threads(client, connect):
 
 
 def test_the_clients_timeout_ends_a_transfer_that_outlasts_it_and_nothing_is_stored(shared, connect):
-    big = {"x": random_tensor("float32", (32 * MiB // 4,), seed()), "y": random_tensor("float32", (32 * MiB // 4,),
-                                                                                        seed())}
+    big = {"x": random_tensor("float32", (4 * MiB // 4,), seed()), "y": random_tensor("float32", (4 * MiB // 4,),
+                                                                                      seed())}
     name = fresh()
-    client = connect(shared.target, timeout=0.05)
-    for _ in range(50):  # the path is chosen first (its DataPaths call may outlast 0.05 s on a busy host)
+    timeout = 0.5
+    client = connect(shared.target, timeout=timeout)
+    for _ in range(50):  # the path is chosen first (its DataPaths call may outlast the timeout on a busy host)
         try:
             client.transport
             break
         except tannery.ServiceError:
             pass
+    stalled: list[float] = []
+
+    def stall(sent: int) -> None:
+        """The transfer stops at its first bytes until the call's deadline is certainly past: it
+        was set when the call began, before any bytes went (then it goes on, if it can)."""
+        if not stalled:
+            stalled.append(time.monotonic())
+            time.sleep(timeout + 0.2)
+
     with pytest.raises(tannery.ServiceError, match="DEADLINE_EXCEEDED") as caught:
-        client.store(name, big)
+        client.store(name, big, progress=stall)
+    assert stalled, "the transfer never began"
     assert caught.value.code == "DEADLINE_EXCEEDED"
     assert wait_for(lambda: list((shared.data_dir / "tmp").iterdir()) == [])
     assert name not in [info.name for info in connect(shared.target).list()]

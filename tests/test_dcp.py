@@ -203,6 +203,7 @@ def _run_once(worker, world: int, *args) -> dict[int, tuple[str, object]]:
     return answers
 
 
+@pytest.mark.slow
 def test_sharded_save_on_two_ranks_loads_into_three_and_into_one(server, client):
     archive = "ckpt/sharded"
     saved = _run(_save_worker, 2, server.target, archive, None)
@@ -245,6 +246,7 @@ def test_sharded_save_on_two_ranks_loads_into_three_and_into_one(server, client)
     assert state["step"] == 7
 
 
+@pytest.mark.slow
 def test_a_rank_killed_during_save_leaves_no_checkpoint(server, client):
     archive = "ckpt/killed"
     answers = _run(_save_worker, 2, server.target, archive, 1)

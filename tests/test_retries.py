@@ -218,6 +218,7 @@ def test_a_fetch_by_prefix_resumes_by_name_after_those_done():
 # The command line inherits the retries ----------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_push_waits_for_a_server_that_is_starting(tmp_path):
     """`tannery push` started while its server is down notes each retry and pushes once it is up."""
     import subprocess

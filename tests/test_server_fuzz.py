@@ -672,6 +672,7 @@ def health_status(channel: grpc.Channel) -> int:
     return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=30).status
 
 
+@pytest.mark.slow  # thousands of cases: a minute or more
 def test_fuzz_archives_against_one_server(tmp_path, record_property):
     """Thousands of seeded cases; no UNKNOWN/INTERNAL, no hang, nothing partial, nothing leaked."""
     started = time.monotonic()

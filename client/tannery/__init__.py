@@ -8,7 +8,6 @@ submodule; this package never binds the name ``torch`` itself.
 from __future__ import annotations
 
 import importlib
-import warnings
 from typing import Any
 
 __version__ = "0.1.0"
@@ -43,9 +42,6 @@ _EXPORTS = {
 }
 
 
-#: Former names, still given with a DeprecationWarning: the new name and its module.
-_DEPRECATED = {"EntryInfo": ("TensorInfo", "tannery.archive")}
-
 #: Submodules reachable as attributes without importing them first (``tannery.aio.Client``).
 _SUBMODULES = {"aio", "dcp"}
 
@@ -53,10 +49,6 @@ _SUBMODULES = {"aio", "dcp"}
 def __getattr__(name: str) -> Any:
     if name in _SUBMODULES:
         return importlib.import_module(f"{__name__}.{name}")
-    if name in _DEPRECATED:
-        new, module = _DEPRECATED[name]
-        warnings.warn(f"tannery.{name} is now tannery.{new}", DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(module), new)
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'tannery' has no attribute {name!r}")

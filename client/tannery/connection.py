@@ -200,7 +200,7 @@ def service_error(
         if code is grpc.StatusCode.UNAVAILABLE:
             message = f"{message} (server {target})"
         elif code is grpc.StatusCode.ALREADY_EXISTS:
-            message = _replace_remedy(message)
+            message = f"{message} ({errors.REPLACE_REMEDY})"
         error = _ERRORS[code](message)
     elif code is grpc.StatusCode.DEADLINE_EXCEEDED:
         error = errors.ServiceError(f"DEADLINE_EXCEEDED: {message} (the client's timeout)")
@@ -208,13 +208,6 @@ def service_error(
         error = errors.ServiceError(f"{code.name}: {message}")
     error.code = code.name  # type: ignore[attr-defined]
     return error
-
-
-def _replace_remedy(message: str) -> str:
-    """The server's AlreadyExists message with the Python remedy named (``replace=True``)
-    instead of the server's "(ask to replace it)"."""
-    base = message.removesuffix(errors.SERVER_REPLACE_REMEDY).rstrip()
-    return f"{base} ({errors.REPLACE_REMEDY})"
 
 
 def rpc_error(error: grpc.RpcError, target: str) -> Exception:

@@ -51,14 +51,12 @@ def receive_buffer(size: int, data_offset: int, pool: buffer_pool.ReceivePool | 
 
 #: Payloads from this size (with the alignment pad) are gathered into an anonymous map of
 #: their own; smaller ones into the heap (``aligned_buffer``), whose memory the allocator
-#: reuses. numpy asks for huge pages for arrays from 4 MiB: a map is how we avoid that.
+#: reuses. numpy asks for huge pages for arrays from 4 MiB: a map is how we avoid that (zeroing
+#: fresh huge pages cost a receiving client 2.5x the CPU: docs/benchmarks.md, "Client memory").
 MAP_GATHER = 4 << 20
 #: A map is allocated whole up to this size: beyond, nothing more is reserved on the word of
 #: a header, and the map grows as the bytes arrive.
 EAGER_GATHER = 32 << 20
-#: Advise transparent huge pages (``MADV_HUGEPAGE``) for gather maps. Off: zeroing fresh huge pages
-#: cost a receiving client 2.5x the CPU (docs/benchmarks.md, "Client memory").
-HUGE_PAGES = False
 #: Bytes of a gather map faulted in ahead of the data, in one call (``MADV_POPULATE_WRITE``,
 #: Linux 5.14+), instead of one page fault per 4 KiB page the copy touches: 0.05-0.2 client
 #: CPU-s per GiB fetched less here (docs/benchmarks.md).
@@ -93,13 +91,7 @@ class _Gathering:
 
     @staticmethod
     def _new_map(size: int) -> mmap.mmap:
-        return _Gathering._advise(buffer_pool.new_map(size))
-
-    @staticmethod
-    def _advise(memory: mmap.mmap) -> mmap.mmap:
-        if HUGE_PAGES and hasattr(mmap, "MADV_HUGEPAGE"):
-            memory.madvise(mmap.MADV_HUGEPAGE)
-        return memory
+        return buffer_pool.new_map(size)
 
     def add(self, data: Buffer) -> None:
         n = memoryview(data).nbytes
@@ -128,8 +120,6 @@ class _Gathering:
             bigger = self._new_map(size)
             bigger[: self.filled] = self.memory[: self.filled]
             self.memory = bigger
-        else:
-            self._advise(self.memory)
 
     def payload(self) -> memoryview:
         if isinstance(self.memory, mmap.mmap) and self.pool is not None:

@@ -30,9 +30,6 @@ class AlreadyExists(ServiceError):
 
 #: What an AlreadyExists message adds, in parentheses, to the server's: the keyword that replaces.
 REPLACE_REMEDY = "give replace=True to replace it"
-#: What servers before this one added instead (kept so that their messages read as well); the server
-#: now says only that the archive exists: it knows no client's spelling of the remedy.
-SERVER_REPLACE_REMEDY = "(ask to replace it)"
 
 
 class InvalidArgument(ServiceError, ValueError):

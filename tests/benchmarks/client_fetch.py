@@ -14,8 +14,9 @@ Variants:
   same-host path here); ``tannery.Client tcp`` and ``tannery.Client grpc``: the data port and
   the gRPC streams, forced;
 - ``tannery.Client.fetch_iter``: the streaming fetch, each tensor dropped as it arrives;
-- ``tannery.Client, huge pages``: ``fetch`` with ``gathering.HUGE_PAGES`` on (gather maps advised
-  ``MADV_HUGEPAGE``, as numpy does for arrays from 4 MiB);
+- ``tannery.Client, huge pages``: ``fetch`` with every new receive map advised ``MADV_HUGEPAGE``
+  (as numpy does for arrays from 4 MiB), patched in here: the client never asks for huge pages
+  (what docs/benchmarks.md, "Client memory", measured);
 - ``Arrow Flight DoGet``: the same bytes as a one-column table from the Flight peer of the
   transport case (1 MiB record batches, combined into one tensor), the baseline of a client's
   first fetch in a new process (what a pod pays at start; a long-lived client's later fetches
@@ -60,6 +61,23 @@ def _server_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _advise_huge_pages() -> None:
+    """Every map the client makes for received payloads from now on asks for transparent huge
+    pages (mremap keeps the advice as a map grows)."""
+    import mmap
+
+    from tannery import buffer_pool
+
+    fresh = buffer_pool.new_map
+
+    def new_map(size: int) -> mmap.mmap:
+        memory = fresh(size)
+        memory.madvise(mmap.MADV_HUGEPAGE)
+        return memory
+
+    buffer_pool.new_map = new_map
+
+
 def measure(variant: str, target: str, server_pid: int, archive: str) -> dict:
     """Fetch ``archive`` once in this process, as ``variant`` does."""
     import asyncio
@@ -69,11 +87,10 @@ def measure(variant: str, target: str, server_pid: int, archive: str) -> dict:
     import tannery
     import tannery.aio
     import tannery.torch  # torch, imported by tannery on first use: not part of the fetch timed
-    from tannery import gathering
     from tannery_protocol.v1 import archives_pb2
 
     if variant == HUGE:
-        gathering.HUGE_PAGES = True
+        _advise_huge_pages()
     if variant == RAW:
         channel = grpc.insecure_channel(target)
         fetch = channel.unary_stream("/tannery.v1.Archives/Fetch", archives_pb2.FetchRequest.SerializeToString,
