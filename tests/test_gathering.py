@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tannery import gathering
+from tannery import gathering, receive_memory
 from tannery_protocol import codec, framing
 from tannery_protocol.codec import DTYPES, encode_prefix, parse, to_numpy
 from tannery.gathering import Reframer
@@ -87,9 +87,12 @@ def test_a_map_is_never_larger_than_its_payload_needs():
     assert parse(gathered).size == len(data)
 
 
-@pytest.mark.parametrize("advice", [None, 0x7FFF])  # no such advice (not Linux), one the kernel refuses
+@pytest.mark.parametrize("advice", [None, 0x7FFF])  # the tricks off (TANNERY_RECEIVE_TUNING=0), an advice refused
 def test_gathering_without_populating_the_map_ahead(advice, monkeypatch):
-    monkeypatch.setattr(gathering, "_MADV_POPULATE_WRITE", advice)
+    if advice is None:
+        monkeypatch.setattr(receive_memory, "TUNED", False)
+    else:
+        monkeypatch.setattr(receive_memory, "_MADV_POPULATE_WRITE", advice)
     size = gathering.EAGER_GATHER + 3 * MiB + 1
     data = bytearray(encode_prefix(DTYPES["uint8"], (size,)))
     data += np.random.default_rng(size).integers(0, 256, size, np.uint8).tobytes()

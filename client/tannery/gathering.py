@@ -9,14 +9,13 @@ the same buffer for a payload received whole from a data connection.
 from __future__ import annotations
 
 import mmap
-import sys
 from typing import Iterator
 
 from tannery_protocol._lazy import lazy_module
 from tannery_protocol.codec import ALIGNMENT, DEFAULT_LIMITS, Buffer, Limits, PayloadInfo
 from tannery_protocol.framing import Deframer
 
-from . import buffer_pool
+from . import receive_memory
 
 np = lazy_module("numpy")
 
@@ -32,7 +31,7 @@ def aligned_buffer(size: int, data_offset: int) -> memoryview:
     return memoryview(raw[pad : pad + size])
 
 
-def receive_buffer(size: int, data_offset: int, pool: buffer_pool.ReceivePool | None = None) -> memoryview:
+def receive_buffer(size: int, data_offset: int, pool: receive_memory.ReceivePool | None = None) -> memoryview:
     """As :func:`aligned_buffer`, for a payload received whole from a socket: from
     :data:`MAP_GATHER` bytes an anonymous map of 4 KiB pages, one of ``pool``'s when it has
     one that fits (and given back to it once the tensor is gone). numpy would ask for
@@ -57,11 +56,9 @@ MAP_GATHER = 4 << 20
 #: A map is allocated whole up to this size: beyond, nothing more is reserved on the word of
 #: a header, and the map grows as the bytes arrive.
 EAGER_GATHER = 32 << 20
-#: Bytes of a gather map faulted in ahead of the data, in one call (``MADV_POPULATE_WRITE``,
-#: Linux 5.14+), instead of one page fault per 4 KiB page the copy touches: 0.05-0.2 client
-#: CPU-s per GiB fetched less here (docs/benchmarks.md).
+#: Bytes of a gather map faulted in ahead of the data, in one call
+#: (:func:`~tannery.receive_memory.populate_write`).
 POPULATE_AHEAD = 8 << 20
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23) if sys.platform == "linux" else None
 
 
 class _Gathering:
@@ -74,7 +71,7 @@ class _Gathering:
     already. Either way the tensor data lands on a 64-byte boundary.
     """
 
-    def __init__(self, info: PayloadInfo, pool: buffer_pool.ReceivePool | None = None) -> None:
+    def __init__(self, info: PayloadInfo, pool: receive_memory.ReceivePool | None = None) -> None:
         self.pool = pool
         if info.size + ALIGNMENT < MAP_GATHER:
             self.pad, self.memory = 0, aligned_buffer(info.size, info.data_offset)
@@ -87,11 +84,11 @@ class _Gathering:
         self.end = self.pad + info.size
         self.filled = self.pad
         #: The map's bytes below this are faulted in.
-        self.populated = self.end if reused or not _MADV_POPULATE_WRITE else 0
+        self.populated = self.end if reused or not receive_memory.TUNED else 0
 
     @staticmethod
     def _new_map(size: int) -> mmap.mmap:
-        return buffer_pool.new_map(size)
+        return receive_memory.new_map(size)
 
     def add(self, data: Buffer) -> None:
         n = memoryview(data).nbytes
@@ -107,10 +104,8 @@ class _Gathering:
         assert isinstance(self.memory, mmap.mmap)
         start = self.populated - self.populated % mmap.PAGESIZE
         self.populated = min(len(self.memory), end)
-        try:
-            self.memory.madvise(_MADV_POPULATE_WRITE, start, self.populated - start)
-        except OSError:  # a kernel without it: the copy faults the pages in
-            self.populated = self.end
+        if not receive_memory.populate_write(self.memory, start, self.populated - start):
+            self.populated = self.end  # off, or a kernel without it: the copy faults the pages in
 
     def _grow(self, size: int) -> None:
         assert isinstance(self.memory, mmap.mmap)
@@ -136,7 +131,7 @@ class Reframer:
     bytes it announces arrive.
     """
 
-    def __init__(self, limits: Limits = DEFAULT_LIMITS, pool: buffer_pool.ReceivePool | None = None) -> None:
+    def __init__(self, limits: Limits = DEFAULT_LIMITS, pool: receive_memory.ReceivePool | None = None) -> None:
         self._deframer = Deframer(limits)
         self._gathering: _Gathering | None = None
         #: Where large payloads are gathered into maps used before, and given back to (None: fresh maps).

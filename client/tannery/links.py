@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Iterator
 
 from tannery_protocol import checksums, errors
-from . import buffer_pool
+from . import receive_memory
 from tannery_protocol.codec import DIM, FIXED_PREFIX, HEADER, METADATA, FormatError, parse, read_info
 from tannery_protocol.datalink import (
     HANDSHAKE_SECONDS, Link, LinkError, PeerFailed, connect_unix, expect, frame, tune_tcp,
@@ -40,7 +40,6 @@ PROGRESS_STEP = 1 << 20
 #: Bytes of one piece of a TCP Fetch read as pieces (``fetch_pieces``): only these are held.
 RECEIVE_PIECE = 4 << 20
 #: madvise advice that maps a range's pages in for reading (Linux 5.14; the mmap module may lack the name).
-_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 
 
 
@@ -107,7 +106,7 @@ def _client_context(tls: "TLS") -> ssl.SSLContext:
 # -- Fetch ------------------------------------------------------------------------------------
 
 
-def receive_fetch(link: Link, pieces: bool = False, pool: "buffer_pool.ReceivePool | None" = None
+def receive_fetch(link: Link, pieces: bool = False, pool: "receive_memory.ReceivePool | None" = None
                   ) -> Iterator[object]:
     """The entries a Fetch sends on ``link``, as :class:`Arrived` (or, with ``pieces`` on a TCP
     link, as :class:`~tannery.received.TensorPiece`\\ s, so that only one piece is held); a TCP
@@ -182,17 +181,8 @@ def _mapped(entry, fd: int) -> Arrived:
 
 
 def _populate(mapped: mmap.mmap) -> None:
-    """Map the file's pages in at once, read-only (the block check reads them all next).
-
-    Not MAP_POPULATE: on a private writable map it faults every page in for writing, which
-    copies the whole file (about 0.6 s per GiB here). MADV_POPULATE_READ (Linux 5.14) maps the
-    page cache's own pages; a page is copied only if the tensor is written. Older kernels
-    refuse it, and the check then faults the pages in as it reads them.
-    """
-    try:
-        mapped.madvise(_MADV_POPULATE_READ)
-    except (OSError, AttributeError):
-        pass
+    """Map the file's pages in at once, read-only: the block check reads them all next."""
+    receive_memory.populate_read(mapped)
 
 
 def _receive_prefix(link: Link, size: int, name: str) -> bytearray:
@@ -211,14 +201,14 @@ def _receive_prefix(link: Link, size: int, name: str) -> bytearray:
     return prefix
 
 
-def _received(link: Link, entry: EntryBytes, pool: "buffer_pool.ReceivePool | None" = None) -> Arrived:
+def _received(link: Link, entry: EntryBytes, pool: "receive_memory.ReceivePool | None" = None) -> Arrived:
     """A payload received in one aligned buffer, which the tensor then shares."""
     prefix = _receive_prefix(link, entry.payload_bytes, entry.name)
     info = read_info(prefix)
     buffer = receive_buffer(entry.payload_bytes, info.data_offset, pool)
     buffer[: len(prefix)] = prefix
     rest = buffer[len(prefix) :]
-    with buffer_pool.faulting_in_behind(rest):
+    with receive_memory.faulting_in_behind(rest):
         link.receive_into(rest)
     return Arrived(entry.name, info, buffer[info.data_offset :])
 

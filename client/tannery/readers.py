@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from tannery_protocol import wire
 from tannery_protocol._lazy import lazy_module
 from tannery_protocol.codec import FormatError, byte_buffer
-from .buffer_pool import ReceivePool
+from .receive_memory import ReceivePool
 from tannery_protocol.framing import Deframer
 from tannery.gathering import Reframer
 from .received import Arrived, TensorPiece

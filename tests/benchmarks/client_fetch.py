@@ -21,6 +21,8 @@ Variants:
   transport case (1 MiB record batches, combined into one tensor), the baseline of a client's
   first fetch in a new process (what a pod pays at start; a long-lived client's later fetches
   are the transport case's);
+- ``... , untuned``: that variant with ``TANNERY_RECEIVE_TUNING=0`` (no map reuse, no pages
+  faulted in ahead or from behind): what the client's memory tricks are worth;
 - ``--before DIR``: ``tannery.Client`` from another source tree (``DIR/client``, e.g. from
   ``git archive``), to compare a change with what it replaces in the same run
   (``--before-as VARIANT``: that variant of it instead).
@@ -54,6 +56,10 @@ LOCAL = "tannery.Client local"
 FLIGHT = "Arrow Flight DoGet"
 BEFORE = "tannery.Client, --before tree"
 VARIANTS = [RAW, CLIENT, TCP, GRPC, AIO, ITER, HUGE, FLIGHT]
+#: A variant with this suffix runs as the one before it with the client's memory tricks off
+#: (``TANNERY_RECEIVE_TUNING=0``, :mod:`tannery.receive_memory`): what they are worth.
+UNTUNED = ", untuned"
+UNTUNED_VARIANTS = [v + UNTUNED for v in (CLIENT, TCP, GRPC, LOCAL, ITER)]
 
 
 def _server_cpu(pid: int) -> float:
@@ -66,16 +72,16 @@ def _advise_huge_pages() -> None:
     pages (mremap keeps the advice as a map grows)."""
     import mmap
 
-    from tannery import buffer_pool
+    from tannery import receive_memory
 
-    fresh = buffer_pool.new_map
+    fresh = receive_memory.new_map
 
     def new_map(size: int) -> mmap.mmap:
         memory = fresh(size)
         memory.madvise(mmap.MADV_HUGEPAGE)
         return memory
 
-    buffer_pool.new_map = new_map
+    receive_memory.new_map = new_map
 
 
 def measure(variant: str, target: str, server_pid: int, archive: str) -> dict:
@@ -138,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--size", default="1GiB", type=parse_size, help="bytes of float32 tensors (1GiB)")
     parser.add_argument("--entries", default=1, type=int, help="entries the archive has (1)")
     parser.add_argument("--reps", default=5, type=int)
-    parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=[*VARIANTS, LOCAL])
+    parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=[*VARIANTS, LOCAL, *UNTUNED_VARIANTS])
     parser.add_argument("--before", type=Path, help="also run tannery.Client from this source tree (its client/)")
     parser.add_argument("--before-as", default=CLIENT, choices=[CLIENT, ITER, TCP, GRPC, LOCAL],
                         help="what the --before tree runs (default: tannery.Client)")
@@ -146,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.child:
         variant, target, pid, archive = args.child
+        variant = variant.removesuffix(UNTUNED)
         print(json.dumps(measure(os.environ.get("BEFORE_AS", CLIENT) if variant == BEFORE else variant, target,
                                  int(pid), archive)))
         return
@@ -175,6 +182,8 @@ def main(argv: list[str] | None = None) -> None:
         for rep in range(args.reps):
             for variant in variants[rep % len(variants):] + variants[: rep % len(variants)]:
                 env = dict(os.environ)
+                if variant.endswith(UNTUNED):
+                    env["TANNERY_RECEIVE_TUNING"] = "0"
                 if variant == BEFORE:
                     env["PYTHONPATH"] = os.pathsep.join([str(args.before.resolve() / "client"),
                                                          env.get("PYTHONPATH", "")])

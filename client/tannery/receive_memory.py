@@ -1,6 +1,10 @@
-"""Memory for received payloads: the anonymous maps of one stream's tensors used again by
-its later payloads, and a fresh buffer's pages faulted in from its end while a receive fills
-it from its start.
+"""The client's memory tricks for received payloads, behind one door (:data:`TUNED`): the
+anonymous maps of one stream's tensors used again by its later payloads, a fresh buffer's
+pages faulted in from its end while a receive fills it from its start, and pages populated
+ahead in one call (:func:`populate_write`, :func:`populate_read`) instead of one fault per
+4 KiB page. ``TANNERY_RECEIVE_TUNING=0`` turns every one of them off (plain maps filled as
+they come), which is how ``make bench`` measures what they are worth (docs/benchmarks.md,
+"Client memory").
 
 A fresh map costs a page fault and a zeroed page for every 4 KiB a receive writes: 0.2-0.3
 client CPU-s per GiB here, and up to 2 s when the virtual machine's host must back the pages
@@ -26,12 +30,17 @@ import sys
 import threading
 import time
 import weakref
+import os
 from contextlib import contextmanager
 from typing import Iterator
 
 from tannery_protocol._lazy import lazy_module
 
 np = lazy_module("numpy")
+
+#: Whether the tricks of this module are on (``TANNERY_RECEIVE_TUNING``, on unless 0/off/false).
+TUNED = os.environ.get("TANNERY_RECEIVE_TUNING", "1").strip().lower() not in ("0", "off", "false", "no")
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14
 
 #: Maps one pool keeps idle at most (a stream cycles through one or two), and bytes of them.
 IDLE_MAPS = 2
@@ -61,6 +70,11 @@ class ReceivePool:
         self._idle: list[mmap.mmap] = []  # oldest first; under _lock
 
     def reuse(self, size: int) -> mmap.mmap | None:
+        if not TUNED:
+            return None
+        return self._reuse(size)
+
+    def _reuse(self, size: int) -> mmap.mmap | None:
         """The smallest idle map of at least ``size`` bytes that fits (its pages are there,
         holding old bytes the caller overwrites); None when there is none."""
         with self._lock:
@@ -77,7 +91,8 @@ class ReceivePool:
         reference to ``memory``. The view's ``obj`` (a numpy array) spans the whole map: bytes
         outside what the caller fills may be an earlier payload's of the same stream."""
         owner = np.frombuffer(memory, dtype=np.uint8)
-        weakref.finalize(owner, _give_back, weakref.ref(self), memory).atexit = False
+        if TUNED:
+            weakref.finalize(owner, _give_back, weakref.ref(self), memory).atexit = False
         return memoryview(owner)
 
     def idle_bytes(self) -> int:
@@ -175,7 +190,7 @@ def faulting_in_behind(buffer: memoryview) -> Iterator[None]:
     came cheap (:data:`CHEAP_PAGES`: pages already there, or fresh ones the kernel has at hand)
     cover :data:`CHEAP_SHARE` of the buffer. The thread is stopped and joined when the body
     ends, however it ends."""
-    madvise = _madvise() if buffer.nbytes >= FAULT_BEHIND_FROM else None
+    madvise = _madvise() if TUNED and buffer.nbytes >= FAULT_BEHIND_FROM else None
     if madvise is None:
         yield
         return
@@ -207,3 +222,29 @@ def _fault_in_backwards(madvise, address: int, size: int, stop: threading.Event)
         if cheap >= enough:
             return
         end = start
+
+
+def populate_write(memory: mmap.mmap, start: int, length: int) -> bool:
+    """Fault in ``length`` bytes of ``memory`` from ``start`` for writing, in one call
+    (``MADV_POPULATE_WRITE``) rather than one fault per page the copy touches; False when it is
+    off (:data:`TUNED`) or the kernel refuses it: the copy then faults the pages in itself."""
+    if not TUNED or sys.platform != "linux":
+        return False
+    try:
+        memory.madvise(_MADV_POPULATE_WRITE, start, length)
+    except OSError:
+        return False
+    return True
+
+
+def populate_read(memory: mmap.mmap) -> None:
+    """Map the page cache's pages of a file's map in at once, read-only (``MADV_POPULATE_READ``):
+    not ``MAP_POPULATE``, which on a private writable map faults every page in for writing and
+    so copies the whole file (about 0.6 s per GiB here); a page is copied only if the tensor is
+    written. Nothing when off or refused: the reads fault the pages in."""
+    if not TUNED:
+        return
+    try:
+        memory.madvise(_MADV_POPULATE_READ)
+    except (OSError, AttributeError):
+        pass

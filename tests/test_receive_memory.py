@@ -14,8 +14,8 @@ import torch
 
 import tannery
 from tannery import gathering
-from tannery import buffer_pool
-from tannery.buffer_pool import ReceivePool
+from tannery import receive_memory
+from tannery.receive_memory import ReceivePool
 from tannery_protocol import codec
 from tannery_protocol.codec import DTYPES, encode_prefix
 
@@ -118,7 +118,7 @@ def test_a_request_much_smaller_than_an_idle_map_gets_a_new_one():
 
 
 def test_a_pool_keeps_its_newest_maps_up_to_its_limits_unmapping_the_oldest():
-    assert buffer_pool.IDLE_MAPS == 2
+    assert receive_memory.IDLE_MAPS == 2
     pool = ReceivePool()
     buffers = [mark(gathering.receive_buffer(SIZE, 8, pool), i + 1) for i in range(3)]
     addresses = [address(b) for b in buffers]
@@ -162,8 +162,8 @@ def test_a_map_given_back_while_the_pool_chooses_one_lands_in_it_and_nothing_blo
                 dropped.clear()
             return other * FIT
 
-    FIT = buffer_pool.FIT
-    monkeypatch.setattr(buffer_pool, "FIT", DropsWhenUsed())
+    FIT = receive_memory.FIT
+    monkeypatch.setattr(receive_memory, "FIT", DropsWhenUsed())
     chosen = on_a_thread(lambda: gathering.receive_buffer(SIZE, 8, pool))
     assert ran, "no map was given back while the pool chose one"
     assert address(chosen) == idle_address and marked(chosen, 1)
@@ -173,7 +173,7 @@ def test_a_map_given_back_while_the_pool_chooses_one_lands_in_it_and_nothing_blo
 
 
 def test_maps_given_back_from_many_threads_at_once_all_land_in_the_pool(monkeypatch):
-    monkeypatch.setattr(buffer_pool, "IDLE_MAPS", 8)
+    monkeypatch.setattr(receive_memory, "IDLE_MAPS", 8)
     pool = ReceivePool()
     buffers: list = [mark(gathering.receive_buffer(SIZE, 8, pool), i + 1) for i in range(8)]
     addresses = {address(b): i + 1 for i, b in enumerate(buffers)}
@@ -232,27 +232,27 @@ def _fault_in_threads() -> list[threading.Thread]:
 
 
 def test_fresh_pages_are_faulted_in_from_the_end_while_the_body_runs(monkeypatch):
-    monkeypatch.setattr(buffer_pool, "CHEAP_PAGES", float("inf"))  # never cheap: the thread goes on to the start
+    monkeypatch.setattr(receive_memory, "CHEAP_PAGES", float("inf"))  # never cheap: the thread goes on to the start
     buffer = gathering.receive_buffer(64 * MiB, 8)
     assert _resident_bytes(buffer) < MiB  # a fresh map: nothing there yet
-    with buffer_pool.faulting_in_behind(buffer):
+    with receive_memory.faulting_in_behind(buffer):
         assert wait_for(lambda: _resident_bytes(buffer) == 64 * MiB + mmap.PAGESIZE, timeout=10), \
             "the pages were not faulted in"
     assert not _fault_in_threads()
 
 
 def test_the_fault_in_thread_stops_once_cheap_steps_in_a_row_cover_a_quarter_of_the_buffer(monkeypatch):
-    monkeypatch.setattr(buffer_pool, "CHEAP_PAGES", 0.0)  # every step is cheap
-    buffer = gathering.receive_buffer(8 * buffer_pool.FAULT_STEP, 8)
-    with buffer_pool.faulting_in_behind(buffer):
+    monkeypatch.setattr(receive_memory, "CHEAP_PAGES", 0.0)  # every step is cheap
+    buffer = gathering.receive_buffer(8 * receive_memory.FAULT_STEP, 8)
+    with receive_memory.faulting_in_behind(buffer):
         assert wait_for(lambda: not _fault_in_threads(), timeout=10)
         resident = _resident_bytes(buffer)
-    assert 2 * buffer_pool.FAULT_STEP <= resident <= 2 * buffer_pool.FAULT_STEP + mmap.PAGESIZE
+    assert 2 * receive_memory.FAULT_STEP <= resident <= 2 * receive_memory.FAULT_STEP + mmap.PAGESIZE
 
 
 def test_a_slow_step_after_cheap_ones_keeps_the_fault_in_thread_going(monkeypatch):
     """A warm patch of free pages before cold ones must not stop it: the count starts again."""
-    monkeypatch.setattr(buffer_pool, "CHEAP_PAGES", buffer_pool.FAULT_STEP / 0.1)  # over 100 ms a step: cold
+    monkeypatch.setattr(receive_memory, "CHEAP_PAGES", receive_memory.FAULT_STEP / 0.1)  # over 100 ms a step: cold
     calls = []
 
     def second_step_slow(address, length, advice):  # no pages faulted: only the timing matters here
@@ -261,16 +261,16 @@ def test_a_slow_step_after_cheap_ones_keeps_the_fault_in_thread_going(monkeypatc
             time.sleep(0.3)
         return 0
 
-    size = 16 * buffer_pool.FAULT_STEP  # a quarter: four steps
-    buffer_pool._fault_in_backwards(second_step_slow, 1 << 30, size, threading.Event())
-    assert calls == [buffer_pool.FAULT_STEP] * 6  # cheap, cold, then four cheap in a row
+    size = 16 * receive_memory.FAULT_STEP  # a quarter: four steps
+    receive_memory._fault_in_backwards(second_step_slow, 1 << 30, size, threading.Event())
+    assert calls == [receive_memory.FAULT_STEP] * 6  # cheap, cold, then four cheap in a row
 
 
 def test_the_fault_in_thread_stops_when_the_body_fails(monkeypatch):
-    monkeypatch.setattr(buffer_pool, "CHEAP_PAGES", float("inf"))
+    monkeypatch.setattr(receive_memory, "CHEAP_PAGES", float("inf"))
     buffer = gathering.receive_buffer(256 * MiB, 8)
     with pytest.raises(ConnectionError):
-        with buffer_pool.faulting_in_behind(buffer):
+        with receive_memory.faulting_in_behind(buffer):
             raise ConnectionError("cut off")
     assert not _fault_in_threads()
     assert _resident_bytes(buffer) < 256 * MiB  # stopped before it had faulted everything in
@@ -280,8 +280,8 @@ def test_the_fault_in_thread_stops_when_the_body_fails(monkeypatch):
 def test_fetch_iter_receives_entries_into_the_maps_of_the_ones_dropped_before(tmp_path: Path, transport, monkeypatch):
     tensors = {f"w{i}": torch.full((4 * MiB,), float(i)) for i in range(6)}  # 16 MiB each
     made = []
-    fresh = buffer_pool.new_map
-    monkeypatch.setattr(buffer_pool, "new_map", lambda size: made.append(size) or fresh(size))
+    fresh = receive_memory.new_map
+    monkeypatch.setattr(receive_memory, "new_map", lambda size: made.append(size) or fresh(size))
     with running_server(tmp_path) as server, tannery.Client(server.target, transport=transport) as client:
         client.store("m", tensors)
         for name, tensor in client.fetch_iter("m"):
@@ -294,3 +294,19 @@ def test_fetch_iter_receives_entries_into_the_maps_of_the_ones_dropped_before(tm
         kept = [tensor for _, tensor in client.fetch_iter("m")]  # all held: nothing to reuse
         assert len(made) == 6
         assert all(torch.equal(t, tensors[f"w{i}"]) for i, t in enumerate(kept))
+
+
+def test_with_the_tricks_turned_off_no_map_comes_back_or_is_faulted_in(monkeypatch):
+    """TANNERY_RECEIVE_TUNING=0: the pool keeps nothing, no thread faults pages in."""
+    monkeypatch.setattr(receive_memory, "TUNED", False)
+    pool = ReceivePool()
+    buffer = mark(gathering.receive_buffer(SIZE, 56, pool), 7)
+    del buffer
+    gc.collect()
+    assert pool.idle_bytes() == 0
+    again = gathering.receive_buffer(SIZE, 56, pool)
+    assert not marked(again, 7)  # a fresh map, not the one before
+    big = gathering.receive_buffer(64 * MiB, 8)
+    with receive_memory.faulting_in_behind(big):
+        assert not any(t.name == "tannery-fault-in" for t in threading.enumerate())
+    assert not receive_memory.populate_write(mmap.mmap(-1, MiB), 0, MiB)
