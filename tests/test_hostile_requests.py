@@ -18,6 +18,7 @@ from tannery_protocol.v1 import archives_pb2 as pb
 from tannery_protocol.wire import WireError
 from tannery_server.handling import internal
 from tannery_server.storage import Storage
+from tannery_server.storage_failures import failure_of
 
 from .server_harness import commit_request, running_server
 
@@ -112,7 +113,7 @@ def test_every_exception_a_handler_raises_has_a_status_other_than_unknown(tmp_pa
     """Storage turns its drivers' errors into the server's failures; the handlers the rest."""
     storage = Storage.open_local(tmp_path)
     try:
-        failure = internal(storage.failure_of(exc))
+        failure = internal(failure_of(exc, storage))
     finally:
         storage.close()
     assert failure.code == code and words in str(failure)
