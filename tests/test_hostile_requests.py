@@ -17,7 +17,8 @@ from tannery_protocol import codec
 from tannery_protocol.v1 import archives_pb2 as pb
 from tannery_protocol.wire import WireError
 from tannery_server.handling import internal
-from tannery_server.storage import Storage
+from tannery_server.storage import ArchiveExists, Damaged, InvalidRequest, NoSuchArchive, Storage, TooManyEntries
+from tannery_server.storage_failures import failure_of
 
 from .server_harness import commit_request, running_server
 
@@ -107,12 +108,17 @@ def test_the_codec_names_an_absurd_shape_briefly():
     (sqlite3.OperationalError("database is locked"), grpc.StatusCode.UNAVAILABLE, "database is locked"),
     (RuntimeError("a bug"), grpc.StatusCode.INTERNAL, "RuntimeError: a bug"),
     (WireError("truncated varint"), grpc.StatusCode.INVALID_ARGUMENT, "truncated varint"),
+    (ArchiveExists("archive 'a' already exists"), grpc.StatusCode.ALREADY_EXISTS, "archive 'a' already exists"),
+    (NoSuchArchive("archive 'x' not found"), grpc.StatusCode.NOT_FOUND, "archive 'x' not found"),
+    (InvalidRequest("union: 'w' is in two sources"), grpc.StatusCode.INVALID_ARGUMENT, "'w' is in two sources"),
+    (TooManyEntries("union 'u': 3 entries"), grpc.StatusCode.RESOURCE_EXHAUSTED, "union 'u': 3 entries"),
+    (Damaged("entry 'w': stored blob d is missing"), grpc.StatusCode.DATA_LOSS, "stored blob d is missing"),
 ])
 def test_every_exception_a_handler_raises_has_a_status_other_than_unknown(tmp_path, exc, code, words):
-    """Storage turns its drivers' errors into the server's failures; the handlers the rest."""
+    """Storage turns its drivers' errors and its refusals into the server's failures; the handlers the rest."""
     storage = Storage.open_local(tmp_path)
     try:
-        failure = internal(storage.failure_of(exc))
+        failure = internal(failure_of(exc, storage))
     finally:
         storage.close()
     assert failure.code == code and words in str(failure)

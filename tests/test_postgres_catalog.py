@@ -14,8 +14,7 @@ from urllib.parse import urlsplit, urlunsplit
 import psycopg
 import pytest
 
-from tannery_server.failures import NameTaken
-from tannery_server.storage import ArchiveLimits, BlobInfo, CatalogTooNew, EntryRecord, StorageUnavailable
+from tannery_server.storage import ArchiveExists, ArchiveLimits, BlobInfo, CatalogTooNew, EntryRecord, StorageUnavailable
 from tannery_server.storage.postgres_catalog import SCHEMA_VERSION, PostgresCatalog
 
 SECOND = 10**9
@@ -104,7 +103,7 @@ def test_two_replicas_committing_one_name_at_once_one_wins(open_catalogs):
             lambda: a.commit_archive(name, [_entry("w", _blob(1))], [_blob(1)], False, 1),
             lambda: b.commit_archive(name, [_entry("v", _blob(2))], [_blob(2)], False, 2),
         )
-        taken = [r for r in results if isinstance(r, NameTaken)]
+        taken = [r for r in results if isinstance(r, ArchiveExists)]
         won = [r for r in results if isinstance(r, tuple)]
         assert len(taken) == 1 and len(won) == 1, results
         assert str(taken[0]) == f"archive {name!r} already exists"
@@ -201,7 +200,7 @@ def test_commit_leased_commits_only_with_live_leases_and_drops_them(catalog):
     # The holder's leases are gone; the committed blobs are referenced, so not collectable.
     later = now + 3600 * SECOND
     assert catalog.collectable(later, now, 10) == []  # three is still leased by "other"
-    with pytest.raises(NameTaken, match="archive 'x' already exists"):
+    with pytest.raises(ArchiveExists, match="archive 'x' already exists"):
         catalog.commit_leased("x", [_entry("w", two)], False, 2, REPLICA, HOLDER, now)
     # Replaced by a commit of another holder: one and two lose their last reference, and their
     # grace period starts then.

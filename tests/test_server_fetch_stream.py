@@ -11,7 +11,7 @@ import pytest
 from tannery_protocol import codec
 from tannery_protocol.v1 import archives_pb2 as pb
 from tannery_server.dataplane.fetch import FETCH_BATCH_BYTES, FetchStream
-from tannery_server.failures import DataLoss
+from tannery_server.storage import Damaged
 
 from .server_harness import collect_fetch, running_server, store_requests
 
@@ -64,7 +64,7 @@ def test_a_longer_fetch_says_which_batch_is_its_last(srv):
 def test_a_failing_first_batch_releases_the_pins(srv):
     digest = srv.storage.catalog.entries("a", ["small"])["small"].digest
     srv.storage.blobs.path(digest).unlink()
-    with pytest.raises(DataLoss, match=f"'small'.*: stored blob {digest} is missing$"):
+    with pytest.raises(Damaged, match=f"'small'.*: stored blob {digest} is missing$"):
         FetchStream.open(srv.storage, request("small"), CHUNK, FETCH_BATCH_BYTES)
     assert pins(srv) == {}
 
@@ -74,7 +74,7 @@ def test_a_failure_comes_after_the_messages_before_it(srv):
     srv.storage.blobs.path(digest).unlink()
     stream, batch = FetchStream.open(srv.storage, request("small", "big"), CHUNK, FETCH_BATCH_BYTES)
     assert b"".join(batch).endswith(srv.payloads["small"]) and not stream.done
-    with pytest.raises(DataLoss, match=f"'big'.*: stored blob {digest} is missing$"):
+    with pytest.raises(Damaged, match=f"'big'.*: stored blob {digest} is missing$"):
         stream.next_batch(FETCH_BATCH_BYTES)
     stream.close()
     assert pins(srv) == {}

@@ -11,8 +11,8 @@ from pathlib import Path
 import crc32c
 import pytest
 
-from tannery_server.failures import LimitExceeded, Malformed, Missing, NameTaken
-from tannery_server.storage import ArchiveLimits, BlobInfo, CatalogTotals, DataDirectoryInUse, EntryRecord, Storage
+from tannery_server.storage import (ArchiveExists, ArchiveLimits, BlobInfo, CatalogTotals, DataDirectoryInUse, EntryRecord,
+                                    InvalidRequest, NoSuchArchive, Storage, TooManyEntries)
 from tannery_server.storage.integrity import PayloadDigest
 from tannery_server.storage.sqlite_catalog import SqliteCatalog
 
@@ -113,7 +113,7 @@ def test_replace_collects_the_old_blobs(storage, tmp_path):
     _store(storage, "a", {"x": b"old"})
     _store(storage, "a", {"x": b"new"}, replace=True)
     assert _blob_files(tmp_path / "data") == {hashlib.sha256(b"new").hexdigest()}
-    with pytest.raises(NameTaken, match="archive 'a' already exists"):
+    with pytest.raises(ArchiveExists, match="archive 'a' already exists"):
         _store(storage, "a", {"x": b"newer"})
     assert _blob_files(tmp_path / "data") == {hashlib.sha256(b"new").hexdigest()}
 
@@ -184,15 +184,15 @@ def test_union_is_one_transaction_and_names_a_duplicate(catalog):
     record, _ = catalog.union("u", [("a", "model"), ("c", "")], False, 2, LIMITS)
     assert (record.name, record.entries) == ("u", 3)
     assert [e.name for e in catalog.entries_under("u", "")] == ["model.b", "model.w", "w"]
-    with pytest.raises(Malformed, match="union: 'w' is in two sources, 'a' and 'c'"):
+    with pytest.raises(InvalidRequest, match="union: 'w' is in two sources, 'a' and 'c'"):
         catalog.union("v", [("a", ""), ("c", "")], False, 3, LIMITS)
     assert catalog.archive("v") is None
     assert [a.name for a in catalog.list_archives("", "", 10)] == ["a", "c", "u"]
-    with pytest.raises(Missing, match="archive 'absent' not found"):
+    with pytest.raises(NoSuchArchive, match="archive 'absent' not found"):
         catalog.union("v", [("absent", "")], False, 3, LIMITS)
-    with pytest.raises(LimitExceeded, match="3 entries, over the limit of 2"):
+    with pytest.raises(TooManyEntries, match="3 entries, over the limit of 2"):
         catalog.union("v", [("a", ""), ("c", "x")], False, 3, ArchiveLimits(2, 64))
-    with pytest.raises(Malformed, match="over the limit of 8"):
+    with pytest.raises(InvalidRequest, match="over the limit of 8"):
         catalog.union("v", [("a", "long-prefix")], False, 3, ArchiveLimits(10, 8))
     assert catalog.archive("v") is None
 
@@ -218,7 +218,7 @@ def test_commit_refuses_a_taken_name_and_replace_returns_what_the_old_archive_re
     record, released = catalog.commit_archive("a", [_entry("w", one), _entry("v", one)], [_blob(one)], False, 7)
     assert (record.name, record.entries, record.nbytes, record.payload_bytes, record.created_ns) == ("a", 2, 8, 82, 7)
     assert released == []
-    with pytest.raises(NameTaken, match="archive 'a' already exists"):
+    with pytest.raises(ArchiveExists, match="archive 'a' already exists"):
         catalog.commit_archive("a", [_entry("w", two)], [_blob(two)], False, 8)
     assert catalog.entries("a", ["w"])["w"].digest == one
     record, released = catalog.commit_archive("a", [_entry("x", two)], [_blob(two)], True, 9)

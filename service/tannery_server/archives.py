@@ -26,6 +26,7 @@ from .dataplane.store import SessionSteps, receive_store
 from .fetching import check_request
 from .handling import add_service, answering_failures
 from .storage import ArchiveLimits, ArchiveRecord, Storage
+from .storage_failures import failure_of
 from .store_session import StoreSession
 from .validation import check_archive_name, check_metadata, check_prefix
 from .workers import Workers
@@ -67,8 +68,8 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
         self.workers.close()
 
     def failure_of(self, exc: BaseException) -> BaseException:
-        """Storage errors as the server's failures (what :func:`~.handling.answering_failures` asks)."""
-        return self.storage.failure_of(exc)
+        """Storage errors and refusals as the server's failures (what :func:`~.handling.answering_failures` asks)."""
+        return failure_of(exc, self.storage)
 
     def _archive_name(self, name: str) -> str:
         current_call().note("archive", name)

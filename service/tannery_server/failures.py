@@ -1,6 +1,6 @@
 """The failures a call can end with, each tied to the gRPC status it is answered with.
 
-Validation, the servicers and the catalogs' refusals raise these; the storage's own errors
+Validation and the servicers raise these; the storage's own errors and refusals
 (:mod:`.storage.errors`, plain exceptions) become these in :mod:`.storage_failures`. The
 servicers turn them into statuses (with the ``tannery-error`` trailing metadata the protocol
 defines) in one place. Their names are the

@@ -1,5 +1,5 @@
-"""What a storage error tells a client: the one place where the storage's own errors
-(:mod:`.storage.errors`, plain exceptions) become the server's failures, and so statuses.
+"""What a storage error tells a client: the one place where the storage's own errors and
+refusals (:mod:`.storage.errors`, plain exceptions) become the server's failures, and so statuses.
 
 Every message is the storage's, unchanged; only the status is chosen here.
 """
@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from .failures import Failure, LimitExceeded, Malformed, Unavailable
-from .storage.errors import DigestMismatch, OutOfResources, StorageFull, StorageUnavailable
+from .failures import DataLoss, Failure, LimitExceeded, Malformed, Missing, NameTaken, Unavailable
+from .storage.errors import (ArchiveExists, Damaged, DigestMismatch, InvalidRequest, NoSuchArchive, OutOfResources,
+                             StorageFull, StorageUnavailable, TooManyEntries)
 
 
 class Translating(Protocol):
@@ -18,20 +19,26 @@ class Translating(Protocol):
     def storage_error(self, exc: BaseException) -> BaseException: ...
 
 
-#: Each storage error, and the failure it is answered with (the first that matches).
+#: Each storage error or refusal, and the failure it is answered with (the first that matches).
 STATUSES: tuple[tuple[type[Exception], type[Failure]], ...] = (
     (StorageFull, LimitExceeded),  # RESOURCE_EXHAUSTED: delete archives, raise a limit
     (OutOfResources, LimitExceeded),
     (StorageUnavailable, Unavailable),  # UNAVAILABLE: worth a retry
     (DigestMismatch, Malformed),  # INVALID_ARGUMENT: the bytes are not what the sender said
+    (Damaged, DataLoss),  # DATA_LOSS: a stored blob's bytes are lost
+    # The refusals: the request's doing, nothing changed.
+    (ArchiveExists, NameTaken),  # ALREADY_EXISTS
+    (NoSuchArchive, Missing),  # NOT_FOUND
+    (InvalidRequest, Malformed),  # INVALID_ARGUMENT
+    (TooManyEntries, LimitExceeded),  # RESOURCE_EXHAUSTED: over a configured limit
 )
 
 
 def failure_of(exc: BaseException, storage: Translating | None = None) -> BaseException:
     """The failure to answer ``exc`` with. An error of ``storage``'s drivers (files, SQLite) is first
     made the storage error it means (:meth:`~.storage.catalog_and_blobs.Storage.storage_error`: a full
-    disk StorageFull, any other I/O or database error StorageUnavailable); a storage error then
-    becomes its failure (:data:`STATUSES`) with the same message. Anything else is returned as
+    disk StorageFull, any other I/O or database error StorageUnavailable); a storage error or
+    refusal then becomes its failure (:data:`STATUSES`) with the same message. Anything else is returned as
     it is."""
     if storage is not None:
         exc = storage.storage_error(exc)

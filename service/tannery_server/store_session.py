@@ -28,8 +28,8 @@ from tannery_protocol.codec import FormatError, Limits, OverLimit
 from tannery_protocol.framing import Deframer
 
 from .config import Config
-from .failures import BadPayload, LimitExceeded, Malformed, NameTaken, Unavailable
-from .storage import ArchiveRecord, BlobInfo, DigestMismatch, EntryRecord, PayloadWriter, Storage
+from .failures import BadPayload, LimitExceeded, Malformed, Unavailable
+from .storage import ArchiveExists, ArchiveRecord, BlobInfo, DigestMismatch, EntryRecord, PayloadWriter, Storage
 from .storage.same_content import (digest_difference, header_difference, metadata_difference, other_content,
                                    require_same, unknown_entry)
 from .validation import check_entry_name
@@ -241,7 +241,7 @@ class StoreSession:
         try:
             return self.storage.commit_archive(self.archive, self._entries, self._blobs, self.replace,
                                                self._holder, self.metadata)
-        except NameTaken:
+        except ArchiveExists:
             if self.replace:
                 raise
             return self._already_there()

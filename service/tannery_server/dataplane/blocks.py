@@ -23,9 +23,8 @@ from typing import Callable, Iterator
 
 from tannery_protocol.wire import encode_fetch_response, encode_varint
 
-from ..failures import DataLoss
 from ..fetching import Plan
-from ..storage import BlobFile, BlobInfo, Storage
+from ..storage import BlobFile, BlobInfo, Damaged, Storage
 from ..storage.integrity import BlockCheck, check_block
 from .transforms import made_pieces
 
@@ -35,7 +34,7 @@ class VerifiedBlob:
     closes it, and reports it damaged to the storage when a block fails its check."""
 
     def __init__(self, storage: Storage, plan: Plan) -> None:
-        """DataLoss when the blob is missing, of another size than was stored, or without checksums."""
+        """Damaged when the blob is missing, of another size than was stored, or without checksums."""
         self.storage = storage
         self.plan = plan
         self.entry = entry = plan.entry
@@ -43,14 +42,14 @@ class VerifiedBlob:
         try:
             self.blob: BlobFile = storage.open_blob(entry.digest, entry.payload_bytes)
         except FileNotFoundError:
-            raise DataLoss(f"{what}: stored blob {entry.digest} is missing") from None
+            raise Damaged(f"{what}: stored blob {entry.digest} is missing") from None
         try:
             if self.blob.size != entry.payload_bytes:
-                raise DataLoss(f"{what}: stored blob {entry.digest} has {self.blob.size} bytes, "
+                raise Damaged(f"{what}: stored blob {entry.digest} has {self.blob.size} bytes, "
                                f"{entry.payload_bytes} were stored")
             info = plan.blob or storage.catalog.blob(entry.digest)
             if info is None:
-                raise DataLoss(f"{what}: stored blob {entry.digest} has no checksums in the catalog")
+                raise Damaged(f"{what}: stored blob {entry.digest} has no checksums in the catalog")
         except BaseException:
             self.blob.close()
             raise
@@ -61,7 +60,7 @@ class VerifiedBlob:
 
     def __exit__(self, kind, exc, tb) -> None:
         try:
-            if isinstance(exc, DataLoss):
+            if isinstance(exc, Damaged):
                 self.storage.damaged(self.entry.digest)
         finally:
             self.blob.close()
@@ -79,7 +78,7 @@ class VerifiedBlob:
                  ) -> Iterator[tuple[int, bytes | memoryview]]:
         """Each block that covers bytes [start, stop): its offset and its bytes (``block(offset,
         size)``), checked. A view that fails its check is released at once: a slice of a map
-        that a traceback keeps would make closing the map fail (BufferError) in place of the DataLoss."""
+        that a traceback keeps would make closing the map fail (BufferError) in place of Damaged."""
         size = self.info.block_size
         for index in range(start // size, -(-stop // size)):
             offset = index * size
@@ -141,13 +140,13 @@ class VerifiedBlob:
             framing = encode_fetch_response(entry.name if offset == 0 else None, []) + b"\x12" + encode_varint(size)
             message, got = _new_message(framing, self.blob, offset, size)
             if got != size:
-                raise DataLoss(f"{self.what}: stored blob {entry.digest} is truncated at byte {offset + got}")
+                raise Damaged(f"{self.what}: stored blob {entry.digest} is truncated at byte {offset + got}")
             check.update(memoryview(message)[len(framing):])
             held.append((offset + size, message))
             while held and held[0][0] <= check.verified:
                 yield held.popleft()[1]
         if check.verified != info.size or info.size != entry.payload_bytes:
-            raise DataLoss(f"{self.what}: stored blob {entry.digest}: {check.verified} of {info.size} bytes checked")
+            raise Damaged(f"{self.what}: stored blob {entry.digest}: {check.verified} of {info.size} bytes checked")
         while held:
             yield held.popleft()[1]
 

@@ -1,7 +1,7 @@
 """Where archives live: a catalog and content-addressed blobs, behind the :class:`Catalog` and
 :class:`BlobStore` bases of :mod:`.base`, kept consistent by a :class:`StorageBase`: the
 embedded :class:`Storage` (SQLite and files) or :class:`~.shared_storage.SharedStorage`
-(PostgreSQL and a bucket, for replicas). Its errors (:mod:`.errors`) are plain exceptions;
+(PostgreSQL and a bucket, for replicas). Its errors and refusals (:mod:`.errors`) are plain exceptions;
 the server gives them their statuses (``tannery_server.storage_failures``).
 
 ``PostgresCatalog`` and ``S3BlobStore`` (what replicas share) are imported on first use, so
@@ -13,11 +13,13 @@ from .reserve import SpaceReserve
 from .blob_cache import CachedBlobStore
 from .catalog_and_blobs import Storage
 from .core import Collected, StorageBase
-from .errors import CatalogTooNew, DigestMismatch, OutOfResources, StorageError, StorageFull, StorageUnavailable
+from .errors import (ArchiveExists, CatalogTooNew, Damaged, DigestMismatch, InvalidRequest, NoSuchArchive, OutOfResources,
+                     Refusal, StorageError, StorageFull, StorageUnavailable, TooManyEntries)
 from .lock import DataDirectoryInUse, DataDirectoryLock
 from .payload_writer import PayloadWriter
 
 __all__ = [
+    "ArchiveExists",
     "ArchiveRecord",
     "BlobFile",
     "BlobInfo",
@@ -27,14 +29,18 @@ __all__ = [
     "CatalogTooNew",
     "CatalogTotals",
     "Collected",
+    "Damaged",
     "DataDirectoryInUse",
     "DataDirectoryLock",
     "DigestMismatch",
     "EntryRecord",
+    "InvalidRequest",
+    "NoSuchArchive",
     "OutOfResources",
     "ArchiveLimits",
     "PayloadWriter",
     "PostgresCatalog",
+    "Refusal",
     "S3BlobStore",
     "SpaceReserve",
     "SharedCatalog",
@@ -44,6 +50,7 @@ __all__ = [
     "StorageFull",
     "StorageUnavailable",
     "TempBlob",
+    "TooManyEntries",
 ]
 
 

@@ -128,7 +128,7 @@ class Catalog(ABC):
         """Create (or replace) an archive whose blobs are already durable, with ``metadata``.
 
         Returns the archive and the digests the replaced archive referenced (candidates
-        for collection). Raises NameTaken when it exists and ``replace`` is false.
+        for collection). Raises ArchiveExists when it exists and ``replace`` is false.
         """
         ...
 
@@ -140,10 +140,10 @@ class Catalog(ABC):
         """Create ``target`` from the entries of ``(archive, prefix)`` sources, without blob writes;
         its metadata is ``metadata`` (not the sources').
 
-        Missing for a missing source, Malformed for a name in two sources or too
-        long, LimitExceeded for too many entries. When ``target`` exists and not ``replace``:
+        NoSuchArchive for a missing source, InvalidRequest for a name in two sources or too
+        long, TooManyEntries for too many entries. When ``target`` exists and not ``replace``:
         the archive there (``already_stored`` set, nothing written) when it holds exactly the
-        entries (names and digests) and metadata the union gives, else NameTaken naming the
+        entries (names and digests) and metadata the union gives, else ArchiveExists naming the
         first difference.
         """
         ...
@@ -349,7 +349,7 @@ class SharedCatalog(Catalog):
         """:meth:`Catalog.commit_archive` for blobs leased by ``(replica, holder)``: in one
         transaction, check that every entry's blob has a live lease of that holder at
         ``now_ns`` (StorageUnavailable naming the blob otherwise: nothing is committed),
-        create or replace the archive (NameTaken as ever; two replicas committing one name
+        create or replace the archive (ArchiveExists as ever; two replicas committing one name
         at once: exactly one wins, never a mix), drop the holder's leases, and touch the
         blobs the replaced archive released (returned, as by ``commit_archive``)."""
         ...

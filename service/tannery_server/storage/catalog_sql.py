@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from typing import Callable, Mapping, Sequence
 
-from ..failures import LimitExceeded, Malformed
 from .base import ArchiveLimits, ArchiveRecord, EntryRecord
+from .errors import InvalidRequest, TooManyEntries
 from .same_content import AlreadyThere, require_same
 
 #: Columns of an entry (``e``: the entries table), in :class:`EntryRecord`'s order.
@@ -64,20 +64,20 @@ def entries_under_query(mark: str, prefix: str) -> tuple[str, tuple]:
 
 def check_union_limits(target: str, count: int, longest: int, longest_name: Callable[[], str],
                        limits: ArchiveLimits) -> None:
-    """LimitExceeded for a union of more than ``limits.max_entries`` entries, Malformed when its
+    """TooManyEntries for a union of more than ``limits.max_entries`` entries, InvalidRequest when its
     longest name (``longest`` bytes, ``longest_name()``) is over ``limits.max_name_bytes``."""
     if count > limits.max_entries:
-        raise LimitExceeded(f"union {target!r}: {count} entries, over the limit of {limits.max_entries}")
+        raise TooManyEntries(f"union {target!r}: {count} entries, over the limit of {limits.max_entries}")
     if longest > limits.max_name_bytes:
         name = longest_name()
-        raise Malformed(
+        raise InvalidRequest(
             f"union {target!r}: entry name {name[:64]!r}... is {longest} bytes, over the limit of "
             f"{limits.max_name_bytes}"
         )
 
 
 def duplicate_error(name: str, sources: Sequence[tuple[str, str]], ids: Sequence[int],
-                    has_entry: Callable[[int, str], bool]) -> Malformed:
+                    has_entry: Callable[[int, str], bool]) -> InvalidRequest:
     """The error for the last of ``sources``, which gives the entry ``name`` that an earlier
     source already gave; ``has_entry(archive_id, entry)`` finds which one."""
     archive = sources[-1][0]
@@ -89,12 +89,12 @@ def duplicate_error(name: str, sources: Sequence[tuple[str, str]], ids: Sequence
         if has_entry(other_id, inner):
             first = other
             break
-    return Malformed(f"union: {name!r} is in two sources, {first!r} and {archive!r}")
+    return InvalidRequest(f"union: {name!r} is in two sources, {first!r} and {archive!r}")
 
 
 def compare_existing(query: Query, mark: str, name: str, archive_id: int, metadata: Mapping[str, str] | None) -> None:
     """Return when no archive ``name`` exists; raise AlreadyThere when it holds exactly the
-    entries of archive ``archive_id`` (being built) and ``metadata``, NameTaken otherwise."""
+    entries of archive ``archive_id`` (being built) and ``metadata``, ArchiveExists otherwise."""
     rows = query(f"SELECT {ARCHIVE_COLUMNS} FROM archives WHERE name = {mark}", (name,))
     if not rows:
         return

@@ -169,12 +169,5 @@ class StorageBase(ABC):
             return StorageUnavailable(f"storage error in {self.data_dir}: {exc}")
         return exc
 
-    def failure_of(self, exc: BaseException) -> BaseException:
-        """The server's failure for ``exc`` (kept for the servicers: a thin call to
-        :func:`tannery_server.storage_failures.failure_of`, where storage errors get their statuses)."""
-        from ..storage_failures import failure_of
-
-        return failure_of(exc, self)
-
 
 __all__ = ["Collected", "StorageBase"]

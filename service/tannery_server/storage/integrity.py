@@ -17,8 +17,8 @@ import struct
 
 from tannery_protocol import checksums
 
-from ..failures import DataLoss
 from .base import BlobInfo
+from .errors import Damaged
 
 #: Bytes covered by one block checksum.
 BLOCK_SIZE = 1 << 20
@@ -70,16 +70,16 @@ class PayloadDigest:
         return BlobInfo(self._sha.hexdigest(), self.size, self.block_size, crcs, self.algorithm)
 
 
-def _corrupted(what: str, blob: BlobInfo, index: int) -> DataLoss:
-    return DataLoss(checksums.corrupted_message(what, blob.digest, index))
+def _corrupted(what: str, blob: BlobInfo, index: int) -> Damaged:
+    return Damaged(checksums.corrupted_message(what, blob.digest, index))
 
 
 def check_block(what: str, blob: BlobInfo, index: int, data: bytes | memoryview) -> None:
-    """DataLoss unless ``data`` is block ``index`` of ``blob`` as it was stored (checked with the
+    """Damaged unless ``data`` is block ``index`` of ``blob`` as it was stored (checked with the
     blob's own algorithm)."""
     expected_size = min(blob.block_size, blob.size - index * blob.block_size)
     if len(data) != expected_size:
-        raise DataLoss(
+        raise Damaged(
             f"{what}: stored blob {blob.digest} is truncated: block {index} has {len(data)} of {expected_size} bytes"
         )
     if checksums.checksum(blob.checksum, data) != blob.crc(index):
@@ -108,7 +108,7 @@ class BlockCheck:
             expected = min(block_size, self.blob.size - self._index * block_size)
             take = min(expected - self._in_block, view.nbytes)
             if take <= 0:
-                raise DataLoss(f"{self.what}: stored blob {self.blob.digest} has more than {self.blob.size} bytes")
+                raise Damaged(f"{self.what}: stored blob {self.blob.digest} has more than {self.blob.size} bytes")
             self._crc = checksums.checksum(self.blob.checksum, view[:take], self._crc)
             self._in_block += take
             view = view[take:]

@@ -11,7 +11,7 @@ How writers stay apart:
 * a write that creates, replaces or deletes an archive first takes the transaction-scoped
   advisory lock of its name (``pg_advisory_xact_lock(hashtextextended(name, 0))``): two
   replicas committing one name run one after the other, so exactly one creates it (the other
-  gets NameTaken) or, with ``replace``, the archive of the last one is the whole archive;
+  gets ArchiveExists) or, with ``replace``, the archive of the last one is the whole archive;
 * an archive being built has no name (NULL) until its transaction renames it, so it may be
   made from the archive it replaces; the UNIQUE constraint on names backs the lock up;
 * a union's sources are locked ``FOR SHARE`` so none is deleted or replaced under it;
@@ -34,12 +34,11 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterable, Mapping, Sequence
 
-from ..failures import Malformed, Missing, NameTaken
 from .base import ArchiveLimits, ArchiveRecord, BlobInfo, CatalogTotals, EntryRecord, SharedCatalog
 from .catalog_sql import (ARCHIVE_COLUMNS, BLOB_COLUMNS, ENTRY_COLUMNS, ENTRY_INSERT, archive_from_row,
                           check_union_limits, compare_existing, duplicate_error, entries_under_query, entry_from_row,
                           entry_values, metadata_text)
-from .errors import StorageUnavailable
+from .errors import ArchiveExists, InvalidRequest, NoSuchArchive, StorageUnavailable
 from .postgres_pool import Cursor, PostgresPool, UniqueViolation, safe_name
 from .postgres_schema import MIGRATIONS, SCHEMA_VERSION, migrate
 from .same_content import AlreadyThere
@@ -65,7 +64,7 @@ class PostgresCatalog(SharedCatalog):
         self.timeout = timeout
         # The name lock makes a second archive of one name unlikely; the constraint backs it up.
         self._db = PostgresPool(url, min_size=min_size, max_size=max_size, timeout=timeout, constraints={
-            "archives_name": lambda what: NameTaken(f"archive already exists ({what})")})
+            "archives_name": lambda what: ArchiveExists(f"archive already exists ({what})")})
         try:
             self._db.write("creating or migrating the schema", lambda cur: migrate(cur, self.name))
         except BaseException:
@@ -165,9 +164,9 @@ class PostgresCatalog(SharedCatalog):
     @staticmethod
     def _begin_archive(cur: Cursor, name: str, replace: bool, created_ns: int,
                        metadata: Mapping[str, str] | None = None) -> int:
-        """NameTaken unless the name is free or may be replaced; the new archive, nameless."""
+        """ArchiveExists unless the name is free or may be replaced; the new archive, nameless."""
         if not replace and cur.execute("SELECT 1 FROM archives WHERE name = %s", (name,)).fetchone():
-            raise NameTaken(f"archive {name!r} already exists")
+            raise ArchiveExists(f"archive {name!r} already exists")
         return cur.execute(
             "INSERT INTO archives (name, created_ns, entries, nbytes, payload_bytes, metadata) "
             "VALUES (NULL, %s, 0, 0, 0, %s) RETURNING id", (created_ns, metadata_text(metadata))).fetchone()[0]
@@ -267,12 +266,12 @@ class PostgresCatalog(SharedCatalog):
         """A union's source, locked against deletion and replacement until the union commits."""
         row = cur.execute("SELECT id FROM archives WHERE name = %s FOR SHARE", (archive,)).fetchone()
         if row is None:
-            raise Missing(f"archive {archive!r} not found (a source of the union)")
+            raise NoSuchArchive(f"archive {archive!r} not found (a source of the union)")
         return row[0]
 
     @staticmethod
     def _duplicate(cur: Cursor, archive_id: int, sources: Sequence[tuple[str, str]],
-                   ids: Sequence[int]) -> Malformed:
+                   ids: Sequence[int]) -> InvalidRequest:
         """The error for the last source, which holds a name an earlier one already gave."""
         row = cur.execute(
             "SELECT t.name FROM entries s JOIN entries t ON t.archive_id = %(id)s AND "
@@ -348,7 +347,7 @@ class PostgresCatalog(SharedCatalog):
     ) -> tuple[ArchiveRecord, list[str]]:
         def work(cur: Cursor) -> tuple[ArchiveRecord, list[str]]:
             self._lock_name(cur, name)
-            archive_id = self._begin_archive(cur, name, replace, created_ns, metadata)  # NameTaken first
+            archive_id = self._begin_archive(cur, name, replace, created_ns, metadata)  # ArchiveExists first
             self._hold_leased(cur, sorted({e.digest for e in entries}), name, replica, holder, now_ns)
             self._insert_entries(cur, archive_id, entries)
             result = self._finish_archive(cur, archive_id, name, now_ns)

@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 
 from tannery_protocol.codec import format_shape
 
-from ..failures import NameTaken
 from .base import ArchiveRecord, EntryRecord
+from .errors import ArchiveExists
 
 #: Hex digits of a digest a refusal shows (enough to tell two payloads apart at a glance).
 DIGEST_SHOWN = 16
@@ -35,9 +35,9 @@ def count(n: int, word: str) -> str:
     return f"{n} {word}s"
 
 
-def other_content(archive: str, difference: str) -> NameTaken:
+def other_content(archive: str, difference: str) -> ArchiveExists:
     """The refusal of a Store or Union whose content differs from the archive of that name."""
-    return NameTaken(f"archive {archive!r} already exists with other content: {difference}")
+    return ArchiveExists(f"archive {archive!r} already exists with other content: {difference}")
 
 
 def metadata_difference(there: Mapping[str, str], sent: Mapping[str, str], side: str = "sent") -> str | None:
@@ -123,7 +123,7 @@ class AlreadyThere(Exception):
 def require_same(there: ArchiveRecord, there_entries: Sequence[EntryRecord], new: Sequence[EntryRecord],
                  new_metadata: Mapping[str, str] | None, side: str = "sent") -> ArchiveRecord:
     """The archive there, flagged ``already_stored``, when it holds exactly the new content;
-    NameTaken naming the first difference otherwise."""
+    ArchiveExists naming the first difference otherwise."""
     difference = content_difference(there_entries, there.metadata, new, new_metadata or {}, side)
     if difference is not None:
         raise other_content(there.name, difference)

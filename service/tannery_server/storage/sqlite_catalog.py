@@ -14,12 +14,11 @@ import threading
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from ..failures import Malformed, Missing, NameTaken
 from .base import ArchiveLimits, ArchiveRecord, BlobInfo, Catalog, CatalogTotals, EntryRecord
 from .catalog_sql import (ARCHIVE_COLUMNS, BLOB_COLUMNS, ENTRY_COLUMNS, ENTRY_INSERT, archive_from_row,
                           check_union_limits, compare_existing, duplicate_error, entries_under_query, entry_from_row,
                           entry_values, metadata_text)
-from .errors import CatalogTooNew
+from .errors import ArchiveExists, CatalogTooNew, InvalidRequest, NoSuchArchive
 from .same_content import AlreadyThere
 from .sqlite_schema import MIGRATIONS, SCHEMA_VERSION, migrate
 
@@ -166,7 +165,7 @@ class SqliteCatalog(Catalog):
         """Check the name is free (or may be replaced) and create the archive under a
         temporary name, so that its sources may include the archive it replaces."""
         if not replace and conn.execute("SELECT 1 FROM archives WHERE name = ?", (name,)).fetchone():
-            raise NameTaken(f"archive {name!r} already exists")
+            raise ArchiveExists(f"archive {name!r} already exists")
         cursor = conn.execute(
             "INSERT INTO archives (name, created_ns, entries, nbytes, payload_bytes, metadata) "
             "VALUES (?, ?, 0, 0, 0, ?)",
@@ -231,7 +230,7 @@ class SqliteCatalog(Catalog):
             for archive, _prefix in sources:
                 row = conn.execute("SELECT id FROM archives WHERE name = ?", (archive,)).fetchone()
                 if row is None:
-                    raise Missing(f"archive {archive!r} not found (a source of the union)")
+                    raise NoSuchArchive(f"archive {archive!r} not found (a source of the union)")
                 ids.append(row[0])
             # An existing target is compared with the union once it is built (below).
             archive_id = self._begin_archive(conn, target, True, created_ns, metadata)
@@ -259,7 +258,7 @@ class SqliteCatalog(Catalog):
             return self._finish_archive(conn, archive_id, target)
 
     @staticmethod
-    def _duplicate(conn, archive_id: int, sources: Sequence[tuple[str, str]], ids: Sequence[int]) -> Malformed:
+    def _duplicate(conn, archive_id: int, sources: Sequence[tuple[str, str]], ids: Sequence[int]) -> InvalidRequest:
         """The error for the last source, which holds a name an earlier one already gave."""
         prefix = sources[-1][1]
         row = conn.execute(
