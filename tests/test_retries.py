@@ -239,3 +239,31 @@ def test_a_push_waits_for_a_server_that_is_starting(tmp_path):
         assert f"Store of 'm': cannot reach the server at 127.0.0.1:{port}" in err and "retry 1 of 8" in err, err
         with tannery.Client(srv.target, transport="grpc") as client:
             assert client.fetch("m").find("w").tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+@pytest.mark.slow
+def test_a_pull_to_a_file_survives_a_server_killed_inside_an_entry(server, tmp_path):
+    """`tannery pull`'s path: pieces written to a safetensors file as they come; the entry cut
+    off comes again from its first piece after the retry, and the file is whole and exact."""
+    from safetensors.torch import load_file
+
+    from tannery.cli.checkpoint_writer import CheckpointWriter
+
+    tensors = checkpoint()
+    with tannery.Client(server.target, transport="grpc") as client:
+        client.store("ckpt", tensors)
+    restarter = Restarter(server, after=100 * MiB)  # inside the fourth entry of 32 MiB
+    output = tmp_path / "pulled.safetensors"
+    with tannery.Client(server.target, retries=6, transport="grpc") as client:
+        described = client.describe("ckpt")
+        with CheckpointWriter(output, list(described.entries)) as writer:
+            firsts = []
+            for piece in client.fetch_pieces("ckpt", progress=restarter.progress):
+                firsts += [piece.name] if piece.first else []
+                writer.write(piece)
+            writer.finish()
+    restarter.join()
+    assert restarter.killed.is_set() and restarter.restarted.is_set()
+    assert len(firsts) > len(tensors)  # an entry was cut off and came again from its start
+    pulled = load_file(str(output))
+    assert sorted(pulled) == sorted(tensors) and all(torch.equal(pulled[n], tensors[n]) for n in tensors)

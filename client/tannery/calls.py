@@ -177,9 +177,12 @@ class CallCore:
         cancels the call), or with ``keep`` returned in a list. A call that ends UNAVAILABLE
         is resumed after the entries that came whole."""
         noted = _Noted(reader, keep)
-        asked, retry = request, 0
+        retry = 0
         while True:
             try:
+                asked = request if not noted.done else (yield from self._rest_of(request, noted.done))
+                if asked is None:
+                    return noted.kept
                 transport = yield from self._transport_now()
                 yield from transport.fetch(self._calls, asked, noted)
                 return noted.kept
@@ -188,10 +191,18 @@ class CallCore:
             retry += 1
             yield from self._forget(pause)
             reader.restart()
-            listed = None if request.entries else [e.name for e in (yield from self._describe(request.archive)).entries]
-            asked = resumed_request(request, noted.done, listed)
-            if asked is None:
-                return noted.kept
+
+    def _rest_of(self, request: archives_pb2.FetchRequest, done: Sequence[str]
+                 ) -> Steps[archives_pb2.FetchRequest | None]:
+        """The Fetch of what ``request`` asks but the entries ``done``; a request by prefix
+        learns the archive's names from one Describe, tried once (it is part of the Fetch's
+        attempt: the Fetch's retries cover it)."""
+        listed = None
+        if not request.entries:
+            described = yield from self._unary_once(self._methods.describe,
+                                                    archives_pb2.DescribeRequest(archive=request.archive))
+            listed = [entry.name for entry in described.entries]
+        return resumed_request(request, done, listed)
 
     def _fetched(self, request: archives_pb2.FetchRequest, progress: Progress) -> Steps[list[tuple[str, torch.Tensor]]]:
         return (yield from self._entries(request, _readers.EntryReader(progress), keep=True))

@@ -94,7 +94,7 @@ class RetryPolicy:
 def retryable(error: BaseException) -> bool:
     """Whether a call that raised ``error`` may be tried again: the server was unreachable or
     the connection broke (UNAVAILABLE, on gRPC or on a data path)."""
-    return isinstance(error, errors.Unavailable)
+    return isinstance(error, errors.Unavailable) and getattr(error, "retryable", True)
 
 
 def _note_gave_up(error: BaseException, retries: int) -> None:

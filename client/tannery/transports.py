@@ -106,8 +106,10 @@ def _route(transport: str, offered: "DataPathsResponse | None", target: str, tls
             reasons.append(f"the {route.describe()} does not answer as this server ({exc}; {where})")
     if transport == "auto":
         return None
-    raise coded(errors.Unavailable, "UNAVAILABLE", f"transport {transport!r} is not available: {'; '.join(reasons)}; "
-                 "use transport='auto' (or --transport auto) to fall back to what is")
+    refusal = coded(errors.Unavailable, "UNAVAILABLE", f"transport {transport!r} is not available: "
+                    f"{'; '.join(reasons)}; use transport='auto' (or --transport auto) to fall back to what is")
+    refusal.retryable = False  # type: ignore[attr-defined]  # a setting to change: waiting will not help
+    raise refusal
 
 
 def _host_of(target: str) -> str | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import logging
 from typing import AsyncIterator
 
 import grpc
@@ -34,6 +35,8 @@ from tannery_protocol.wire import parse_store_request, serialize_response
 
 DEFAULT_PAGE = 100
 MAX_PAGE = 1000
+
+log = logging.getLogger("tannery_server.archives")
 
 
 def archive_info(record: ArchiveRecord) -> archives_pb2.ArchiveInfo:
@@ -97,7 +100,10 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
             _check_alive(context)
             record = await steps.run(session.finish)
         except BaseException:
-            await asyncio.shield(steps.abort())
+            try:
+                await asyncio.shield(steps.abort())
+            except Exception:  # the call's own failure is what the client hears about
+                log.exception("Store of %r: removing what the call wrote failed", name)
             if session.stored:  # cancelled after the client's half-close, while the commit ran
                 current_call().note("stored", "yes")
             raise
@@ -190,7 +196,10 @@ async def _cancellation_landed(context: grpc.aio.ServicerContext) -> None:
     yield after it lets the cancellation land. A Store whose client cancelled with its
     request stream still open thus stores nothing, even when its ``commit`` had arrived.
     """
-    await context.read()
+    try:
+        await context.read()
+    except Exception:  # the server is stopping (grpc.aio refuses the read): the call is over
+        raise Cancelled("the server stopped before the Store was done: nothing was stored") from None
     await asyncio.sleep(0)
 
 

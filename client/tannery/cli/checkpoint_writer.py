@@ -167,8 +167,10 @@ class CheckpointWriter:
         name, info, slot = piece.name, piece.info, self._slots.get(piece.name)
         if slot is None:
             raise CommandError(f"{name}: received an entry the archive's description did not have ({_REPLACED})")
-        if name in self._written or name in self._receiving:
+        if name in self._written:
             raise CommandError(f"{name}: received twice")
+        # In ``_receiving`` already: a retried Fetch sends again from its start the entry its
+        # broken call cut off (tannery.retries); its pieces land at the same offsets again.
         if (info.dtype.name, tuple(info.shape)) != (slot.entry.dtype, tuple(slot.entry.shape)):
             raise CommandError(
                 f"{name}: received {info.dtype} {format_shape(info.shape)}, described as {slot.entry.dtype} "

@@ -36,12 +36,24 @@ async def serve_fetch(plane: DataPlane, storage: Storage, request: archives_pb2.
     if transport is None:
         await _stream(plane.workers, storage, request, context, chunk_size)
         return
-    plans = await plane.workers.run(resolve, storage, request)
+    resolving = plane.workers.start(resolve, storage, request)
+    try:
+        plans = await asyncio.shield(resolving)
+    except asyncio.CancelledError:  # the thread pins the blobs it resolves: release them once it is done
+        await asyncio.shield(_release_resolved(plane, storage, resolving))
+        raise
     try:
         sent = await plane.over_link(transport, context, send_fetch, storage, plans)
         current_call().note("data_bytes", sent)
     finally:
         await asyncio.shield(plane.workers.run(storage.release, digests(plans)))
+
+
+async def _release_resolved(plane: DataPlane, storage: Storage, resolving: asyncio.Future) -> None:
+    """Release the pins of plans a cancelled Fetch was resolving, once the thread has them."""
+    await settle(resolving)
+    if not resolving.cancelled() and resolving.exception() is None:
+        await plane.workers.run(storage.release, digests(resolving.result()))
 
 
 async def _stream(workers: Workers, storage: Storage, request: archives_pb2.FetchRequest, context,

@@ -77,11 +77,13 @@ class DataPlane:
         finally:
             ticket.withdraw()
 
-    async def over_link(self, transport: str, context, move: Callable[..., Any], *args: Any) -> Any:
+    async def over_link(self, transport: str, context, move: Callable[..., Any], *args: Any,
+                        start: Callable[..., asyncio.Future] | None = None) -> Any:
         """Give the call a ticket, wait for its data connection, run ``move(link, *args)`` on a
-        worker thread. A cancelled call breaks the connection and waits for the thread."""
+        worker thread (through ``start``, that a caller may track it: a Store's session steps).
+        A cancelled call breaks the connection and waits for the thread."""
         link = await self.link(transport, context)
-        job = self.workers.start(move, link, *args)
+        job = (start or self.workers.start)(move, link, *args)
         try:
             return await asyncio.shield(job)
         except BaseException as exc:
@@ -91,7 +93,7 @@ class DataPlane:
                 cancelled = isinstance(exc, asyncio.CancelledError)
                 failure = Cancelled("the call was cancelled") if cancelled else self.failure_of(exc)
             fail(link, failure)
-            await settle(job)
+            await asyncio.shield(settle(job))
             # The transfer's frames hold its buffers (mapped memory files, receive windows):
             # let them go now, not when gRPC drops the aborted call (a dead client's, later).
             traceback.clear_frames(exc.__traceback__)

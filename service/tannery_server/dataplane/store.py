@@ -54,13 +54,13 @@ async def receive_store(plane: DataPlane, steps: SessionSteps, first: StoreMessa
     yet (:meth:`StoreSession.finish`)."""
     session = steps.session
     transport = plane.transport(context)
-    await plane.workers.run(session.check_existing)
+    await steps.run(session.check_existing)
     # Each message is written by a worker thread while the next one is received.
     pending = steps.start(write_message, session, first, True)
     if transport is not None:
         # The payloads come on the data connection; the call brings begin and commit.
         await asyncio.shield(pending)
-        await plane.over_link(transport, context, receive_over, session)
+        await plane.over_link(transport, context, receive_over, session, start=steps.start)
         current_call().note("data_bytes", session.bytes_received)
     messages = aiter(requests)
     # Compared with an archive there, any message may be refused: say so at once.

@@ -131,10 +131,11 @@ def _receive_pieces(link: Link, session: StoreSession, entry: EntryBytes) -> Non
             raise Malformed(f"entry {entry.name!r}: a piece came without its memory file")
         size = received.piece.size
         try:
+            if size > left:  # before mapping it: a piece is mapped whole, its pages populated
+                raise Malformed(f"entry {entry.name!r}: pieces of more than the {entry.payload_bytes} bytes "
+                                "announced")
             mapped = sealed_map(fds[0], size, entry.name)
         finally:
             os.close(fds[0])
-        if size > left:
-            raise Malformed(f"entry {entry.name!r}: pieces of more than the {entry.payload_bytes} bytes announced")
         session.write(memoryview(mapped))  # read whole when this returns
         left -= size
