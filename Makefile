@@ -65,7 +65,7 @@ test: $(STAMP) postgresql nats-server
 
 # The quick run, for between edits: all but the tests marked slow and those of servers outside
 # the project (marked external: PostgreSQL, SeaweedFS, NATS, a container engine; tests/conftest.py
-# marks them), so none of those is needed. About 3 minutes on 2 cores; make test runs them all.
+# marks them), so none of those is needed. About 2.5 minutes on 2 cores; make test runs them all.
 test-quick: $(STAMP)
 	$(PY) -m pytest -m "not slow and not external" $(PYTEST_ARGS)
 

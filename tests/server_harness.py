@@ -214,8 +214,10 @@ class ServerProcess:
 
     def environment(self) -> dict[str, str]:
         """The server's environment: the caller's, with the data port and metrics on free ports
-        (over any TANNERY_*_PORT set there) unless this server's own ``env`` names them."""
-        return {**os.environ, "TANNERY_DATA_PORT": "auto", "TANNERY_METRICS_PORT": "auto", **(self.env or {})}
+        and the socket in its own data directory (over any TANNERY_* naming them there) unless
+        this server's own ``env`` names them."""
+        return {**os.environ, "TANNERY_DATA_PORT": "auto", "TANNERY_METRICS_PORT": "auto", "TANNERY_SOCKET": "",
+                **(self.env or {})}
 
     def start(self, timeout: float = 60) -> "ServerProcess":
         env = self.environment()

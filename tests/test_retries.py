@@ -50,9 +50,12 @@ class Restarter:
         self._thread.start()
 
     def progress(self, nbytes: int) -> None:
+        """Count bytes moved; at the threshold, hold the call until the server is killed (so a
+        call that would finish first is cut off all the same)."""
         self.moved += nbytes
-        if self.moved >= self.after:
+        if self.moved >= self.after and not self._reached.is_set():
             self._reached.set()
+            self.killed.wait(30)
 
     def _run(self) -> None:
         if not self._reached.wait(120):

@@ -108,7 +108,11 @@ def _copy_blob(source: Storage, target: SharedStorage, archive: str, entry: Entr
     if target.adopt(info, holder):
         done.reused += 1
         return info
-    blob = source.open_blob(entry.digest, info.size)
+    try:
+        blob = source.open_blob(entry.digest, info.size)
+    except FileNotFoundError:
+        raise MigrationError(f"archive {archive!r}, entry {entry.name!r}: blob {entry.digest} is missing from the "
+                             "source (tannery scrub lists what it damaged)") from None
     writer = target.new_payload(entry.digest)  # known ahead: a bucket takes it without a copy
     try:
         offset = 0
