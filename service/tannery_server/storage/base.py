@@ -73,7 +73,7 @@ class ArchiveRecord:
     metadata: Mapping[str, str] = field(default_factory=dict, hash=False)
     #: Set on the record a Store or Union returns when it found the archive already holding
     #: exactly its content and stored nothing (never kept in the catalog).
-    already_stored: bool = False
+    already_stored: bool = field(default=False, compare=False)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,12 @@ def open_storage(config: Config, collecting: bool = True, offer_create: bool = T
         _check_same_directory(config)
         if blobs_scheme == "file":
             return Storage.open_local(config.data_dir, config.reserve_bytes)
-        return Storage.open_local(config.data_dir, config.reserve_bytes, blobs=open_blobs(config, offer_create))
+        blobs = open_blobs(config, offer_create)
+        try:
+            return Storage.open_local(config.data_dir, config.reserve_bytes, blobs=blobs)
+        except BaseException:
+            blobs.close()  # a bucket's threads, a cache's files: the storage never took them
+            raise
     from .postgres_catalog import PostgresCatalog
     from .shared_storage import SharedStorage
 
@@ -81,7 +86,8 @@ def open_blobs(config: Config, offer_create: bool = True) -> BlobStore:
 
     bucket = S3BlobStore(config.blobs)
     try:
-        if bucket.ensure_bucket(create=config.create_bucket, offer_create=offer_create):
+        # Only a tool that offers --create-bucket creates one (scrub never does, whatever the environment says).
+        if bucket.ensure_bucket(create=config.create_bucket and offer_create, offer_create=offer_create):
             log.info("created the bucket %r at %s", bucket.bucket, bucket.endpoint or "AWS S3")
     except BaseException:
         bucket.close()
