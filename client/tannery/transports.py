@@ -240,7 +240,7 @@ class LinkTransport:
         (not sent after a failed transfer: the server then keeps nothing). The call's answer."""
         upload = yield Upload(method, first, last, self._options(calls), calls.target)
         try:
-            sent = failure = None
+            sent = failure = link = None
             try:
                 ticket = ticket_of((yield Rpc(upload.initial_metadata)))
                 if ticket is not None:
@@ -251,6 +251,8 @@ class LinkTransport:
                     except (LinkError, OSError) as exc:
                         failure = exc
             except BaseException:
+                if link is not None:
+                    link.abort()  # a worker thread still sending (a cancelled asyncio call) stops now
                 upload.cancel()
                 raise
             finally:
@@ -312,6 +314,8 @@ class Feed:
         """The next tensor published, :data:`~tannery.waits.END` once the subscription is over."""
         while not self._ready:
             if self.closed:
+                if self.link is not None:
+                    self.link.close()
                 return END
             try:
                 if self.link is not None:
@@ -323,6 +327,7 @@ class Feed:
                     return END
                 raise rpc_error(error, self.target) from None
             except (LinkError, OSError) as exc:
+                self.link.close()  # the reader's own step: no thread reads it any more
                 if self.closed:
                     return END
                 raise (yield from broken(self.call, exc, self.route, self.target)) from None
