@@ -153,7 +153,13 @@ def test_an_old_catalog_is_migrated_at_open_and_keeps_its_zlib_crcs(tmp_path):
     finally:
         catalog.close()
     version, columns, objects = schema(path)
-    assert version == sqlite_catalog.SCHEMA_VERSION == 2
+    assert version == sqlite_catalog.SCHEMA_VERSION == 3
+    conn = sqlite3.connect(path)
+    try:  # version 3: an old entry's payload is its own blob, from its start (docs/packs.md)
+        assert conn.execute("SELECT name, digest, blob, blob_offset FROM entries").fetchall() == [
+            ("emb", sha(table), sha(table), 0), ("w", "1" * 64, "1" * 64, 0)]
+    finally:
+        conn.close()
     column = {c[1]: c for c in columns}["checksum"]
     assert (column[2], column[3], column[4]) == ("TEXT", 1, "'crc32'")  # type, NOT NULL, default
     assert checksum_column(path) == {sha(table): "crc32", "1" * 64: "crc32c"}
@@ -204,7 +210,7 @@ def test_a_catalog_of_a_newer_schema_is_refused(tmp_path, capsys):
     conn = sqlite3.connect(data_dir / "catalog.sqlite3")
     conn.execute("PRAGMA user_version = 99")
     conn.close()
-    with pytest.raises(CatalogTooNew, match="catalog schema version 99 is newer than this tannery's \\(2\\)"):
+    with pytest.raises(CatalogTooNew, match="catalog schema version 99 is newer than this tannery's \\(3\\)"):
         SqliteCatalog(data_dir / "catalog.sqlite3")
     assert cli.main(["scrub", "--data-dir", str(data_dir)]) == 1
     assert "tannery scrub: " in capsys.readouterr().err
@@ -370,4 +376,4 @@ def test_an_old_catalog_gets_the_metadata_column_and_its_archives_have_none(tmp_
         assert catalog.archive("a").metadata == {}
     finally:
         catalog.close()
-    assert schema(tmp_path / "v1.sqlite3")[0] == 2
+    assert schema(tmp_path / "v1.sqlite3")[0] == 3

@@ -351,7 +351,7 @@ def test_a_version_1_catalog_gets_the_metadata_column(postgres_url):
             cur.execute("INSERT INTO schema_version (version) VALUES (1)")
             cur.execute("INSERT INTO archives (name, created_ns, entries, nbytes, payload_bytes) "
                         "VALUES ('old', 1, 0, 0, 0)")
-    assert SCHEMA_VERSION == 2
+    assert SCHEMA_VERSION == 3
     catalog = PostgresCatalog(postgres_url)
     try:
         assert catalog.archive("old").metadata == {}
@@ -366,4 +366,36 @@ def test_a_version_1_catalog_gets_the_metadata_column(postgres_url):
     finally:
         catalog.close()
     with psycopg.connect(postgres_url) as conn:
-        assert conn.execute("SELECT version FROM schema_version").fetchall() == [(2,)]
+        assert conn.execute("SELECT version FROM schema_version").fetchall() == [(3,)]
+
+
+# Schema version 3: packs (entries.blob, entries.blob_offset, entries.digest) ---------------------
+
+
+def test_a_version_2_catalog_keeps_its_entries_each_in_its_own_blob(postgres_url):
+    from tannery_server.storage import postgres_schema
+
+    blob = _blob(7)
+    with psycopg.connect(postgres_url) as conn:  # the schema as version 2 left it, with an entry
+        with conn.cursor() as cur:
+            postgres_schema._to_version_1(cur)
+            postgres_schema._to_version_2(cur)
+            cur.execute("CREATE TABLE schema_version (version integer NOT NULL)")
+            cur.execute("INSERT INTO schema_version (version) VALUES (2)")
+            cur.execute("INSERT INTO archives (id, name, created_ns, entries, nbytes, payload_bytes) "
+                        "VALUES (1, 'old', 1, 1, 5, 5)")
+            cur.execute("INSERT INTO blobs (digest, size, block_size, block_crcs, checksum, touched_ns) "
+                        "VALUES (%s, %s, %s, %s, %s, 0)", (blob.digest, blob.size, blob.block_size, blob.block_crcs,
+                                                          blob.checksum))
+            cur.execute("INSERT INTO entries (archive_id, name, dtype, shape, nbytes, payload_bytes, data_offset, "
+                        "digest) VALUES (1, 'w', 'uint8', '[5]', 5, 5, 0, %s)", (blob.digest,))
+    catalog = PostgresCatalog(postgres_url)
+    try:
+        (entry,) = catalog.entries_under("old", "")
+        assert (entry.digest, entry.blob, entry.blob_offset, entry.packed) == (blob.digest, blob.digest, 0, False)
+        assert catalog.referrers(blob.digest) == [("old", "w")]
+        assert catalog.unreferenced([blob.digest]) == []
+        _, released = catalog.delete_archive("old")
+        assert released == [blob.digest] and catalog.unreferenced([blob.digest]) == [blob]
+    finally:
+        catalog.close()

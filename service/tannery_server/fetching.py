@@ -35,7 +35,8 @@ class Plan:
     #: For bool rows: bits to drop at the start of the range and bits to send.
     skip_bits: int = 0
     send_bits: int = 0
-    #: Verify by block checksums (row ranges) instead of the whole digest.
+    #: The record (block checksums) of the blob the bytes are in, when the plan looked it up (a
+    #: row range's, a pack's); None: the reader looks it up.
     blob: BlobInfo | None = None
 
 
@@ -84,8 +85,9 @@ def plan_entry(ask: archives_pb2.EntryAsk, entry: EntryRecord | None, blob: Blob
     out_dtype = target or stored
     if not ask.HasField("rows"):
         if target is None:
-            return Plan(entry, None, 0, entry.payload_bytes, stored)
-        return Plan(entry, encode_prefix(target, shape), entry.data_offset, entry.payload_bytes, stored, target)
+            return Plan(entry, None, 0, entry.payload_bytes, stored, blob=blob)
+        return Plan(entry, encode_prefix(target, shape), entry.data_offset, entry.payload_bytes, stored, target,
+                    blob=blob)
 
     start, stop = ask.rows.start, ask.rows.stop
     if not shape:
@@ -122,17 +124,28 @@ def resolve(storage: Storage, request: archives_pb2.FetchRequest) -> list[Plan]:
             entries = catalog.entries_under(request.archive, request.prefix)
             if request.prefix and not entries:
                 raise Missing(f"archive {request.archive!r}: no entry under prefix {request.prefix!r}")
-            return [Plan(e, None, 0, e.payload_bytes, DTYPES[e.dtype]) for e in entries]
+            blobs = _packs(catalog, entries)
+            return [Plan(e, None, 0, e.payload_bytes, DTYPES[e.dtype], blob=blobs.get(e.blob)) for e in entries]
         found = catalog.entries(request.archive, [ask.name for ask in request.entries])
+        blobs = _packs(catalog, found.values())
         plans = []
         for ask in request.entries:
             entry = found.get(ask.name)
-            blob = catalog.blob(entry.digest) if entry is not None and ask.HasField("rows") else None
+            blob = None
+            if entry is not None:
+                blob = blobs.get(entry.blob) or (catalog.blob(entry.blob) if ask.HasField("rows") else None)
             plans.append(plan_entry(ask, entry, blob))
         return plans
 
     return storage.pinned(lookup, digests)
 
 
+def _packs(catalog, entries: Iterable[EntryRecord]) -> dict[str, BlobInfo]:
+    """The records of the packs these entries live in, asked once for all (a Fetch of many
+    small entries would otherwise ask once per entry)."""
+    return catalog.blobs({e.blob for e in entries if e.packed})
+
+
 def digests(plans: Iterable[Plan]) -> list[str]:
-    return [p.entry.digest for p in plans]
+    """The blobs the plans read (what their Fetch pins)."""
+    return [p.entry.blob for p in plans]

@@ -81,8 +81,8 @@ def _migrate_archive(source: Storage, target: SharedStorage, name: str, done: Mi
     blobs: dict[str, BlobInfo] = {}
     try:
         for entry in entries:
-            if entry.digest not in blobs:
-                blobs[entry.digest] = _copy_blob(source, target, name, entry, holder, done)
+            if entry.blob not in blobs:  # a pack once, for all its entries
+                blobs[entry.blob] = _copy_blob(source, target, name, entry, holder, done)
         record = source.catalog.archive(name)
         target.commit_archive(name, entries, list(blobs.values()), False, holder,
                               record.metadata if record is not None else None,
@@ -99,21 +99,21 @@ def _same(ours: list[EntryRecord], theirs: list[EntryRecord]) -> bool:
 
 def _copy_blob(source: Storage, target: SharedStorage, archive: str, entry: EntryRecord, holder: str,
                done: Migrated) -> BlobInfo:
-    """The entry's blob in the target, leased by ``holder``: adopted when the target has it, else
-    streamed from the source and checked against its name."""
-    info = source.catalog.blob(entry.digest)
+    """The blob of the entry's payload (its own, or its pack) in the target, leased by ``holder``:
+    adopted when the target has it, else streamed from the source and checked against its name."""
+    info = source.catalog.blob(entry.blob)
     if info is None:
-        raise MigrationError(f"archive {archive!r}, entry {entry.name!r}: blob {entry.digest} has no record "
+        raise MigrationError(f"archive {archive!r}, entry {entry.name!r}: blob {entry.blob} has no record "
                              "in the source catalog (run tannery scrub on the source)")
     if target.adopt(info, holder):
         done.reused += 1
         return info
     try:
-        blob = source.open_blob(entry.digest, info.size)
+        blob = source.open_blob(entry.blob, info.size)
     except FileNotFoundError:
-        raise MigrationError(f"archive {archive!r}, entry {entry.name!r}: blob {entry.digest} is missing from the "
+        raise MigrationError(f"archive {archive!r}, entry {entry.name!r}: blob {entry.blob} is missing from the "
                              "source (tannery scrub lists what it damaged)") from None
-    writer = target.new_payload(entry.digest)  # known ahead: a bucket takes it without a copy
+    writer = target.new_payload(entry.blob, info.block_size)  # known ahead: a bucket takes it without a copy
     try:
         offset = 0
         view = memoryview(bytearray(min(READ_BYTES, max(info.size, 1))))  # written whole before the next read
@@ -135,7 +135,7 @@ def _copy_blob(source: Storage, target: SharedStorage, archive: str, entry: Entr
             raise DigestMismatch(f"it reads as {copied.size} bytes")
     except DigestMismatch as exc:
         raise MigrationError(
-            f"archive {archive!r}, entry {entry.name!r}: blob {entry.digest} is not what it was stored as "
+            f"archive {archive!r}, entry {entry.name!r}: blob {entry.blob} is not what it was stored as "
             f"({info.size} bytes): {exc}: nothing of it was migrated (run tannery scrub on the source, and restore or delete the "
             "archives it names)") from None
     blob_info = target.seal(writer, holder)

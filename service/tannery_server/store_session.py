@@ -20,6 +20,7 @@ content answers OK with ``already_stored`` and stores nothing; other content is 
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from tannery_protocol.framing import Deframer
 from .config import Config
 from .failures import BadPayload, LimitExceeded, Malformed, Unavailable
 from .storage import ArchiveExists, ArchiveRecord, BlobInfo, DigestMismatch, EntryRecord, PayloadWriter, Storage
+from .storage.packs import PACK_BELOW, PACK_BLOCK_SIZE, PACK_TARGET, Pack
 from .storage.same_content import (digest_difference, header_difference, metadata_difference, other_content,
                                    require_same, unknown_entry)
 from .validation import check_entry_name
@@ -60,6 +62,11 @@ class StoreSession:
         self._deframer = Deframer(Limits(max_payload=_ANY_SIZE, max_rank=config.max_rank))
         self._names: set[str] = set()
         self._entries: list[EntryRecord] = []
+        #: Entries whose payloads are in the open pack, whose digest is not known yet.
+        self._in_pack: list[EntryRecord] = []
+        self._pack: Pack | None = None
+        #: The size of the last complete payload (named when more bytes follow it).
+        self._last_size = 0
         self._blobs: list[BlobInfo] = []
         self._entry: str | None = None
         self._entry_has_payload = False
@@ -148,16 +155,22 @@ class StoreSession:
         except FormatError as exc:
             raise BadPayload(f"entry {self._entry!r}: {exc}") from None
         self._require_payload()
-        if entries != len(self._entries) or payload_bytes != self.bytes_received:
+        if entries != self.entries or payload_bytes != self.bytes_received:
             raise Malformed(
                 f"commit says {entries} entries of {payload_bytes} payload bytes were sent, but "
-                f"{len(self._entries)} entries of {self.bytes_received} bytes arrived: nothing was stored"
+                f"{self.entries} entries of {self.bytes_received} bytes arrived: nothing was stored"
             )
+        self._seal_pack()
         self._committed = True
+
+    @property
+    def entries(self) -> int:
+        """Whole entries received so far."""
+        return len(self._entries) + len(self._in_pack)
 
     def _extra_bytes(self) -> None:
         raise BadPayload(
-            f"entry {self._entry!r}: more bytes after its payload of {self._entries[-1].payload_bytes} bytes "
+            f"entry {self._entry!r}: more bytes after its payload of {self._last_size} bytes "
             "(one payload per entry)"
         )
 
@@ -185,6 +198,9 @@ class StoreSession:
             )
         self._entry_has_payload = True
         self._payload_size = info.size
+        if self.existing is None and info.size < PACK_BELOW:
+            self._writer = self._packed_payload()
+            return
         if self.existing is None:
             self._writer = self.storage.new_payload(self._entry_sha256)
             return
@@ -195,7 +211,15 @@ class StoreSession:
     def _finish_payload(self, info) -> None:
         assert self._writer is not None and self._entry is not None
         writer, self._writer = self._writer, None
+        self._last_size = info.size
         try:
+            if isinstance(writer, _PackedPayload):
+                digest, offset = writer.pack.end(self._entry_sha256)
+                self._in_pack.append(EntryRecord(self._entry, info.dtype.name, tuple(info.shape), info.nbytes,
+                                                 info.size, info.data_offset, digest, blob_offset=offset))
+                if writer.pack.size >= PACK_TARGET:
+                    self._seal_pack()
+                return
             blob = self._seal_or_compare(writer)
         except DigestMismatch as exc:
             raise Malformed(f"entry {self._entry!r}: {exc}; nothing was stored") from None
@@ -203,6 +227,24 @@ class StoreSession:
             EntryRecord(self._entry, info.dtype.name, tuple(info.shape), info.nbytes, info.size, info.data_offset,
                         blob.digest)
         )
+
+    def _packed_payload(self) -> "_PackedPayload":
+        """The current payload, written into the open pack (begun here if none is open)."""
+        if self._pack is None:
+            self._pack = Pack(self.storage.new_payload(block_size=PACK_BLOCK_SIZE))
+        self._pack.begin()
+        return _PackedPayload(self._pack)
+
+    def _seal_pack(self) -> None:
+        """Seal the open pack as a blob (held for this call) and give its entries their blob."""
+        pack, self._pack = self._pack, None
+        if pack is None:
+            return
+        pack.flush()
+        blob = self.storage.seal(pack.writer, self._holder)
+        self._blobs.append(blob)
+        self._entries.extend(dataclasses.replace(e, blob=blob.digest) for e in self._in_pack)
+        self._in_pack.clear()
 
     def _seal_or_compare(self, writer: PayloadWriter) -> BlobInfo:
         """The current entry's payload, complete: sealed as a blob (pinned for this call), or,
@@ -225,7 +267,7 @@ class StoreSession:
         """Commit the archive once the client said so (``commit``) and every payload is durable."""
         if not self._committed:
             raise Malformed(
-                f"Store of {self.archive!r} ended without commit, after {len(self._entries)} whole entries "
+                f"Store of {self.archive!r} ended without commit, after {self.entries} whole entries "
                 f"({self.bytes_received} payload bytes): nothing was stored (a client that sent everything "
                 "sends commit as its last message)"
             )
@@ -263,7 +305,25 @@ class StoreSession:
         if self._closed:
             return
         self._closed = True
-        if self._writer is not None:
+        if self._writer is not None and not isinstance(self._writer, _PackedPayload):
             self._writer.temp.discard()
-            self._writer = None
+        self._writer = None
+        if self._pack is not None:
+            self._pack.discard()
+            self._pack = None
         self.storage.release((b.digest for b in self._blobs), collect=True, holder=self._holder)
+
+
+class _PackedPayload:
+    """The current payload as the open pack takes it: what the session writes to, as it writes
+    to a :class:`PayloadWriter` for a payload of its own."""
+
+    def __init__(self, pack: Pack) -> None:
+        self.pack = pack
+
+    @property
+    def size(self) -> int:
+        return self.pack.payload_size
+
+    def write(self, data: memoryview) -> None:
+        self.pack.write(data)

@@ -17,15 +17,15 @@ the gRPC messages that carry it, and lets each out once its blocks are checked.
 from __future__ import annotations
 
 import io
-import mmap
 from collections import deque
-from typing import Callable, Iterator
+from typing import Iterator
 
-from tannery_protocol.wire import encode_fetch_response, encode_varint
+from tannery_protocol.wire import encode_fetch_response, encode_varint, split_parts
 
 from ..fetching import Plan
 from ..storage import BlobFile, BlobInfo, Damaged, Storage
-from ..storage.integrity import BlockCheck, check_block
+from ..storage.block_reader import BlockReader
+from ..storage.integrity import BlockCheck
 from .transforms import made_pieces
 
 
@@ -39,21 +39,29 @@ class VerifiedBlob:
         self.plan = plan
         self.entry = entry = plan.entry
         self.what = what = f"entry {entry.name!r}"
+        #: Where the entry's payload starts in its blob (a pack's entry: past the payloads before it).
+        self.base = entry.blob_offset
+        # A payload of its own is as large as its blob; a pack's size is in its record.
+        size = entry.payload_bytes if not entry.packed else (plan.blob.size if plan.blob else None)
         try:
-            self.blob: BlobFile = storage.open_blob(entry.digest, entry.payload_bytes)
+            self.blob: BlobFile = storage.open_blob(entry.blob, size)
         except FileNotFoundError:
-            raise Damaged(f"{what}: stored blob {entry.digest} is missing") from None
+            raise Damaged(f"{what}: stored blob {entry.blob} is missing") from None
         try:
-            if self.blob.size != entry.payload_bytes:
-                raise Damaged(f"{what}: stored blob {entry.digest} has {self.blob.size} bytes, "
+            if not entry.packed and self.blob.size != entry.payload_bytes:
+                raise Damaged(f"{what}: stored blob {entry.blob} has {self.blob.size} bytes, "
                                f"{entry.payload_bytes} were stored")
-            info = plan.blob or storage.catalog.blob(entry.digest)
+            info = plan.blob or storage.catalog.blob(entry.blob)
             if info is None:
-                raise Damaged(f"{what}: stored blob {entry.digest} has no checksums in the catalog")
+                raise Damaged(f"{what}: stored blob {entry.blob} has no checksums in the catalog")
+            if entry.packed and (self.blob.size != info.size or self.base + entry.payload_bytes > info.size):
+                raise Damaged(f"{what}: stored pack {entry.blob} has {self.blob.size} bytes, {info.size} were stored, "
+                               f"and the entry's {entry.payload_bytes} bytes start at byte {self.base}")
         except BaseException:
             self.blob.close()
             raise
         self.info: BlobInfo = info
+        self.reader = BlockReader(self.blob, info, what)
 
     def __enter__(self) -> "VerifiedBlob":
         return self
@@ -61,7 +69,7 @@ class VerifiedBlob:
     def __exit__(self, kind, exc, tb) -> None:
         try:
             if isinstance(exc, Damaged):
-                self.storage.damaged(self.entry.digest)
+                self.storage.damaged(self.entry.blob)
         finally:
             self.blob.close()
 
@@ -74,47 +82,15 @@ class VerifiedBlob:
             return False
         return True
 
-    def _checked(self, start: int, stop: int, block: Callable[[int, int], bytes | memoryview]
-                 ) -> Iterator[tuple[int, bytes | memoryview]]:
-        """Each block that covers bytes [start, stop): its offset and its bytes (``block(offset,
-        size)``), checked. A view that fails its check is released at once: a slice of a map
-        that a traceback keeps would make closing the map fail (BufferError) in place of Damaged."""
-        size = self.info.block_size
-        for index in range(start // size, -(-stop // size)):
-            offset = index * size
-            data = block(offset, min(size, self.info.size - offset))
-            try:
-                check_block(self.what, self.info, index, data)
-            except BaseException:
-                if isinstance(data, memoryview):
-                    data.release()
-                raise
-            yield offset, data
-
     def blocks(self, start: int, stop: int) -> Iterator[memoryview]:
-        """Bytes [start, stop) of the blob, read block by block, each covering block checked first."""
-        # A bucket's blob reads ahead no further than the range needs (a file's ignores it).
-        self.blob.read_ahead_until(-(-stop // self.info.block_size) * self.info.block_size)
-        for offset, data in self._checked(start, stop, self.blob.read):
-            lo, hi = max(start, offset), min(stop, offset + len(data))
-            yield memoryview(data)[lo - offset : hi - offset]
+        """Bytes [start, stop) of the payload, read block by block, each covering block checked first."""
+        return self.reader.blocks(self.base + start, self.base + stop)
 
     def regions(self, start: int, stop: int, batch: int) -> Iterator[tuple[int, int]]:
-        """Regions [lo, hi) of bytes [start, stop) of the blob's file, each once the ``batch``
-        blocks that cover it (fewer at the end) are checked in place, in a map of the file."""
-        with mmap.mmap(self.blob.fileno(), self.info.size, prot=mmap.PROT_READ) as mapped:
-            view = memoryview(mapped)
-            try:
-                checked, lo = 0, start
-                for offset, data in self._checked(start, stop, lambda at, size: view[at : at + size]):
-                    data.release()  # type: ignore[union-attr]
-                    checked += 1
-                    hi = min(stop, offset + self.info.block_size)
-                    if checked % batch == 0 or hi == stop:
-                        yield lo, hi
-                        lo = hi
-            finally:
-                view.release()
+        """Regions [lo, hi) of the blob's file (offsets in the file) that hold bytes [start, stop)
+        of the payload, each once the ``batch`` blocks that cover it (fewer at the end) are
+        checked in place, in a map of the file."""
+        return self.reader.regions(self.base + start, self.base + stop, batch)
 
     def pieces(self, window: int) -> Iterator[memoryview]:
         """The payload as the client gets it, from checked blocks: as stored, or with a new
@@ -133,6 +109,9 @@ class VerifiedBlob:
         its checksum (with chunks of whole blocks, at once; smaller chunks wait for the end of
         their block)."""
         entry, info = self.entry, self.info
+        if entry.packed:  # a part of its pack: from the blocks that cover it
+            yield from self._messages_of(self.blocks(0, entry.payload_bytes), chunk_size)
+            return
         check = BlockCheck(self.what, info)
         held: deque[tuple[int, bytes]] = deque()  # messages and where their bytes end
         for offset in range(0, max(entry.payload_bytes, 1), chunk_size):
@@ -149,6 +128,16 @@ class VerifiedBlob:
             raise Damaged(f"{self.what}: stored blob {entry.digest}: {check.verified} of {info.size} bytes checked")
         while held:
             yield held.popleft()[1]
+
+    def _messages_of(self, pieces: Iterator[memoryview], chunk_size: int) -> Iterator[bytes]:
+        """Messages of exactly ``chunk_size`` payload bytes of ``pieces`` (the last shorter), the
+        first naming the entry (and sent even with no bytes)."""
+        first = True
+        for parts in split_parts(pieces, chunk_size):
+            yield encode_fetch_response(self.entry.name if first else None, parts)
+            first = False
+        if first:
+            yield encode_fetch_response(self.entry.name, [])
 
 
 def _new_message(framing: bytes, blob: BlobFile, offset: int, size: int) -> tuple[bytes, int]:

@@ -50,10 +50,11 @@ def _send_mapped(link: Link, blob: VerifiedBlob) -> int:
     """One entry as a descriptor: its blob file (a region of it), or a memory file the server filled."""
     plan, info = blob.plan, blob.info
     if _as_stored(plan) and blob.has_file():
-        first = plan.start // info.block_size
-        last = max(first, -(-plan.stop // info.block_size))
+        start, stop = blob.base + plan.start, blob.base + plan.stop  # in the file (a pack's entry: inside it)
+        first = start // info.block_size
+        last = max(first, -(-stop // info.block_size))
         entry = MappedEntry(
-            name=plan.entry.name, prefix=plan.prefix or b"", offset=plan.start, length=plan.stop - plan.start,
+            name=plan.entry.name, prefix=plan.prefix or b"", offset=start, length=stop - start,
             digest=info.digest, file_size=info.size, block_size=info.block_size, first_block=first,
             block_crcs=info.block_crcs[4 * first : 4 * last], checksum=info.checksum,
         )
@@ -84,9 +85,10 @@ def _send_bytes(link: Link, blob: VerifiedBlob) -> int:
 def _send_payload(link: Link, blob: VerifiedBlob) -> int:
     plan = blob.plan
     if plan.prefix is None:  # the whole payload as stored: from the file, each batch checked first
-        link.send(frame(entry=EntryBytes(name=plan.entry.name, payload_bytes=blob.info.size)))
-        _send_checked(link, blob, 0, blob.info.size)
-        return blob.info.size
+        size = plan.entry.payload_bytes
+        link.send(frame(entry=EntryBytes(name=plan.entry.name, payload_bytes=size)))
+        _send_checked(link, blob, 0, size)
+        return size
     size = read_info(plan.prefix).size
     link.send(frame(entry=EntryBytes(name=plan.entry.name, payload_bytes=size)))
     if _as_stored(plan):  # rows: a new prefix, then a region of the file

@@ -12,6 +12,7 @@ the server calls them from worker threads.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import struct
 from abc import ABC, abstractmethod
@@ -47,7 +48,13 @@ class BlobInfo:
 
 @dataclass(frozen=True)
 class EntryRecord:
-    """One named entry of an archive, as the catalog holds it."""
+    """One named entry of an archive, as the catalog holds it.
+
+    ``digest`` is the SHA-256 of the entry's payload (what Describe reports and a Store
+    compares). The payload's bytes are ``payload_bytes`` bytes of blob ``blob`` from
+    ``blob_offset``: a payload of its own is its blob (``blob`` is ``digest``, offset 0); a
+    small one lives inside a pack shared by the entries of its Store (docs/packs.md).
+    """
 
     name: str
     dtype: str
@@ -56,10 +63,21 @@ class EntryRecord:
     payload_bytes: int
     data_offset: int
     digest: str
+    #: The blob holding the payload; "" (given) means ``digest``, the payload's own blob.
+    blob: str = ""
+    blob_offset: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.blob:
+            object.__setattr__(self, "blob", self.digest)
+
+    @property
+    def packed(self) -> bool:
+        """Whether the payload lives inside a pack (a blob shared with other entries)."""
+        return self.blob != self.digest
 
     def renamed(self, prefix: str) -> "EntryRecord":
-        return EntryRecord(join(prefix, self.name), self.dtype, self.shape, self.nbytes, self.payload_bytes,
-                           self.data_offset, self.digest)
+        return dataclasses.replace(self, name=join(prefix, self.name))
 
 
 @dataclass(frozen=True)
@@ -119,6 +137,16 @@ class Catalog(ABC):
 
     @abstractmethod
     def blob(self, digest: str) -> BlobInfo | None: ...
+
+    def blobs(self, digests: Iterable[str]) -> dict[str, BlobInfo]:
+        """The recorded blobs of these digests (absent ones left out): what a Fetch of many
+        entries checks their bytes with, asked once for all of them."""
+        found = {}
+        for digest in dict.fromkeys(digests):
+            info = self.blob(digest)
+            if info is not None:
+                found[digest] = info
+        return found
 
     @abstractmethod
     def commit_archive(

@@ -208,7 +208,7 @@ class Storage(StorageBase):
 
     # Writing ----------------------------------------------------------------------------
 
-    def new_payload(self, expected: str | None = None) -> PayloadWriter:
+    def new_payload(self, expected: str | None = None, block_size: int = BLOCK_SIZE) -> PayloadWriter:
         """A temporary blob for one payload (``expected``: its SHA-256 given ahead, which it must
         hash to); StorageFull when the disk has no room (for the reserve either)."""
         self._ensure_room()
@@ -216,7 +216,7 @@ class Storage(StorageBase):
             temp = self.blobs.create(expected)
         except OSError as exc:
             raise self.full_error(exc) from exc
-        return PayloadWriter(temp, BLOCK_SIZE, self, expected)
+        return PayloadWriter(temp, block_size, self, expected)
 
     def seal(self, writer: PayloadWriter, holder: str | None = None) -> BlobInfo:
         """Make a written payload a blob, pinned until :meth:`release` (``holder``: see there)."""

@@ -14,10 +14,13 @@ from .base import ArchiveLimits, ArchiveRecord, EntryRecord
 from .errors import InvalidRequest, TooManyEntries
 from .same_content import AlreadyThere, require_same
 
-#: Columns of an entry (``e``: the entries table), in :class:`EntryRecord`'s order.
-ENTRY_COLUMNS = "e.name, e.dtype, e.shape, e.nbytes, e.payload_bytes, e.data_offset, e.digest"
+#: Columns of an entry (``e``: the entries table), in :class:`EntryRecord`'s order. ``blob`` is
+#: the blob that holds the payload (what collection counts), ``digest`` the payload's SHA-256.
+ENTRY_COLUMNS = "e.name, e.dtype, e.shape, e.nbytes, e.payload_bytes, e.data_offset, e.digest, e.blob, e.blob_offset"
+#: The columns an entry keeps when a union copies it under a new name (all but the name).
+ENTRY_COPIED = "dtype, shape, nbytes, payload_bytes, data_offset, digest, blob, blob_offset"
 #: Columns an entry is inserted with (:func:`entry_values`' order).
-ENTRY_INSERT = "archive_id, name, dtype, shape, nbytes, payload_bytes, data_offset, digest"
+ENTRY_INSERT = f"archive_id, name, {ENTRY_COPIED}"
 #: Columns of an archive, in :class:`ArchiveRecord`'s order (the metadata last).
 ARCHIVE_COLUMNS = "name, entries, nbytes, payload_bytes, created_ns, metadata"
 #: Columns of a blob, in :class:`~.base.BlobInfo`'s order.
@@ -29,14 +32,15 @@ Query = Callable[[str, tuple], Sequence[tuple]]
 
 def entry_from_row(row: tuple) -> EntryRecord:
     """An entry from its columns (:data:`ENTRY_COLUMNS`; the shape as JSON text)."""
-    name, dtype, shape, nbytes, payload_bytes, data_offset, digest = row
-    return EntryRecord(name, dtype, tuple(json.loads(shape)), nbytes, payload_bytes, data_offset, digest)
+    name, dtype, shape, nbytes, payload_bytes, data_offset, digest, blob, blob_offset = row
+    return EntryRecord(name, dtype, tuple(json.loads(shape)), nbytes, payload_bytes, data_offset, digest, blob,
+                       blob_offset)
 
 
 def entry_values(archive_id: int, e: EntryRecord) -> tuple:
     """The row of ``e`` in archive ``archive_id`` (:data:`ENTRY_INSERT`)."""
     return (archive_id, e.name, e.dtype, json.dumps(list(e.shape)), e.nbytes, e.payload_bytes, e.data_offset,
-            e.digest)
+            e.digest, e.blob, e.blob_offset)
 
 
 def archive_from_row(row: tuple) -> ArchiveRecord:
@@ -105,6 +109,6 @@ def compare_existing(query: Query, mark: str, name: str, archive_id: int, metada
                                     [entry_from_row(r) for r in new], metadata, "in the union"))
 
 
-__all__ = ["ARCHIVE_COLUMNS", "BLOB_COLUMNS", "ENTRY_COLUMNS", "ENTRY_INSERT", "Query", "archive_from_row",
+__all__ = ["ARCHIVE_COLUMNS", "BLOB_COLUMNS", "ENTRY_COLUMNS", "ENTRY_COPIED", "ENTRY_INSERT", "Query", "archive_from_row",
            "check_union_limits", "compare_existing", "duplicate_error", "entries_under_query", "entry_from_row",
            "entry_values", "metadata_text"]

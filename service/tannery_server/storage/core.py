@@ -13,6 +13,7 @@ means) is here, once.
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
 import sqlite3
 from abc import ABC, abstractmethod
@@ -22,8 +23,9 @@ from typing import Callable, Iterable, Mapping, Sequence, TypeVar
 
 from .base import ArchiveLimits, ArchiveRecord, BlobFile, BlobInfo, BlobStore, Catalog, EntryRecord
 from .disk import EXHAUSTED_ERRNOS, free_bytes, is_disk_full
-from .errors import OutOfResources, StorageFull, StorageUnavailable
-from .integrity import BLOCK_SIZE, verify_digest
+from .errors import Damaged, OutOfResources, StorageFull, StorageUnavailable
+from .block_reader import BlockReader
+from .integrity import BLOCK_SIZE
 from .payload_writer import PayloadHash, PayloadWriter
 
 log = logging.getLogger("tannery_server.storage")
@@ -65,9 +67,9 @@ class StorageBase(ABC):
     # Writing ----------------------------------------------------------------------------
 
     @abstractmethod
-    def new_payload(self, expected: str | None = None) -> PayloadWriter:
+    def new_payload(self, expected: str | None = None, block_size: int = BLOCK_SIZE) -> PayloadWriter:
         """A temporary blob for one payload (``expected``: its SHA-256 given ahead, which it must
-        hash to)."""
+        hash to), checksummed in blocks of ``block_size`` bytes."""
 
     def hashing_payload(self, expected: str | None = None) -> PayloadWriter:
         """A payload only hashed, written nowhere (``expected``: its SHA-256 given ahead, which it
@@ -118,23 +120,31 @@ class StorageBase(ABC):
         self.blobs.evict(digest)
 
     def scrub(self) -> list[str]:
-        """Re-hash every referenced blob and compare it with its name (the SHA-256 a Fetch no
-        longer recomputes: it checks the cheaper block CRCs); the digests of blobs that are
-        missing, of the wrong size, or no longer match."""
-        bad = []
-        for digest in sorted(self.catalog.referenced_digests()):
-            info = self.catalog.blob(digest)
-            try:
-                blob = self.blobs.open(digest)
-            except FileNotFoundError:
-                bad.append(digest)
-                continue
-            try:
-                if info is None or blob.size != info.size or not verify_digest(blob.read_into, blob.size, digest):
-                    bad.append(digest)
-            finally:
-                blob.close()
-        return bad
+        """Read every referenced blob through the block reader (each block against its CRC) and
+        hash it against its name (the SHA-256 a Fetch does not recompute): the digests of blobs
+        that are missing, of the wrong size, or no longer match (a pack: every entry in it)."""
+        return [digest for digest in sorted(self.catalog.referenced_digests()) if not self._sound(digest)]
+
+    def _sound(self, digest: str) -> bool:
+        """Whether blob ``digest`` is there, as recorded, every block and its SHA-256 matching."""
+        info = self.catalog.blob(digest)
+        if info is None:
+            return False
+        try:
+            blob = self.blobs.open(digest)
+        except FileNotFoundError:
+            return False
+        try:
+            if blob.size != info.size:
+                return False
+            sha = hashlib.sha256()
+            for piece in BlockReader(blob, info, f"blob {digest}").blocks(0, info.size):
+                sha.update(piece)
+            return sha.hexdigest() == digest
+        except Damaged:
+            return False
+        finally:
+            blob.close()
 
     # What a driver's error means --------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """Checksums of stored payloads: a SHA-256 of the whole, and a CRC-32C per block.
 
 The SHA-256 names the blob (equal payloads are stored once) and is computed while a
-payload is received; :func:`verify_digest` checks it again on demand (a scrub). What is
+payload is received; ``tannery scrub`` checks it again (:meth:`~.core.StorageBase.scrub`). What is
 served is checked by the block checksums (:mod:`tannery_protocol.checksums`: CRC-32C with the CPU's
 CRC instructions, about 5x zlib's CRC-32 and 10x SHA-256 here, see docs/benchmarks.md, and
 it releases the GIL): each block is checked before any of its bytes are sent, whether the
@@ -118,15 +118,3 @@ class BlockCheck:
                 self.verified += expected
                 self._index += 1
                 self._crc = self._in_block = 0
-
-
-def verify_digest(read_into, size: int, digest: str, window: int = BLOCK_SIZE) -> bool:
-    """Whether the ``size`` bytes ``read_into(buffer, offset)`` gives hash to ``digest`` (a scrub)."""
-    sha = hashlib.sha256()
-    buffer = memoryview(bytearray(window))
-    for offset in range(0, size, window):
-        piece = buffer[: min(window, size - offset)]
-        if read_into(piece, offset) != piece.nbytes:
-            return False
-        sha.update(piece)
-    return sha.hexdigest() == digest

@@ -35,7 +35,7 @@ import time
 from typing import Callable, Iterable, Mapping, Sequence
 
 from .base import ArchiveLimits, ArchiveRecord, BlobInfo, CatalogTotals, EntryRecord, SharedCatalog
-from .catalog_sql import (ARCHIVE_COLUMNS, BLOB_COLUMNS, ENTRY_COLUMNS, ENTRY_INSERT, archive_from_row,
+from .catalog_sql import (ARCHIVE_COLUMNS, BLOB_COLUMNS, ENTRY_COLUMNS, ENTRY_COPIED, ENTRY_INSERT, archive_from_row,
                           check_union_limits, compare_existing, duplicate_error, entries_under_query, entry_from_row,
                           entry_values, metadata_text)
 from .errors import ArchiveExists, InvalidRequest, NoSuchArchive, StorageUnavailable
@@ -45,7 +45,7 @@ from .same_content import AlreadyThere
 
 #: ``%(p)s`` (a prefix) before an entry name, with the dot, as :func:`tannery_protocol.names.join` does.
 _PREFIXED = "CASE WHEN %(p)s = '' THEN {0} ELSE %(p)s || '.' || {0} END"
-_UNREFERENCED = "NOT EXISTS (SELECT 1 FROM entries e WHERE e.digest = b.digest)"
+_UNREFERENCED = "NOT EXISTS (SELECT 1 FROM entries e WHERE e.blob = b.digest)"
 
 
 class PostgresCatalog(SharedCatalog):
@@ -104,6 +104,11 @@ class PostgresCatalog(SharedCatalog):
             f"SELECT {BLOB_COLUMNS} FROM blobs WHERE digest = %s", (digest,)).fetchone())
         return BlobInfo(*row) if row else None
 
+    def blobs(self, digests: Iterable[str]) -> dict[str, BlobInfo]:
+        rows = self._db.read("reading blobs", lambda cur: cur.execute(
+            f"SELECT {BLOB_COLUMNS} FROM blobs WHERE digest = ANY(%s)", (list(dict.fromkeys(digests)),)).fetchall())
+        return {row[0]: BlobInfo(*row) for row in rows}
+
     def totals(self) -> CatalogTotals:
         def work(cur: Cursor) -> CatalogTotals:
             with cur.connection.transaction():  # one snapshot for both counts
@@ -117,13 +122,13 @@ class PostgresCatalog(SharedCatalog):
 
     def referenced_digests(self) -> set[str]:
         rows = self._db.read("reading referenced digests",
-                          lambda cur: cur.execute("SELECT DISTINCT digest FROM entries").fetchall())
+                          lambda cur: cur.execute("SELECT DISTINCT blob FROM entries").fetchall())
         return {row[0] for row in rows}
 
     def referrers(self, digest: str) -> list[tuple[str, str]]:
         rows = self._db.read(f"reading the referrers of blob {digest}", lambda cur: cur.execute(
             "SELECT a.name, e.name FROM entries e JOIN archives a ON a.id = e.archive_id "
-            "WHERE e.digest = %s AND a.name IS NOT NULL ORDER BY a.name, e.name", (digest,)).fetchall())
+            "WHERE e.blob = %s AND a.name IS NOT NULL ORDER BY a.name, e.name", (digest,)).fetchall())
         return [(archive, entry) for archive, entry in rows]
 
     def unreferenced(self, digests: Iterable[str]) -> list[BlobInfo]:
@@ -132,7 +137,7 @@ class PostgresCatalog(SharedCatalog):
         rows = self._db.read("finding unreferenced blobs", lambda cur: cur.execute(
             "SELECT u.d, b.size, b.block_size, b.block_crcs, b.checksum, b.digest IS NOT NULL "
             "FROM unnest(%s::text[]) WITH ORDINALITY AS u(d, i) LEFT JOIN blobs b ON b.digest = u.d "
-            "WHERE NOT EXISTS (SELECT 1 FROM entries e WHERE e.digest = u.d) ORDER BY u.i",
+            "WHERE NOT EXISTS (SELECT 1 FROM entries e WHERE e.blob = u.d) ORDER BY u.i",
             (list(dict.fromkeys(digests)),)).fetchall())
         return [BlobInfo(*row[:5]) if row[5] else BlobInfo(row[0], 0, 0, b"") for row in rows]
 
@@ -191,7 +196,7 @@ class PostgresCatalog(SharedCatalog):
         if row is None:
             return []
         released = [r[0] for r in cur.execute(
-            "SELECT DISTINCT digest FROM entries WHERE archive_id = %s ORDER BY digest", row).fetchall()]
+            "SELECT DISTINCT blob FROM entries WHERE archive_id = %s ORDER BY blob", row).fetchall()]
         cur.execute("DELETE FROM archives WHERE id = %s", row)
         return released
 
@@ -241,8 +246,7 @@ class PostgresCatalog(SharedCatalog):
                     with cur.connection.transaction():  # a savepoint: the duplicate is looked up after
                         cur.execute(
                             f"INSERT INTO entries ({ENTRY_INSERT}) SELECT %(id)s, {_PREFIXED.format('name')}, "
-                            "dtype, shape, nbytes, payload_bytes, data_offset, digest FROM entries "
-                            "WHERE archive_id = %(source)s", {"p": prefix, "id": archive_id, "source": source_id})
+                            f"{ENTRY_COPIED} FROM entries WHERE archive_id = %(source)s", {"p": prefix, "id": archive_id, "source": source_id})
                 except UniqueViolation:
                     raise self._duplicate(cur, archive_id, sources[: index + 1], ids) from None
             count, longest = cur.execute(
@@ -348,7 +352,7 @@ class PostgresCatalog(SharedCatalog):
         def work(cur: Cursor) -> tuple[ArchiveRecord, list[str]]:
             self._lock_name(cur, name)
             archive_id = self._begin_archive(cur, name, replace, created_ns, metadata)  # ArchiveExists first
-            self._hold_leased(cur, sorted({e.digest for e in entries}), name, replica, holder, now_ns)
+            self._hold_leased(cur, sorted({e.blob for e in entries}), name, replica, holder, now_ns)
             self._insert_entries(cur, archive_id, entries)
             result = self._finish_archive(cur, archive_id, name, now_ns)
             self._drop_leases(cur, replica, holder, now_ns, only_unreferenced=True)
@@ -379,7 +383,7 @@ class PostgresCatalog(SharedCatalog):
             if row is None or row[0] >= touched_before_ns:
                 return False
             busy = cur.execute(
-                "SELECT EXISTS (SELECT 1 FROM entries WHERE digest = %(d)s) OR EXISTS "
+                "SELECT EXISTS (SELECT 1 FROM entries WHERE blob = %(d)s) OR EXISTS "
                 "(SELECT 1 FROM leases WHERE digest = %(d)s AND expires_ns > %(now)s)",
                 {"d": digest, "now": now_ns}).fetchone()[0]
             if busy:

@@ -66,8 +66,20 @@ def _to_version_2(cur: Cursor) -> None:
     cur.execute("ALTER TABLE archives ADD COLUMN IF NOT EXISTS metadata text NOT NULL DEFAULT '{}'")
 
 
+def _to_version_3(cur: Cursor) -> None:
+    """Packs (docs/packs.md): ``entries.blob`` (what was ``entries.digest``: the blob that holds
+    the payload, which collection counts references to), ``entries.blob_offset`` and a new
+    ``entries.digest``, the payload's own SHA-256 (the rows already there: their blob's)."""
+    cur.execute("ALTER TABLE entries RENAME COLUMN digest TO blob")
+    cur.execute("ALTER INDEX entries_by_digest RENAME TO entries_by_blob")
+    cur.execute("ALTER TABLE entries ADD COLUMN blob_offset bigint NOT NULL DEFAULT 0")
+    cur.execute('ALTER TABLE entries ADD COLUMN digest text COLLATE "C"')
+    cur.execute("UPDATE entries SET digest = blob")
+    cur.execute("ALTER TABLE entries ALTER COLUMN digest SET NOT NULL")
+
+
 #: ``MIGRATIONS[n]`` brings schema version ``n`` to ``n + 1`` (0: an empty database).
-MIGRATIONS: tuple[Callable[[Cursor], None], ...] = (_to_version_1, _to_version_2)
+MIGRATIONS: tuple[Callable[[Cursor], None], ...] = (_to_version_1, _to_version_2, _to_version_3)
 SCHEMA_VERSION = len(MIGRATIONS)
 #: The advisory lock (two-key form, apart from the names' one-key locks) of schema changes.
 _SCHEMA_LOCK = (0x7A77, 1)

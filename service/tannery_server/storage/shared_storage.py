@@ -71,11 +71,11 @@ class SharedStorage(StorageBase):
 
     # Writing ------------------------------------------------------------------------------
 
-    def new_payload(self, expected: str | None = None) -> PayloadWriter:
+    def new_payload(self, expected: str | None = None, block_size: int = BLOCK_SIZE) -> PayloadWriter:
         """A payload to write; ``expected``: its SHA-256 given ahead, which lets a bucket upload
         it straight to its digest key (no temporary object, no copy). No space reserve is kept:
         the writer checks no room."""
-        return PayloadWriter(self.blobs.create(expected), BLOCK_SIZE, None, expected)
+        return PayloadWriter(self.blobs.create(expected), block_size, None, expected)
 
     def seal(self, writer: PayloadWriter, holder: str | None = None) -> BlobInfo:
         """Lease the payload's blob for ``holder``, then put its bytes under its digest (or find

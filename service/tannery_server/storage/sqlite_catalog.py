@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 from .base import ArchiveLimits, ArchiveRecord, BlobInfo, Catalog, CatalogTotals, EntryRecord
-from .catalog_sql import (ARCHIVE_COLUMNS, BLOB_COLUMNS, ENTRY_COLUMNS, ENTRY_INSERT, archive_from_row,
+from .catalog_sql import (ARCHIVE_COLUMNS, BLOB_COLUMNS, ENTRY_COLUMNS, ENTRY_COPIED, ENTRY_INSERT, archive_from_row,
                           check_union_limits, compare_existing, duplicate_error, entries_under_query, entry_from_row,
                           entry_values, metadata_text)
 from .errors import ArchiveExists, CatalogTooNew, InvalidRequest, NoSuchArchive
@@ -115,6 +115,17 @@ class SqliteCatalog(Catalog):
         ).fetchone()
         return BlobInfo(*row) if row else None
 
+    def blobs(self, digests: Iterable[str]) -> dict[str, BlobInfo]:
+        conn = self._reader()
+        unique = list(dict.fromkeys(digests))
+        found = {}
+        for start in range(0, len(unique), _IN_BATCH):
+            batch = unique[start : start + _IN_BATCH]
+            for row in conn.execute(f"SELECT {BLOB_COLUMNS} FROM blobs WHERE digest IN ({','.join('?' * len(batch))})",
+                                    batch):
+                found[row[0]] = BlobInfo(*row)
+        return found
+
     def totals(self) -> CatalogTotals:
         conn = self._reader()
         archives, archive_bytes = conn.execute(
@@ -129,12 +140,12 @@ class SqliteCatalog(Catalog):
         blob directory's check finds a disk that went away)."""
 
     def referenced_digests(self) -> set[str]:
-        return {row[0] for row in self._reader().execute("SELECT DISTINCT digest FROM entries")}
+        return {row[0] for row in self._reader().execute("SELECT DISTINCT blob FROM entries")}
 
     def referrers(self, digest: str) -> list[tuple[str, str]]:
         rows = self._reader().execute(
             "SELECT a.name, e.name FROM entries e JOIN archives a ON a.id = e.archive_id "
-            "WHERE e.digest = ? AND substr(a.name, 1, 1) != ? ORDER BY a.name, e.name",
+            "WHERE e.blob = ? AND substr(a.name, 1, 1) != ? ORDER BY a.name, e.name",
             (digest, _BUILDING[0]),
         )
         return [(archive, entry) for archive, entry in rows]
@@ -145,12 +156,12 @@ class SqliteCatalog(Catalog):
         for digest in dict.fromkeys(digests):
             row = conn.execute(
                 f"SELECT {BLOB_COLUMNS} FROM blobs b WHERE digest = ? "
-                "AND NOT EXISTS (SELECT 1 FROM entries e WHERE e.digest = b.digest)",
+                "AND NOT EXISTS (SELECT 1 FROM entries e WHERE e.blob = b.digest)",
                 (digest,),
             ).fetchone()
             if row:
                 out.append(BlobInfo(*row))
-            elif conn.execute("SELECT 1 FROM entries WHERE digest = ? LIMIT 1", (digest,)).fetchone() is None:
+            elif conn.execute("SELECT 1 FROM entries WHERE blob = ? LIMIT 1", (digest,)).fetchone() is None:
                 # A blob file no transaction recorded (a store that failed before committing).
                 out.append(BlobInfo(digest, 0, 0, b""))
         return out
@@ -190,7 +201,7 @@ class SqliteCatalog(Catalog):
         row = conn.execute("SELECT id FROM archives WHERE name = ?", (name,)).fetchone()
         if row is None:
             return []
-        released = [r[0] for r in conn.execute("SELECT DISTINCT digest FROM entries WHERE archive_id = ?", row)]
+        released = [r[0] for r in conn.execute("SELECT DISTINCT blob FROM entries WHERE archive_id = ?", row)]
         conn.execute("DELETE FROM archives WHERE id = ?", row)
         return released
 
@@ -205,7 +216,7 @@ class SqliteCatalog(Catalog):
                 ((b.digest, b.size, b.block_size, b.block_crcs, b.checksum) for b in blobs),
             )
             conn.executemany(
-                f"INSERT INTO entries ({ENTRY_INSERT}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT INTO entries ({ENTRY_INSERT}) VALUES ({', '.join('?' * 10)})",
                 (entry_values(archive_id, e) for e in entries),
             )
             return self._finish_archive(conn, archive_id, name)
@@ -238,8 +249,8 @@ class SqliteCatalog(Catalog):
                 try:
                     conn.execute(
                         f"INSERT INTO entries ({ENTRY_INSERT}) SELECT ?2, "
-                        "CASE WHEN ?1 = '' THEN name ELSE ?1 || '.' || name END, dtype, shape, "
-                        "nbytes, payload_bytes, data_offset, digest FROM entries WHERE archive_id = ?3",
+                        f"CASE WHEN ?1 = '' THEN name ELSE ?1 || '.' || name END, {ENTRY_COPIED} "
+                        "FROM entries WHERE archive_id = ?3",
                         (prefix, archive_id, source_id),
                     )
                 except sqlite3.IntegrityError:
@@ -280,14 +291,14 @@ class SqliteCatalog(Catalog):
     def forget_blobs(self, digests: Iterable[str]) -> None:
         with self._transaction() as conn:
             conn.executemany(
-                "DELETE FROM blobs WHERE digest = ? AND NOT EXISTS (SELECT 1 FROM entries WHERE digest = ?)",
+                "DELETE FROM blobs WHERE digest = ? AND NOT EXISTS (SELECT 1 FROM entries WHERE blob = ?)",
                 ((d, d) for d in digests),
             )
 
     def forget_unreferenced_blobs(self) -> int:
         with self._transaction() as conn:
             cursor = conn.execute(
-                "DELETE FROM blobs WHERE NOT EXISTS (SELECT 1 FROM entries e WHERE e.digest = blobs.digest)"
+                "DELETE FROM blobs WHERE NOT EXISTS (SELECT 1 FROM entries e WHERE e.blob = blobs.digest)"
             )
             conn.execute("DELETE FROM archives WHERE substr(name, 1, 1) = ?", (_BUILDING[0],))
             return cursor.rowcount

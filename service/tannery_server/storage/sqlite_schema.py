@@ -61,9 +61,23 @@ def _to_version_2(conn: sqlite3.Connection) -> None:
         conn.execute("ALTER TABLE archives ADD COLUMN metadata TEXT NOT NULL DEFAULT '{}'")
 
 
+def _to_version_3(conn: sqlite3.Connection) -> None:
+    """Packs (docs/packs.md): ``entries.blob`` (what was ``entries.digest``: the blob that holds
+    the payload), ``entries.blob_offset`` (where in it the payload starts) and a new
+    ``entries.digest``, the payload's own SHA-256. Every row already there is a payload in
+    its own blob: offset 0, and its digest is its blob's."""
+    columns = {row[1] for row in conn.execute("PRAGMA table_info(entries)")}
+    if "blob" in columns:
+        return
+    conn.execute("ALTER TABLE entries RENAME COLUMN digest TO blob")
+    conn.execute("ALTER TABLE entries ADD COLUMN blob_offset INTEGER NOT NULL DEFAULT 0")
+    conn.execute("ALTER TABLE entries ADD COLUMN digest TEXT NOT NULL DEFAULT ''")
+    conn.execute("UPDATE entries SET digest = blob")
+
+
 #: The steps of the schema, in order: ``MIGRATIONS[n]`` brings version ``n`` to ``n + 1``. Each
 #: may be run again on a catalog it has already changed.
-MIGRATIONS = (_to_version_1, _to_version_2)
+MIGRATIONS = (_to_version_1, _to_version_2, _to_version_3)
 #: The schema's version (``PRAGMA user_version``) this code reads and writes.
 SCHEMA_VERSION = len(MIGRATIONS)
 

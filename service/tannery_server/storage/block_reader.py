@@ -1,0 +1,71 @@
+"""The one reader of stored bytes: a blob read in blocks, each checked against the checksum
+recorded for it (:mod:`.integrity`) before any of its bytes are used.
+
+A Fetch reads through it on every transport (:mod:`tannery_server.dataplane.blocks` adds what
+an entry needs: its place in a pack, the messages of the gRPC stream) and ``tannery scrub``
+reads every blob with it, so a corrupted block is never served and always found.
+"""
+
+from __future__ import annotations
+
+import mmap
+from typing import Callable, Iterator
+
+from .base import BlobFile, BlobInfo
+from .integrity import check_block
+
+
+class BlockReader:
+    """Checked blocks of an open ``blob`` recorded as ``info``; ``what`` names it in the Damaged
+    a failed check raises (an entry, or a blob)."""
+
+    def __init__(self, blob: BlobFile, info: BlobInfo, what: str) -> None:
+        self.blob = blob
+        self.info = info
+        self.what = what
+
+    def checked(self, start: int, stop: int, block: Callable[[int, int], bytes | memoryview]
+                ) -> Iterator[tuple[int, bytes | memoryview]]:
+        """Each block that covers bytes [start, stop) of the blob: its offset and its bytes
+        (``block(offset, size)``), checked. A view that fails its check is released at once: a
+        slice of a map that a traceback keeps would make closing the map fail (BufferError)
+        in place of Damaged."""
+        size = self.info.block_size
+        for index in range(start // size, -(-stop // size)):
+            offset = index * size
+            data = block(offset, min(size, self.info.size - offset))
+            try:
+                check_block(self.what, self.info, index, data)
+            except BaseException:
+                if isinstance(data, memoryview):
+                    data.release()
+                raise
+            yield offset, data
+
+    def blocks(self, start: int, stop: int) -> Iterator[memoryview]:
+        """Bytes [start, stop) of the blob, read block by block, each covering block checked first."""
+        # A bucket's blob reads ahead no further than the range needs (a file's ignores it).
+        self.blob.read_ahead_until(-(-stop // self.info.block_size) * self.info.block_size)
+        for offset, data in self.checked(start, stop, self.blob.read):
+            lo, hi = max(start, offset), min(stop, offset + len(data))
+            yield memoryview(data)[lo - offset : hi - offset]
+
+    def regions(self, start: int, stop: int, batch: int) -> Iterator[tuple[int, int]]:
+        """Regions [lo, hi) of bytes [start, stop) of the blob's file, each once the ``batch``
+        blocks that cover it (fewer at the end) are checked in place, in a map of the file."""
+        with mmap.mmap(self.blob.fileno(), self.info.size, prot=mmap.PROT_READ) as mapped:
+            view = memoryview(mapped)
+            try:
+                checked, lo = 0, start
+                for offset, data in self.checked(start, stop, lambda at, size: view[at : at + size]):
+                    data.release()  # type: ignore[union-attr]
+                    checked += 1
+                    hi = min(stop, offset + self.info.block_size)
+                    if checked % batch == 0 or hi == stop:
+                        yield lo, hi
+                        lo = hi
+            finally:
+                view.release()
+
+
+__all__ = ["BlockReader"]
