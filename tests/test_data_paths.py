@@ -497,10 +497,12 @@ def test_missing_archives_and_entries_are_not_found(client):
 
 def test_an_entry_that_changed_since_it_was_described_is_refused_by_the_server_naming_it(client):
     """A RemoteArchive checks asks against its description; after a replace, the server's
-    check (before any byte moves) is what refuses them."""
+    check (before any byte moves) is what refuses them. Described whole when opened
+    (``lazy=False``), so every entry is checked against the archive as it was then (a lazy
+    one describes each entry when first read: tests/test_lazy_archive.py)."""
     name = fresh()
     client.store(name, {"w": torch.zeros(2, 3), "d": torch.zeros(4), "gone": torch.ones(1)})
-    remote = client.archive(name)
+    remote = client.archive(name, lazy=False)
     client.store(name, {"w": torch.zeros(3, 2), "d": torch.zeros(4, dtype=torch.float16)}, replace=True)
     with pytest.raises(tannery.ArchiveError, match=r"w: shape \[3, 2\] in the archive, \[2, 3\] asked for"):
         remote.tensor("w", [2, 3], torch.float32)

@@ -84,12 +84,18 @@ class Client(CallCore):
         return await _run(self._store(name, value, prefix, replace, progress, metadata, skip_non_tensors,
                                       allow_empty))
 
-    async def archive(self, name: str, *, progress: Progress = None) -> AsyncRemoteArchive:
-        """As :meth:`tannery.Client.archive`; the reads of the archive are coroutines."""
+    async def archive(self, name: str, *, progress: Progress = None, lazy: bool = False) -> AsyncRemoteArchive:
+        """As :meth:`tannery.Client.archive`; the reads of the archive are coroutines. Its
+        ``names``, ``info``, ``entry`` and ``in`` answer at once (they cannot await a Describe),
+        so it is described whole when opened, unless ``lazy=True``: then opening describes no
+        entry, reads describe what they need, and those answer for what has been described."""
         async def transfer(asks: Sequence[Any]) -> list[torch.Tensor]:
             return await _run(self._transferred(name, asks, progress))
 
-        return AsyncRemoteArchive(await self.describe(name), transfer)
+        async def describe(names: Sequence[str] | None) -> ArchiveDescription:
+            return await self.describe(name, names)
+
+        return AsyncRemoteArchive(await self.describe(name, () if lazy else None), transfer, describe)
 
     async def fetch(self, name: str, names: Iterable[str] | None = None, prefix: str | None = None, *,
                     progress: Progress = None) -> Archive:
@@ -112,9 +118,9 @@ class Client(CallCore):
         """As :meth:`tannery.Client.union`."""
         return await _run(self._union(target, sources, replace, metadata))
 
-    async def describe(self, name: str) -> ArchiveDescription:
+    async def describe(self, name: str, names: Iterable[str] | None = None) -> ArchiveDescription:
         """As :meth:`tannery.Client.describe`."""
-        return await _run(self._describe(name))
+        return await _run(self._describe(name, names))
 
     async def list(self, prefix: str = "") -> list[ArchiveInfo]:
         """As :meth:`tannery.Client.list`."""

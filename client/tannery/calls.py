@@ -22,7 +22,7 @@ from tannery_protocol import errors
 from tannery_protocol._lazy import lazy_module
 from .connection import Calls, Connection, TLSLike, check_transport, rpc_error
 from .records import ArchiveDescription, ArchiveInfo, Deleted, Published
-from .requests import Methods, Progress, archive_to_store, check_tensors, list_request, union_request
+from .requests import Methods, Progress, archive_to_store, check_tensors, describe_request, list_request, union_request
 from .retries import RetryPolicy, call_name, resumed_request
 from .waits import Acquire, Blocking, Rpc, Sleep, Steps
 from tannery_protocol.v1 import archives_pb2
@@ -218,8 +218,8 @@ class CallCore:
         request = union_request(target, sources, replace, metadata)
         return ArchiveInfo.of((yield from self._unary(self._methods.union, request)))
 
-    def _describe(self, name: str) -> Steps[ArchiveDescription]:
-        request = archives_pb2.DescribeRequest(archive=name)
+    def _describe(self, name: str, names: Iterable[str] | None = None) -> Steps[ArchiveDescription]:
+        request = describe_request(name, names)
         return ArchiveDescription.of((yield from self._unary(self._methods.describe, request)))
 
     def _list(self, prefix: str) -> Steps[list[ArchiveInfo]]:

@@ -4,7 +4,7 @@
 
     with tannery.Client("localhost:50051") as client:
         client.store("resnet", model)                    # an nn.Module, a dict of tensors, an Archive
-        weights = client.archive("resnet")               # one Describe; reads fetch only what is asked
+        weights = client.archive("resnet")               # no entry described yet; reads fetch only what is asked
         w = weights.tensor("fc.weight", [10, 512], torch.float32)
         client.load_state_dict(model, "resnet")
 
@@ -113,10 +113,17 @@ class Client(CallCore):
         """
         return _run(self._store(name, value, prefix, replace, progress, metadata, skip_non_tensors, allow_empty))
 
-    def archive(self, name: str, *, progress: Progress = None) -> RemoteArchive:
-        """The archive ``name`` as a :class:`RemoteArchive` (one Describe; reads fetch only what
-        they return). ``progress`` is called with the payload bytes of each message received."""
-        return _remote.RemoteArchive(self.describe(name), lambda asks: _run(self._transferred(name, asks, progress)))
+    def archive(self, name: str, *, progress: Progress = None, lazy: bool = True) -> RemoteArchive:
+        """The archive ``name`` as a :class:`RemoteArchive` (NotFound when there is none).
+
+        Opening describes no entry: reads describe the entries they name when they first need
+        them, ``names()`` and ``to_value`` the whole archive, once; so opening an archive and
+        reading one entry cost the same whatever its size. ``lazy=False`` describes every
+        entry at once, a snapshot every read is checked against. Reads fetch only what they
+        return; ``progress`` is called with the payload bytes of each message received."""
+        description = self.describe(name, () if lazy else None)
+        return _remote.RemoteArchive(description, lambda asks: _run(self._transferred(name, asks, progress)),
+                                     lambda names: self.describe(name, names))
 
     def fetch(self, name: str, names: Iterable[str] | None = None, prefix: str | None = None, *,
               progress: Progress = None) -> Archive:
@@ -153,9 +160,11 @@ class Client(CallCore):
         with ``already_stored``; other content there raises AlreadyExists naming the entry."""
         return _run(self._union(target, sources, replace, metadata))
 
-    def describe(self, name: str) -> ArchiveDescription:
-        """The archive's info and every entry's name, dtype, shape, sizes and digest."""
-        return _run(self._describe(name))
+    def describe(self, name: str, names: Iterable[str] | None = None) -> ArchiveDescription:
+        """The archive's info and metadata, and every entry's name, dtype, shape, sizes and
+        digest; with ``names``, only the entries of those names it holds (none for an empty
+        list), so a few entries of a large archive are described at the cost of a few."""
+        return _run(self._describe(name, names))
 
     def list(self, prefix: str = "") -> list[ArchiveInfo]:
         """Every archive whose name starts with ``prefix``, sorted by name (all pages)."""

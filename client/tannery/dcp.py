@@ -238,7 +238,8 @@ class Reader(_Base, StorageReader):
 
     def _archive(self):
         if self._remote is None:
-            self._remote = self._client.archive(self.archive, progress=self.progress)
+            # Described whole at once: a rank reads most entries (one Describe, not one each).
+            self._remote = self._client.archive(self.archive, progress=self.progress, lazy=False)
         return self._remote
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:

@@ -263,6 +263,18 @@ def fetch_request(archive: str, names: Iterable[str] | None = None, prefix: str 
     return request
 
 
+def describe_request(archive: str, names: Iterable[str] | None = None) -> archives_pb2.DescribeRequest:
+    """A Describe of every entry (``names`` None), of the entries named, or of none (an empty
+    ``names``: the archive's info and metadata only)."""
+    if isinstance(names, str):
+        raise TypeError("Client.describe: names is a list of entry names, not one str")
+    request = archives_pb2.DescribeRequest(archive=archive)
+    if names is not None:
+        request.names.extend(names)
+        request.no_entries = not request.names
+    return request
+
+
 def store_begin(name: str, replace: bool, metadata: Mapping[str, str] | None) -> bytes:
     """A serialized ``StoreBegin``; TypeError for metadata that is not a mapping of str to str."""
     return archives_pb2.StoreBegin(archive=name, replace=replace,
@@ -309,6 +321,7 @@ __all__ = [
     "Progress",
     "archive_to_store",
     "check_tensors",
+    "describe_request",
     "entry_ask",
     "fetch_request",
     "list_request",

@@ -138,14 +138,24 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
     @answering_failures
     async def Describe(self, request: archives_pb2.DescribeRequest, context) -> archives_pb2.ArchiveDescription:
         current_call().note("archive", request.archive)
+        if request.names and request.no_entries:
+            raise Malformed(f"Describe of {request.archive!r}: names ({len(request.names)}) and no_entries ask for "
+                            "some entries and for none: give one of them")
+        catalog = self.storage.catalog
 
         def read():
-            record = self.storage.catalog.archive(request.archive)
+            record = catalog.archive(request.archive)
             if record is None:
                 raise Missing(f"archive {request.archive!r} not found")
-            return record, self.storage.catalog.entries_under(request.archive, "")
+            if request.no_entries:
+                return record, []
+            if request.names:
+                found = catalog.entries(request.archive, request.names)
+                return record, [found[name] for name in sorted(found)]
+            return record, catalog.entries_under(request.archive, "")
 
         record, entries = await self._run(read)
+        current_call().note("described", len(entries))
         return archives_pb2.ArchiveDescription(
             info=archive_info(record),
             metadata=record.metadata,

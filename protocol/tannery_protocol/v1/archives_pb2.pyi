@@ -156,10 +156,14 @@ class FetchResponse(_message.Message):
     def __init__(self, entry: _Optional[str] = ..., chunk: _Optional[bytes] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
-    __slots__ = ("archive",)
+    __slots__ = ("archive", "names", "no_entries")
     ARCHIVE_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    NO_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     archive: str
-    def __init__(self, archive: _Optional[str] = ...) -> None: ...
+    names: _containers.RepeatedScalarFieldContainer[str]
+    no_entries: bool
+    def __init__(self, archive: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ..., no_entries: _Optional[bool] = ...) -> None: ...
 
 class EntryInfo(_message.Message):
     __slots__ = ("name", "dtype", "shape", "nbytes", "payload_bytes", "digest")

@@ -119,7 +119,8 @@ class ArchivesServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Describe(self, request, context):
-        """Every entry's name, dtype, shape, size and digest, from the catalog only.
+        """The archive's info and metadata, and the name, dtype, shape, size and digest of every
+        entry (or of those DescribeRequest names, or of none), from the catalog only.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
