@@ -16,7 +16,9 @@ from .server_harness import collect_fetch, running_server, store_requests
 pytestmark = pytest.mark.slow
 
 
-def payload(seed: int, size: int = 1 << 14) -> bytes:
+def payload(seed: int, size: int = 1 << 18) -> bytes:
+    """A float32 payload; 1 MiB of them by default, a blob of its own (a smaller payload shares its
+    Store's pack with the others, unless it is alone: docs/packs.md, tests/test_packs.py)."""
     return encode_numpy(np.random.default_rng(seed).standard_normal(size).astype(np.float32))
 
 

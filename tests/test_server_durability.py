@@ -58,7 +58,8 @@ def test_a_cancelled_store_leaves_nothing(tmp_path):
             blocking_store("cancelled", {"a": payload_of(5000, 1), "b": payload_of(7000, 2)}, payload_of(500_000, 3),
                            sent, release))
         assert sent.wait(30)
-        assert wait_for(lambda: len(blob_files(srv.data_dir)) == 3 and temporary_files(srv.data_dir))
+        # a and b in the Store's open pack, partial in a file of its own: two temporary files.
+        assert wait_for(lambda: len(temporary_files(srv.data_dir)) == 2 and blob_files(srv.data_dir) == kept_blobs)
         future.cancel()
         release.set()
         assert wait_for(lambda: not temporary_files(srv.data_dir) and blob_files(srv.data_dir) == kept_blobs)
@@ -86,8 +87,9 @@ def test_kill_9_during_a_store_loses_no_committed_archive_and_exposes_no_partial
         future = stub.Store.future(blocking_store(
             "doomed", {"a": payload_of(20_000, 6), "b": payload_of(30_000, 7)}, payload_of(1_000_000, 8), sent, release))
         assert sent.wait(30)
-        # The complete entries are durable blobs, the partial one a temporary file: kill now.
-        assert wait_for(lambda: len(blob_files(data_dir)) == 4 and temporary_files(data_dir))
+        # The complete entries are in the Store's open pack, the partial one in a temporary file of
+        # its own (docs/packs.md): kill now.
+        assert wait_for(lambda: len(temporary_files(data_dir)) == 2 and blob_files(data_dir) == kept_blobs)
         proc.kill()
         release.set()
         with pytest.raises(grpc.RpcError):
@@ -98,7 +100,8 @@ def test_kill_9_during_a_store_loses_no_committed_archive_and_exposes_no_partial
         assert archive_names(stub) == ["kept"]
         assert collect_fetch(stub.Fetch(pb.FetchRequest(archive="kept"))) == dict(sorted(kept.items()))
         assert temporary_files(data_dir) == [] and blob_files(data_dir) == kept_blobs, "start-up cleans up"
-        assert "recovery: removed 1 temporary files, 2 unreferenced blobs" in "\n".join(proc.log_lines)
+        # The pack and the partial payload were temporary files; a and b were never blobs of their own.
+        assert "recovery: removed 2 temporary files, 0 unreferenced blobs" in "\n".join(proc.log_lines)
 
 
 # Integrity ----------------------------------------------------------------------------
@@ -226,6 +229,8 @@ def test_concurrent_readers_and_writers(tmp_path):
             for job in jobs:
                 job.result(120)
         assert len(archive_names(stub)) == 2 + 10
-        # Every replaced version of "hot" was collected: blobs are base's 4, hot's, and the 10 new ones.
-        hot_now = collect_fetch(stub.Fetch(pb.FetchRequest(archive="hot")))
-        assert len(blob_files(srv.data_dir)) == 4 + len(hot_now) + 10
+        # Every replaced version of "hot" was collected: the blob files are exactly those the 12
+        # archives reference (base's pack, hot's blob, and one for each new archive).
+        referenced = srv.storage.catalog.referenced_digests()
+        assert len(referenced) == 1 + 1 + 10
+        assert {p.name for p in blob_files(srv.data_dir)} == referenced
