@@ -125,6 +125,16 @@ class CallCore:
         """:meth:`_digests_wanted`, waited as the client waits (a hook: tests answer it)."""
         raise NotImplementedError
 
+    def _batches_stores(self) -> Steps[bool]:
+        """Whether Store may send small entries several to a message (``StoreRequest.entries``):
+        only to a server that said it reads them. An older server would ignore the field and
+        store an archive without those entries; one that cannot be asked gets one per message."""
+        try:
+            offered = yield from self._offered_paths()
+        except errors.ServiceError:
+            return False
+        return offered is not None and offered.batched_entries
+
     # -- retries -------------------------------------------------------------------------
 
     def _retrying(self, what: str, attempt: Callable[[int], Steps[Any]]) -> Steps[Any]:
@@ -167,7 +177,9 @@ class CallCore:
         def attempt(retry: int) -> Steps[ArchiveInfo]:  # the whole archive, sent again from its start
             transport = yield from self._transport_now()
             digests = yield Rpc(self._wants_digests)
-            answer = yield from transport.store(self._calls, name, archive, rest, replace, progress, metadata, digests)
+            batched = yield from self._batches_stores()  # asked again after a retry: the server may be another
+            answer = yield from transport.store(self._calls, name, archive, rest, replace, progress, metadata, digests,
+                                                batched=batched)
             return ArchiveInfo.of(answer)
 
         return (yield from self._retrying(f"Store of {name!r}", attempt))
@@ -175,7 +187,10 @@ class CallCore:
     def _entries(self, request: archives_pb2.FetchRequest, reader: Any, keep: bool = False) -> Steps[Any]:
         """What ``reader`` makes of a Fetch's entries, yielded as they arrive (leaving early
         cancels the call), or with ``keep`` returned in a list. A call that ends UNAVAILABLE
-        is resumed after the entries that came whole."""
+        is resumed after the entries that came whole. The server may send small entries
+        several to a message (every reader reads them; a server from before them ignores the
+        ask)."""
+        request.batched_entries = True
         noted = _Noted(reader, keep)
         retry = 0
         while True:

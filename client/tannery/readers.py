@@ -3,7 +3,9 @@
 The readers turn the chunks of a stream back into tensors, each payload gathered once
 into an aligned buffer that the tensor then shares (:class:`~tannery.gathering.Reframer`
 and :func:`~tannery.torch.deserialize`), or into pieces (:class:`TensorPiece`) that view the
-received messages (:class:`PieceReader`, what ``tannery pull`` writes to files).
+received messages (:class:`PieceReader`, what ``tannery pull`` writes to files). Small
+entries that came whole, several to a message (``FetchResponse.entries``), are read as
+they are: one payload each, no gathering.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from tannery_protocol import wire
 from tannery_protocol._lazy import lazy_module
-from tannery_protocol.codec import FormatError, byte_buffer
+from tannery_protocol.codec import FormatError, byte_buffer, parse
 from .receive_memory import ReceivePool
 from tannery_protocol.framing import Deframer
 from tannery.gathering import Reframer
@@ -35,24 +37,50 @@ class _EntryStream:
         self._progress = progress
         self._name: str | None = None
         self._has_payload = False
+        #: The current entry came whole (``FetchResponse.entries``): nothing of it is in progress.
+        self._came_whole = False
         #: The maps of this stream's tensors, once dropped, for its next payloads.
         self.pool = ReceivePool()
 
     def feed(self, message: wire.FetchMessage) -> list:
-        """What ``message`` completes (tensors or pieces, by the subclass)."""
+        """What ``message`` completes (tensors or pieces, by the subclass): its ``entry`` and
+        ``chunk``, then each of its whole ``entries``."""
+        out = self._chunk(message) if message.entry or message.chunk.nbytes or not message.entries else []
+        for whole in message.entries:
+            out += self._whole_entry(whole)
+        return out
+
+    def _chunk(self, message: wire.FetchMessage) -> list:
         if message.entry:
             self._end_entry()
-            self._name, self._has_payload = message.entry, False
+            self._name, self._has_payload, self._came_whole = message.entry, False, False
             self._start_entry()
         if self._name is None:
             raise FormatError("Fetch: payload bytes before any entry name")
         chunk = message.chunk
+        if self._came_whole:  # nothing of it is in progress: no bytes may follow
+            if chunk.nbytes:
+                raise FormatError(f"Fetch: entry {self._name!r}: {chunk.nbytes} more bytes after it came whole")
+            return []
         if self._progress is not None and chunk.nbytes:
             self._progress(chunk.nbytes)
         try:
             return self._read(self._name, chunk)
         except FormatError as e:
             raise FormatError(f"Fetch: entry {self._name!r}: {e}") from None
+
+    def _whole_entry(self, whole: wire.WholeEntry) -> list:
+        """An entry that came whole beside others: its one payload, read at once."""
+        self._end_entry()
+        if not whole.name:
+            raise FormatError("Fetch: a whole entry without a name")
+        self._name, self._has_payload, self._came_whole = whole.name, True, True
+        if self._progress is not None and whole.payload.nbytes:
+            self._progress(whole.payload.nbytes)
+        try:
+            return self._read_whole(whole.name, whole.payload)
+        except FormatError as e:
+            raise FormatError(f"Fetch: entry {whole.name!r}: {e}") from None
 
     def _payload(self) -> None:
         """Count the entry's payload: FormatError for a second one."""
@@ -61,7 +89,7 @@ class _EntryStream:
         self._has_payload = True
 
     def _end_entry(self) -> None:
-        if self._name is None:
+        if self._name is None or self._came_whole:
             return
         try:
             self._close_entry()
@@ -76,7 +104,7 @@ class _EntryStream:
 
     def restart(self) -> None:
         """Forget the entry in progress: its call broke, and a new one sends it again whole."""
-        self._name, self._has_payload = None, False
+        self._name, self._has_payload, self._came_whole = None, False, False
 
     def whole(self, item: object) -> str | None:
         """The name of the entry ``item`` completes (what a resumed Fetch need not ask again), else None."""
@@ -86,6 +114,10 @@ class _EntryStream:
         raise NotImplementedError
 
     def _read(self, name: str, chunk: memoryview) -> list:
+        raise NotImplementedError
+
+    def _read_whole(self, name: str, payload: memoryview) -> list:
+        """What one whole payload makes; FormatError unless it is exactly one payload."""
         raise NotImplementedError
 
     def _close_entry(self) -> None:
@@ -116,6 +148,9 @@ class EntryReader(_EntryStream):
             self._payload()
             out.append((name, torch_codec.deserialize(payload)))
         return out
+
+    def _read_whole(self, name: str, payload: memoryview) -> list[tuple[str, torch.Tensor]]:
+        return [(name, torch_codec.deserialize(payload))]  # as a payload in one chunk: a view of the message
 
     def _close_entry(self) -> None:
         self._reframer.close()
@@ -157,6 +192,10 @@ class PieceReader(_EntryStream):
                 offset = max(0, start - info.data_offset)
                 out.append(TensorPiece(name, info, offset, data[skip:], fragment.first, fragment.last))
         return out
+
+    def _read_whole(self, name: str, payload: memoryview) -> list[TensorPiece]:
+        info = parse(payload)
+        return [TensorPiece(name, info, 0, byte_buffer(payload)[info.data_offset:], True, True)]
 
     def _close_entry(self) -> None:
         self._deframer.close()

@@ -125,26 +125,51 @@ _NON_TENSOR_REMEDY = ("archives hold tensors only: keep such values elsewhere (m
 
 def store_messages(
     name: str, archive: Archive, prefix: str, replace: bool, chunk_size: int, progress: Progress = None,
-    metadata: Mapping[str, str] | None = None, digests: bool = False,
+    metadata: Mapping[str, str] | None = None, digests: bool = False, batched: bool = False,
 ) -> Iterator[bytes]:
     """The serialized ``StoreRequest``s of an archive: begin, then each entry in name order,
     its name (and with ``digests`` its payload's SHA-256) in the first of its messages, then
     commit with the counts sent (the server stores nothing without it). Entries are read one
-    at a time, as sent."""
+    at a time, as sent.
+
+    With ``batched`` (the server said it reads ``StoreRequest.entries``), consecutive entries
+    of payloads below :data:`~tannery_protocol.wire.BATCHED_BELOW` go whole, several to a
+    message of up to ``chunk_size`` bytes: 10,000 small tensors are a few messages, not 10,000."""
     yield wire.encode_store_request(begin=store_begin(name, replace, metadata))
     entries = sent = 0
+    batch = wire.EntryBatch(wire.STORE_ENTRIES, chunk_size)
     for entry, parts, sha256 in store_entries(archive, prefix, digests):
+        entries += 1
+        size = sum(memoryview(part).nbytes for part in parts)
+        sent += size
+        if batched and size < wire.BATCHED_BELOW:
+            encoded = entry.encode("utf-8")
+            cost = batch.cost(encoded, size, sha256)
+            if cost <= chunk_size:
+                if batch.full_for(cost):
+                    yield from _batch_message(batch, progress)
+                batch.add(encoded, parts, size, sha256)
+                continue
+        if batch.count:
+            yield from _batch_message(batch, progress)
         first = True
         for chunk in wire.split_parts(parts, chunk_size):
             yield wire.encode_store_request(entry=entry if first else None, parts=chunk,
                                             sha256=sha256 if first else b"")
             first = False
-            size = sum(piece.nbytes for piece in chunk)
-            sent += size
             if progress is not None:
-                progress(size)
-        entries += 1
+                progress(sum(piece.nbytes for piece in chunk))
+    if batch.count:
+        yield from _batch_message(batch, progress)
     yield wire.encode_store_commit(entries, sent)
+
+
+def _batch_message(batch: wire.EntryBatch, progress: Progress) -> Iterator[bytes]:
+    """The message of the whole entries in ``batch`` (emptied), then its payload bytes told to ``progress``."""
+    size = batch.payload_bytes
+    yield batch.take()
+    if progress is not None:
+        progress(size)
 
 
 def store_entries(archive: Archive, prefix: str, digests: bool = False) -> Iterator[tuple[str, list, bytes]]:

@@ -116,7 +116,8 @@ def resumed_request(request: archives_pb2.FetchRequest, done: Sequence[str],
     """The Fetch that gets the rest of ``request`` once the entries ``done`` came whole; None
     when nothing is left.
 
-    A request by name keeps its asks (shape, dtype, cast, rows) but those done, in order. A
+    A request by name keeps its asks (shape, dtype, cast, rows) but those done, in order, and
+    its ``batched_entries``. A
     request by prefix becomes one by name: the entries it owns among ``listed`` (the
     archive's names, from a Describe) but those done, in name order as the server sends them.
     """
@@ -129,7 +130,7 @@ def resumed_request(request: archives_pb2.FetchRequest, done: Sequence[str],
                 if name not in finished]
     if not rest:
         return None
-    return archives_pb2.FetchRequest(archive=request.archive, entries=rest)
+    return archives_pb2.FetchRequest(archive=request.archive, entries=rest, batched_entries=request.batched_entries)
 
 
 __all__ = ["DEFAULT_RETRIES", "ENV", "RetryPolicy", "call_name", "resumed_request", "retryable"]

@@ -140,8 +140,9 @@ class Transport(Protocol):
         """Yields what ``reader`` makes of the entries as they arrive; leaving early ends the call."""
 
     def store(self, calls: Calls, name: str, archive: Archive, prefix: str, replace: bool, progress: Progress,
-              metadata: Mapping[str, str] | None, digests: bool) -> Steps[Any]:
-        """The StoreResponse of one Store call of the whole archive."""
+              metadata: Mapping[str, str] | None, digests: bool, *, batched: bool = False) -> Steps[Any]:
+        """The StoreResponse of one Store call of the whole archive (``batched``: the server
+        reads small entries several to a gRPC message)."""
 
     def publish(self, calls: Calls, channel: str, tensors: Iterable[Any], progress: Progress) -> Steps[Any]:
         """The PublishResponse of one Publish call."""
@@ -168,9 +169,9 @@ class GrpcTransport:
             call.cancel()  # a no-op once the call is over; ends it if reading stopped early or failed
 
     def store(self, calls: Calls, name: str, archive: Archive, prefix: str, replace: bool, progress: Progress,
-              metadata: Mapping[str, str] | None, digests: bool) -> Steps[Any]:
+              metadata: Mapping[str, str] | None, digests: bool, *, batched: bool = False) -> Steps[Any]:
         messages = store_messages(name, archive, prefix, replace, calls.connection.chunk_size, progress, metadata,
-                                  digests)
+                                  digests, batched)
         # A message may wait for its entry's hash: in asyncio, not on the event loop.
         return (yield Send(calls.methods.store, messages, calls.options(), calls.target, off_loop=digests))
 
@@ -227,8 +228,9 @@ class LinkTransport:
             call.cancel()
 
     def store(self, calls: Calls, name: str, archive: Archive, prefix: str, replace: bool, progress: Progress,
-              metadata: Mapping[str, str] | None, digests: bool) -> Steps[Any]:
-        """A Store whose call carries begin and commit, its payloads sent on the data path."""
+              metadata: Mapping[str, str] | None, digests: bool, *, batched: bool = False) -> Steps[Any]:
+        """A Store whose call carries begin and commit, its payloads sent on the data path
+        (``batched`` changes nothing there: every payload goes on the data connection)."""
         return (yield from self._upload(
             calls, calls.methods.store, encode_store_request(begin=store_begin(name, replace, metadata)),
             lambda link: send_store(link, store_entries(archive, prefix, digests), progress),

@@ -9,12 +9,14 @@ conforming peer interoperates.
 
 Server: :func:`parse_store_request`, :func:`encode_fetch_response`. Client:
 :func:`encode_store_request`, :func:`encode_store_commit`, :func:`encode_publish_request`, :func:`parse_fetch_response`,
-:func:`parse_subscribe_response`, and :func:`split_parts` to cut payloads into chunks.
+:func:`parse_subscribe_response`, and :func:`split_parts` to cut payloads into chunks. Both:
+:class:`EntryBatch`, small whole entries several to a message (``StoreRequest.entries``,
+``FetchResponse.entries``), read back as :class:`WholeEntry` views.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Sequence, Union
 
 from google.protobuf.message import DecodeError
@@ -25,6 +27,13 @@ _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 
 #: A piece of a message's bytes field: the field is the concatenation of its pieces.
 Piece = Union[bytes, bytearray, memoryview]
+
+#: Payloads below this many bytes are sent whole, several to a message, where the receiver
+#: reads ``entries`` (:class:`EntryBatch`): their cost is the message, not the bytes. The
+#: senders' choice, not a limit of the protocol: a receiver takes whole entries of any size.
+BATCHED_BELOW = 64 << 10
+#: The field numbers of ``entries`` in ``StoreRequest`` and ``FetchResponse``.
+STORE_ENTRIES, FETCH_ENTRIES = 6, 3
 
 
 class WireError(ValueError):
@@ -88,6 +97,16 @@ def length_delimited_fields(data: bytes | memoryview) -> Iterator[tuple[int, mem
 
 
 @dataclass(slots=True)
+class WholeEntry:
+    """A ``WholeEntry`` of a received message: a name and its whole payload, a view of the message."""
+
+    name: str
+    payload: memoryview
+    #: The SHA-256 sent ahead of the payload (Store only; empty: none).
+    sha256: bytes = b""
+
+
+@dataclass(slots=True)
 class StoreMessage:
     """A ``StoreRequest`` whose chunk views the received bytes."""
 
@@ -100,6 +119,8 @@ class StoreMessage:
     commit: archives_pb2.StoreCommit | None = None
     #: The SHA-256 the client sent ahead of ``entry``'s payload (empty: none).
     sha256: bytes = b""
+    #: Whole entries after ``entry`` and ``chunk``, in order (``StoreRequest.entries``).
+    entries: list[WholeEntry] = field(default_factory=list)
 
 
 _EMPTY = memoryview(b"")
@@ -122,6 +143,21 @@ def _utf8(value: memoryview, field: str) -> str:
         raise WireError(f"field {field} is not valid UTF-8") from None
 
 
+def _whole_entry(value: memoryview, index: int) -> WholeEntry:
+    """Entry ``index`` of a message's ``entries``: its payload a view of ``value``."""
+    name, payload, sha256 = "", _EMPTY, b""
+    for number, wire_type, inner in _fields(value):
+        if wire_type != _LEN:
+            continue
+        if number == 1:
+            name = _utf8(inner, f"entries[{index}].name")
+        elif number == 2:
+            payload = inner
+        elif number == 3:
+            sha256 = bytes(inner)
+    return WholeEntry(name, payload, sha256)
+
+
 def parse_store_request(data: bytes) -> StoreMessage:
     """The request deserializer of ``Store``; WireError for bytes that are not a StoreRequest."""
     view = memoryview(data)
@@ -130,6 +166,7 @@ def parse_store_request(data: bytes) -> StoreMessage:
     entry = ""
     chunk = _EMPTY
     sha256 = b""
+    entries: list[WholeEntry] = []
     for number, wire_type, value in _fields(view):
         if wire_type != _LEN:
             continue  # no known field of StoreRequest has another wire type
@@ -143,7 +180,9 @@ def parse_store_request(data: bytes) -> StoreMessage:
             commit = _merge(commit or archives_pb2.StoreCommit(), "commit", value)
         elif number == 5:
             sha256 = bytes(value)
-    return StoreMessage(begin, entry, chunk, len(view), commit, sha256)
+        elif number == STORE_ENTRIES:
+            entries.append(_whole_entry(value, len(entries)))
+    return StoreMessage(begin, entry, chunk, len(view), commit, sha256, entries)
 
 
 def _length_delimited(pieces: list[Piece], number: int, parts: Sequence[Piece]) -> None:
@@ -179,6 +218,62 @@ def encode_store_request(*, begin: bytes = b"", entry: str | None = None, parts:
     if sha256:
         _length_delimited(pieces, 5, [sha256])
     return b"".join(pieces)
+
+
+def _varint_size(value: int) -> int:
+    return max(1, (value.bit_length() + 6) // 7)
+
+
+def _field_size(size: int) -> int:
+    """Bytes of a LEN field of ``size`` bytes (number below 16), tag and length included; 0 when empty."""
+    return 1 + _varint_size(size) + size if size else 0
+
+
+class EntryBatch:
+    """Whole small entries gathered for one message (the ``entries`` of a ``StoreRequest`` or
+    a ``FetchResponse``), up to ``budget`` bytes of message (one entry alone may pass it),
+    then joined once by :meth:`take`: the one copy of their bytes. Parts are views, kept
+    until then."""
+
+    def __init__(self, number: int, budget: int) -> None:
+        self.number, self.budget = number, budget
+        self._tag = encode_varint(number << 3 | _LEN)
+        self._pieces: list[Piece] = []
+        #: Bytes of the message so far, entries, and their payload bytes.
+        self.size = self.count = self.payload_bytes = 0
+
+    @staticmethod
+    def cost(name: bytes, size: int, sha256: bytes = b"") -> int:
+        """Message bytes an entry of this (encoded) name, payload size and digest takes."""
+        inner = _field_size(len(name)) + _field_size(size) + _field_size(len(sha256))
+        return 1 + _varint_size(inner) + inner
+
+    def full_for(self, cost: int) -> bool:
+        """Whether an entry of ``cost`` bytes must go in the next message (this one is not empty)."""
+        return self.count > 0 and self.size + cost > self.budget
+
+    def add(self, name: bytes, parts: Sequence[Piece], size: int, sha256: bytes = b"") -> None:
+        """Entry ``name`` (UTF-8) whose payload is the concatenation of ``parts`` (``size`` bytes)."""
+        inner = _field_size(len(name)) + _field_size(size) + _field_size(len(sha256))
+        pieces = self._pieces
+        pieces += (self._tag, encode_varint(inner))
+        if name:
+            pieces += (b"\x0a", encode_varint(len(name)), name)
+        if size:
+            pieces.append(b"\x12" + encode_varint(size))
+            pieces += parts
+        if sha256:
+            pieces += (b"\x1a", encode_varint(len(sha256)), sha256)
+        self.size += 1 + _varint_size(inner) + inner
+        self.count += 1
+        self.payload_bytes += size
+
+    def take(self) -> bytes:
+        """The message of the entries added, which are forgotten (the batch is empty again)."""
+        message = b"".join(self._pieces)
+        self._pieces = []
+        self.size = self.count = self.payload_bytes = 0
+        return message
 
 
 def encode_store_commit(entries: int, payload_bytes: int) -> bytes:
@@ -225,12 +320,15 @@ class FetchMessage:
     #: The entry this message starts, or "" for a continuation.
     entry: str
     chunk: memoryview
+    #: Whole entries after ``entry`` and ``chunk``, in order (``FetchResponse.entries``).
+    entries: Sequence[WholeEntry] = ()
 
 
 def parse_fetch_response(data: bytes) -> FetchMessage:
     """The response deserializer of ``Fetch`` (client side)."""
     entry = ""
     chunk = _EMPTY
+    entries: list[WholeEntry] = []
     for number, wire_type, value in _fields(memoryview(data)):
         if wire_type != _LEN:
             continue
@@ -238,7 +336,9 @@ def parse_fetch_response(data: bytes) -> FetchMessage:
             entry = _utf8(value, "entry")
         elif number == 2:
             chunk = value
-    return FetchMessage(entry, chunk)
+        elif number == FETCH_ENTRIES:
+            entries.append(_whole_entry(value, len(entries)))
+    return FetchMessage(entry, chunk, entries)
 
 
 class _Abandoned:

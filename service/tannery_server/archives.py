@@ -123,17 +123,19 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
     @answering_failures
     async def DataPaths(self, request: archives_pb2.DataPathsRequest, context) -> archives_pb2.DataPathsResponse:
         paths = self.data_paths
+        wants, batched = self.storage.blobs.wants_digests, self.config.batched_entries
         if paths is None:
-            return archives_pb2.DataPathsResponse(wants_digests=self.storage.blobs.wants_digests)
+            return archives_pb2.DataPathsResponse(wants_digests=wants, batched_entries=batched)
         return archives_pb2.DataPathsResponse(socket_path=str(paths.socket_path or ""), data_port=paths.data_port,
                                               data_tls=paths.tls, server_id=paths.server_id,
-                                              wants_digests=self.storage.blobs.wants_digests)
+                                              wants_digests=wants, batched_entries=batched)
 
     @answering_failures
     async def Fetch(self, request: archives_pb2.FetchRequest, context) -> None:
         current_call().note("archive", request.archive)
         check_request(request)
-        await serve_fetch(self.plane, self.storage, request, context, self.config.chunk_size)
+        await serve_fetch(self.plane, self.storage, request, context, self.config.chunk_size,
+                          batched=request.batched_entries and self.config.batched_entries)
 
     @answering_failures
     async def Describe(self, request: archives_pb2.DescribeRequest, context) -> archives_pb2.ArchiveDescription:

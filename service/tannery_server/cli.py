@@ -42,6 +42,9 @@ _FLAGS = [
                   "clients learn it from the DataPaths call, the start line names it; a number is that port "
                   "(a port in use stops the start); 'off' (or empty) for none"),
     ("chunk_size", "bytes of tensor data per gRPC message the server sends (4096..3MiB)"),
+    ("batched_entries", "on or off: small entries travel whole, several to a gRPC message, in Store (clients "
+                        "learn it from DataPaths) and in Fetch (when the client asks); off answers as a server "
+                        "from before them"),
     ("max_payload_bytes", "largest payload one entry may have, header included; larger ones are refused "
                           "(RESOURCE_EXHAUSTED) before any byte is stored"),
     ("max_rank", "largest rank of a stored tensor"),

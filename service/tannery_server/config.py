@@ -55,6 +55,10 @@ class Config:
     #: client that writes what it receives to disk (tannery pull) hold about twice as many
     #: bytes in gRPC's buffers, over the 64 MiB its memory test allows. At most 3 MiB.
     chunk_size: int = MiB
+    #: Take and send small entries whole, several to a gRPC message (``StoreRequest.entries``,
+    #: ``FetchResponse.entries``), and say so in DataPaths. Off: a server as before them
+    #: (Store refuses the field, Fetch sends one entry per message).
+    batched_entries: bool = True
     #: Largest payload (header included) an archive entry may have.
     max_payload_bytes: int = 256 * GiB
     #: Largest rank of a stored tensor.

@@ -14,18 +14,20 @@ class DataPathsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DataPathsResponse(_message.Message):
-    __slots__ = ("socket_path", "data_port", "data_tls", "server_id", "wants_digests")
+    __slots__ = ("socket_path", "data_port", "data_tls", "server_id", "wants_digests", "batched_entries")
     SOCKET_PATH_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     DATA_TLS_FIELD_NUMBER: _ClassVar[int]
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     WANTS_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    BATCHED_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     socket_path: str
     data_port: int
     data_tls: bool
     server_id: str
     wants_digests: bool
-    def __init__(self, socket_path: _Optional[str] = ..., data_port: _Optional[int] = ..., data_tls: _Optional[bool] = ..., server_id: _Optional[str] = ..., wants_digests: _Optional[bool] = ...) -> None: ...
+    batched_entries: bool
+    def __init__(self, socket_path: _Optional[str] = ..., data_port: _Optional[int] = ..., data_tls: _Optional[bool] = ..., server_id: _Optional[str] = ..., wants_digests: _Optional[bool] = ..., batched_entries: _Optional[bool] = ...) -> None: ...
 
 class StoreBegin(_message.Message):
     __slots__ = ("archive", "replace", "metadata")
@@ -53,18 +55,30 @@ class StoreCommit(_message.Message):
     def __init__(self, entries: _Optional[int] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
 
 class StoreRequest(_message.Message):
-    __slots__ = ("begin", "entry", "chunk", "commit", "entry_sha256")
+    __slots__ = ("begin", "entry", "chunk", "commit", "entry_sha256", "entries")
     BEGIN_FIELD_NUMBER: _ClassVar[int]
     ENTRY_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     ENTRY_SHA256_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
     begin: StoreBegin
     entry: str
     chunk: bytes
     commit: StoreCommit
     entry_sha256: bytes
-    def __init__(self, begin: _Optional[_Union[StoreBegin, _Mapping]] = ..., entry: _Optional[str] = ..., chunk: _Optional[bytes] = ..., commit: _Optional[_Union[StoreCommit, _Mapping]] = ..., entry_sha256: _Optional[bytes] = ...) -> None: ...
+    entries: _containers.RepeatedCompositeFieldContainer[WholeEntry]
+    def __init__(self, begin: _Optional[_Union[StoreBegin, _Mapping]] = ..., entry: _Optional[str] = ..., chunk: _Optional[bytes] = ..., commit: _Optional[_Union[StoreCommit, _Mapping]] = ..., entry_sha256: _Optional[bytes] = ..., entries: _Optional[_Iterable[_Union[WholeEntry, _Mapping]]] = ...) -> None: ...
+
+class WholeEntry(_message.Message):
+    __slots__ = ("name", "payload", "sha256")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    payload: bytes
+    sha256: bytes
+    def __init__(self, name: _Optional[str] = ..., payload: _Optional[bytes] = ..., sha256: _Optional[bytes] = ...) -> None: ...
 
 class ArchiveInfo(_message.Message):
     __slots__ = ("name", "entries", "nbytes", "payload_bytes", "created", "already_stored")
@@ -138,22 +152,26 @@ class EntryAsk(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Union[Shape, _Mapping]] = ..., dtype: _Optional[str] = ..., cast: _Optional[str] = ..., rows: _Optional[_Union[RowRange, _Mapping]] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("archive", "entries", "prefix")
+    __slots__ = ("archive", "entries", "prefix", "batched_entries")
     ARCHIVE_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_FIELD_NUMBER: _ClassVar[int]
+    BATCHED_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     archive: str
     entries: _containers.RepeatedCompositeFieldContainer[EntryAsk]
     prefix: str
-    def __init__(self, archive: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[EntryAsk, _Mapping]]] = ..., prefix: _Optional[str] = ...) -> None: ...
+    batched_entries: bool
+    def __init__(self, archive: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[EntryAsk, _Mapping]]] = ..., prefix: _Optional[str] = ..., batched_entries: _Optional[bool] = ...) -> None: ...
 
 class FetchResponse(_message.Message):
-    __slots__ = ("entry", "chunk")
+    __slots__ = ("entry", "chunk", "entries")
     ENTRY_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
     entry: str
     chunk: bytes
-    def __init__(self, entry: _Optional[str] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+    entries: _containers.RepeatedCompositeFieldContainer[WholeEntry]
+    def __init__(self, entry: _Optional[str] = ..., chunk: _Optional[bytes] = ..., entries: _Optional[_Iterable[_Union[WholeEntry, _Mapping]]] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ("archive", "names", "no_entries")

@@ -77,7 +77,9 @@ class ArchivesServicer:
     def Store(self, request_iterator, context):
         """Stores an archive. The first message carries `begin`; then each entry starts with a
         message that sets `entry` (its name), and its payload follows in `chunk`s (the first
-        chunk may ride in the same message as the name). The last message carries `commit`,
+        chunk may ride in the same message as the name); small entries may instead come whole,
+        several to a message (`StoreRequest.entries`, to a server that says
+        `DataPathsResponse.batched_entries`). The last message carries `commit`,
         the client's word that it sent everything: the server commits only after it, only
         when its counts agree with what arrived, only once the client has ended its request
         stream (half-close), and only while the call is alive. Atomic: the archive appears
@@ -112,7 +114,9 @@ class ArchivesServicer:
 
     def Fetch(self, request, context):
         """Entries of one archive, each announced by a message that sets `entry` and followed
-        by its payload in `chunk`s. Every ask is checked before the first byte is sent.
+        by its payload in `chunk`s, or, when the request says `batched_entries`, small ones
+        whole, several to a message (`FetchResponse.entries`). Every ask is checked before the
+        first byte is sent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

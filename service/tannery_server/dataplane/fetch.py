@@ -5,6 +5,8 @@ On a data path the plans are resolved, then sent on the data connection
 and yields encoded ``FetchResponse`` messages of exactly ``chunk_size`` bytes of payload
 (the last of each entry shorter), every one made from checked blocks
 (:class:`~.blocks.VerifiedBlob`); the call sends one batch while the next one is read.
+When the request says ``batched_entries``, consecutive small entries served as stored go
+whole, several to a message of up to ``chunk_size`` bytes (``FetchResponse.entries``).
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ from typing import Iterable, Iterator, Sequence
 import grpc
 
 from tannery_protocol.v1 import archives_pb2
-from tannery_protocol.wire import encode_fetch_response, split_parts
+from tannery_protocol.wire import BATCHED_BELOW, FETCH_ENTRIES, EntryBatch, encode_fetch_response, split_parts
 
 from ..calllog import current_call
 from ..fetching import Plan, digests, resolve
-from ..storage import Storage
+from ..storage import Damaged, Storage
 from ..workers import Workers, settle
 from .blocks import VerifiedBlob
 from .fetch_link import send_fetch
@@ -30,11 +32,12 @@ FETCH_BATCH_BYTES = 4 << 20
 
 
 async def serve_fetch(plane: DataPlane, storage: Storage, request: archives_pb2.FetchRequest, context,
-                      chunk_size: int) -> None:
-    """Send what a checked Fetch request asks for, on the transport its call asks for."""
+                      chunk_size: int, batched: bool = False) -> None:
+    """Send what a checked Fetch request asks for, on the transport its call asks for (on
+    gRPC, small entries several to a message with ``batched``)."""
     transport = plane.transport(context)
     if transport is None:
-        await _stream(plane.workers, storage, request, context, chunk_size)
+        await _stream(plane.workers, storage, request, context, chunk_size, batched)
         return
     resolving = plane.workers.start(resolve, storage, request)
     try:
@@ -57,11 +60,11 @@ async def _release_resolved(plane: DataPlane, storage: Storage, resolving: async
 
 
 async def _stream(workers: Workers, storage: Storage, request: archives_pb2.FetchRequest, context,
-                  chunk_size: int) -> None:
+                  chunk_size: int, batched: bool) -> None:
     """The Fetch on its gRPC stream, one batch of messages sent while the next is read."""
     # One trip resolves the request and reads the first batch; a fetch that fits in it
     # is over (blobs closed, pins released) when the trip returns.
-    opening = workers.start(FetchStream.open, storage, request, chunk_size, FETCH_BATCH_BYTES)
+    opening = workers.start(FetchStream.open, storage, request, chunk_size, FETCH_BATCH_BYTES, batched)
     try:
         stream, batch = await asyncio.shield(opening)
     except asyncio.CancelledError:
@@ -116,10 +119,12 @@ class FetchStream:
     one batch takes one trip to a worker thread (:meth:`open`), resolving included.
     """
 
-    def __init__(self, storage: Storage, plans: Sequence[Plan], chunk_size: int) -> None:
+    def __init__(self, storage: Storage, plans: Sequence[Plan], chunk_size: int, batched: bool = False) -> None:
         self.storage = storage
         self.plans = plans
         self.chunk_size = chunk_size
+        #: Small entries served as stored go whole, several to a message (the client reads them).
+        self.batched = batched
         self.done = False
         self._messages = self._all()
         self._next: bytes | None = None  # a message read to learn whether the stream ends
@@ -127,10 +132,10 @@ class FetchStream:
         self._released = False
 
     @classmethod
-    def open(cls, storage: Storage, request: archives_pb2.FetchRequest, chunk_size: int, max_bytes: int
-             ) -> tuple["FetchStream", list[bytes]]:
+    def open(cls, storage: Storage, request: archives_pb2.FetchRequest, chunk_size: int, max_bytes: int,
+             batched: bool = False) -> tuple["FetchStream", list[bytes]]:
         """Resolve a request (pinning its blobs) and produce the first batch, in one go."""
-        stream = cls(storage, resolve(storage, request), chunk_size)
+        stream = cls(storage, resolve(storage, request), chunk_size, batched)
         try:
             return stream, stream.next_batch(max_bytes)
         except BaseException:
@@ -174,8 +179,40 @@ class FetchStream:
             self.storage.release(digests(self.plans))
 
     def _all(self) -> Iterator[bytes]:
-        for plan in self.plans:
-            yield from self._entry(plan)
+        if not self.batched:
+            for plan in self.plans:
+                yield from self._entry(plan)
+            return
+        batch = EntryBatch(FETCH_ENTRIES, self.chunk_size)
+        try:
+            for plan in self.plans:
+                name = plan.entry.name.encode("utf-8")
+                cost = batch.cost(name, plan.entry.payload_bytes)
+                if plan.prefix is None and plan.entry.payload_bytes < BATCHED_BELOW and cost <= self.chunk_size:
+                    if batch.full_for(cost):
+                        yield batch.take()
+                    self._add_whole(batch, plan, name)
+                    continue
+                if batch.count:
+                    yield batch.take()
+                yield from self._entry(plan)
+        except Exception:
+            if batch.count:  # the entries checked before the failure go out first
+                yield batch.take()
+            raise
+        if batch.count:
+            yield batch.take()
+
+    def _add_whole(self, batch: EntryBatch, plan: Plan, name: bytes) -> None:
+        """A small entry served as stored, whole, into ``batch``: read in checked blocks
+        (:meth:`VerifiedBlob.pieces`), views kept while their memory outlives the blob."""
+        with VerifiedBlob(self.storage, plan) as blob:
+            parts = [_kept(piece) for piece in blob.pieces(self.chunk_size)]
+            got = sum(len(part) for part in parts)
+            if got != plan.entry.payload_bytes:
+                raise Damaged(f"entry {plan.entry.name!r}: {got} bytes read of a payload of "
+                              f"{plan.entry.payload_bytes} bytes")
+        batch.add(name, parts, got)
 
     def _entry(self, plan: Plan) -> Iterator[bytes]:
         with VerifiedBlob(self.storage, plan) as blob:
@@ -184,6 +221,12 @@ class FetchStream:
                 return
             # Each block is checked as it is read, before any of its bytes reach a message.
             yield from _messages(plan.entry.name, blob.pieces(self.chunk_size), self.chunk_size)
+
+
+def _kept(piece: memoryview) -> memoryview | bytes:
+    """``piece`` when it views a ``bytes`` (which no one changes or frees), else its bytes: a
+    view of a map would not outlive its blob, closed before the batch is sent."""
+    return piece if isinstance(piece.obj, bytes) else bytes(piece)
 
 
 def _messages(name: str, pieces: Iterable[memoryview], chunk_size: int) -> Iterator[bytes]:
