@@ -577,13 +577,14 @@ def test_list_follows_every_page(client):
 
 
 def test_delete_removes_the_archive_and_says_what_it_freed(client):
-    client.store("a", {"w": torch.ones(1000)})
-    client.store("b", {"w": torch.ones(1000), "v": torch.zeros(10)})
+    large = torch.ones(300_000)  # over 1 MiB: a blob of its own, stored once for both (docs/packs.md)
+    client.store("a", {"w": large})
+    client.store("b", {"w": large, "v": torch.zeros(10)})
     deleted = client.delete("a")
     assert deleted.archive.name == "a" and deleted.blobs_removed == 0  # "w" is still b's
     deleted = client.delete("b")
     assert deleted.blobs_removed == 2
-    assert deleted.bytes_freed == len(serialize(torch.ones(1000))) + len(serialize(torch.zeros(10)))
+    assert deleted.bytes_freed == len(serialize(large)) + len(serialize(torch.zeros(10)))
     with pytest.raises(tannery.NotFound, match="archive 'a' not found"):
         client.delete("a")
     assert client.list() == []
