@@ -141,6 +141,11 @@ def receive_fetch(link: Link, pieces: bool = False, pool: "receive_memory.Receiv
             yield _received(link, received.entry, pool)
 
 
+#: Regions of a same-host Fetch smaller than this are copied out of their map, which is closed
+#: at once (:func:`_copied`); larger ones stay views of the blob file.
+COPY_BELOW = 1 << 20
+
+
 def _mapped(entry, fd: int) -> Arrived:
     """An entry from the region of a file: mapped privately (the tensor may be written; the file
     never is), its covering blocks checked first."""
@@ -167,7 +172,10 @@ def _mapped(entry, fd: int) -> Arrived:
                                             entry.first_block)
             if bad is not None:
                 raise coded(errors.DataLoss, "DATA_LOSS", checksums.corrupted_message(what, entry.digest, bad))
-        region = region[start - map_start : stop - map_start]
+        if stop - start < COPY_BELOW:
+            region = _copied(mapped, region, start - map_start, stop - map_start)
+        else:
+            region = region[start - map_start : stop - map_start]
     try:
         if entry.prefix:
             info = read_info(entry.prefix)
@@ -178,6 +186,16 @@ def _mapped(entry, fd: int) -> Arrived:
     except FormatError as exc:
         raise FormatError(f"Fetch: {what}: {exc}") from None
     return Arrived(entry.name, info, region[info.data_offset :])
+
+
+def _copied(mapped: mmap.mmap, view: memoryview, start: int, stop: int) -> memoryview:
+    """Bytes [start, stop) of a checked map, copied out, and the map closed: every live map holds
+    an open descriptor of its own (Python's mmap keeps one), so a tensor that viewed the map of
+    each of a fetch's thousands of small entries (a pack's) would run the process out of them."""
+    copied = memoryview(bytearray(view[start:stop]))
+    view.release()
+    mapped.close()
+    return copied
 
 
 def _populate(mapped: mmap.mmap) -> None:

@@ -24,7 +24,7 @@ from tannery_protocol.wire import encode_fetch_response, encode_varint, split_pa
 
 from ..fetching import Plan
 from ..storage import BlobFile, BlobInfo, Damaged, Storage
-from ..storage.block_reader import BlockReader
+from ..storage.block_reader import BlobShelf, BlockReader
 from ..storage.integrity import BlockCheck
 from .transforms import made_pieces
 
@@ -33,10 +33,13 @@ class VerifiedBlob:
     """The open blob of one planned entry, read only in checked blocks; a context manager that
     closes it, and reports it damaged to the storage when a block fails its check."""
 
-    def __init__(self, storage: Storage, plan: Plan) -> None:
-        """Damaged when the blob is missing, of another size than was stored, or without checksums."""
+    def __init__(self, storage: Storage, plan: Plan, shelf: BlobShelf | None = None) -> None:
+        """Damaged when the blob is missing, of another size than was stored, or without checksums.
+        ``shelf``: where a pack stays open for the next entries of the same Fetch."""
         self.storage = storage
         self.plan = plan
+        #: The shelf that keeps this entry's pack open (None: the blob is this reader's own).
+        self.shelf = shelf if plan.entry.packed else None
         self.entry = entry = plan.entry
         self.what = what = f"entry {entry.name!r}"
         #: Where the entry's payload starts in its blob (a pack's entry: past the payloads before it).
@@ -44,7 +47,8 @@ class VerifiedBlob:
         # A payload of its own is as large as its blob; a pack's size is in its record.
         size = entry.payload_bytes if not entry.packed else (plan.blob.size if plan.blob else None)
         try:
-            self.blob: BlobFile = storage.open_blob(entry.blob, size)
+            self.blob: BlobFile = (self.shelf.open(entry.blob, size) if self.shelf is not None
+                                   else storage.open_blob(entry.blob, size))
         except FileNotFoundError:
             raise Damaged(f"{what}: stored blob {entry.blob} is missing") from None
         try:
@@ -58,10 +62,10 @@ class VerifiedBlob:
                 raise Damaged(f"{what}: stored pack {entry.blob} has {self.blob.size} bytes, {info.size} were stored, "
                                f"and the entry's {entry.payload_bytes} bytes start at byte {self.base}")
         except BaseException:
-            self.blob.close()
+            self._close()
             raise
         self.info: BlobInfo = info
-        self.reader = BlockReader(self.blob, info, what)
+        self.reader = BlockReader(self.blob, info, what, self.shelf)
 
     def __enter__(self) -> "VerifiedBlob":
         return self
@@ -70,7 +74,16 @@ class VerifiedBlob:
         try:
             if isinstance(exc, Damaged):
                 self.storage.damaged(self.entry.blob)
+                if self.shelf is not None:
+                    self.shelf.close()
         finally:
+            if self.shelf is None:
+                self.blob.close()
+
+    def _close(self) -> None:
+        if self.shelf is not None:
+            self.shelf.close()
+        else:
             self.blob.close()
 
     def has_file(self) -> bool:

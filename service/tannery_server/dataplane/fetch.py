@@ -23,6 +23,7 @@ from ..calllog import current_call
 from ..fetching import Plan, digests, resolve
 from ..storage import Damaged, Storage
 from ..workers import Workers, settle
+from ..storage.block_reader import BlobShelf
 from .blocks import VerifiedBlob
 from .fetch_link import send_fetch
 from .plane import DataPlane
@@ -130,6 +131,8 @@ class FetchStream:
         self._next: bytes | None = None  # a message read to learn whether the stream ends
         self._error: Exception | None = None  # raised once the messages before it are out
         self._released = False
+        #: A pack stays open (with its last checked block) while consecutive entries read it.
+        self._shelf = BlobShelf(storage.open_blob)
 
     @classmethod
     def open(cls, storage: Storage, request: archives_pb2.FetchRequest, chunk_size: int, max_bytes: int,
@@ -174,6 +177,7 @@ class FetchStream:
         self.done = True
         self._next = None
         self._messages.close()
+        self._shelf.close()
         if not self._released:
             self._released = True
             self.storage.release(digests(self.plans))
@@ -206,7 +210,7 @@ class FetchStream:
     def _add_whole(self, batch: EntryBatch, plan: Plan, name: bytes) -> None:
         """A small entry served as stored, whole, into ``batch``: read in checked blocks
         (:meth:`VerifiedBlob.pieces`), views kept while their memory outlives the blob."""
-        with VerifiedBlob(self.storage, plan) as blob:
+        with VerifiedBlob(self.storage, plan, self._shelf) as blob:
             parts = [_kept(piece) for piece in blob.pieces(self.chunk_size)]
             got = sum(len(part) for part in parts)
             if got != plan.entry.payload_bytes:
@@ -215,7 +219,7 @@ class FetchStream:
         batch.add(name, parts, got)
 
     def _entry(self, plan: Plan) -> Iterator[bytes]:
-        with VerifiedBlob(self.storage, plan) as blob:
+        with VerifiedBlob(self.storage, plan, self._shelf) as blob:
             if plan.prefix is None:
                 yield from blob.messages(self.chunk_size)
                 return

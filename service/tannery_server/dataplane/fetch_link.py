@@ -23,6 +23,7 @@ from tannery_protocol.v1.data_pb2 import DataEnd, EntryBytes, MappedEntry
 
 from ..fetching import Plan
 from ..storage import Storage
+from ..storage.block_reader import BlobShelf
 from .blocks import VerifiedBlob
 
 #: Bytes a cast converts at a time for a data path.
@@ -34,9 +35,13 @@ SEND_BATCH_BLOCKS = 8
 def send_fetch(link: Link, storage: Storage, plans: Sequence[Plan]) -> int:
     """Send every planned entry, then ``end``; the payload bytes sent."""
     total = 0
-    for plan in plans:
-        with VerifiedBlob(storage, plan) as blob:
-            total += _send_mapped(link, blob) if link.local else _send_bytes(link, blob)
+    shelf = BlobShelf(storage.open_blob)  # a pack stays open while consecutive entries read it
+    try:
+        for plan in plans:
+            with VerifiedBlob(storage, plan, shelf) as blob:
+                total += _send_mapped(link, blob) if link.local else _send_bytes(link, blob)
+    finally:
+        shelf.close()
     link.send(frame(end=DataEnd(entries=len(plans), payload_bytes=total)))
     return total
 
@@ -105,11 +110,12 @@ def _send_payload(link: Link, blob: VerifiedBlob) -> int:
 
 
 def _send_checked(link: Link, blob: VerifiedBlob, start: int, stop: int) -> None:
-    """Bytes [start, stop) of the blob: from its file, each batch of blocks checked before it
-    is sent; read and sent otherwise."""
+    """Bytes [start, stop) of the payload: from its blob's file, each batch of blocks checked
+    before it is sent; read and sent otherwise (a small entry of a pack: mapping the pack for
+    each would cost more than its bytes)."""
     if start == stop:
         return
-    if not blob.has_file():
+    if blob.shelf is not None or not blob.has_file():  # a pack's entry: from its checked block, kept for the next
         for piece in blob.blocks(start, stop):
             link.send_bytes(piece)
         return
