@@ -1,17 +1,21 @@
-"""The one reader of stored blocks: every byte a Fetch serves, on any transport, comes from it.
+"""One planned entry, read through the one block reader: every byte a Fetch serves, on any
+transport, comes from it.
 
-A blob is read in its blocks (1 MiB), and each block is checked against the CRC-32C
-recorded when it was stored before any of its bytes leave (:mod:`..storage.integrity`
-holds the checks): a corrupted blob is DATA_LOSS, none of its corrupted bytes is served,
-and the blob is reported damaged. A whole entry reads every block; a row range reads only
-the blocks that cover it. (The SHA-256 that names a blob is checked on demand by
-:meth:`Storage.scrub`, not on every read: it costs twice the CRCs.)
+A blob is read in its blocks (1 MiB; 64 KiB in a pack), and each block is checked against
+the CRC-32C recorded when it was stored before any of its bytes leave
+(:class:`~..storage.block_reader.BlockReader`, which scrub reads every blob with too): a
+corrupted blob is DATA_LOSS naming the entry, none of its corrupted bytes is served, and
+the blob is reported damaged. A whole entry reads every block that covers it; a row range
+only those of its rows. An entry of a pack is the bytes of the pack from its offset
+(docs/packs.md); a :class:`~..storage.block_reader.BlobShelf` keeps the pack open, with its
+last checked block, for the entries after it.
 
 Three ways out, one check: :meth:`VerifiedBlob.blocks` reads the blocks that cover a range
-(what a row range, a cast, or a bucket's blob is made of); :meth:`VerifiedBlob.regions`
-checks them in place in a map of the file and says which regions are verified (what
-``sendfile`` sends); :meth:`VerifiedBlob.messages` reads a whole payload straight into
-the gRPC messages that carry it, and lets each out once its blocks are checked.
+(what a row range, a cast, a pack's entry or a bucket's blob is made of);
+:meth:`VerifiedBlob.regions` checks them in place in a map of the file and says which
+regions are verified (what ``sendfile`` sends); :meth:`VerifiedBlob.messages` reads a whole
+payload of its own straight into the gRPC messages that carry it, and lets each out once its
+blocks are checked.
 """
 
 from __future__ import annotations
