@@ -204,7 +204,7 @@ def _start_replica(stack: ExitStack, tmp: Path) -> Backend:
 
 def run(options: Options) -> CaseResult:
     counts = QUICK_COUNTS if options.quick else COUNTS
-    reps = options.repetitions()
+    reps = options.reps or 3  # as in replicas: a 10,000-entry Store through the replica takes ~50 s
     result = CaseResult("small-entries", "Small entries: archives of thousands of 64-byte tensors",
                         __doc__.split("\n\n", 1)[1].strip())
     import tannery
