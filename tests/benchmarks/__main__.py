@@ -35,6 +35,7 @@ CASES = {
     "latency": "bench_latency",
     "replicas": "bench_replicas",
     "dcp": "bench_dcp",
+    "small-entries": "bench_small_entries",
 }
 
 

@@ -39,7 +39,8 @@ import gc
 import random
 import time
 from contextlib import ExitStack
-from typing import Callable
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -73,30 +74,38 @@ def _per_gib(seconds: float, nbytes: int) -> str:
     return f"{seconds * GiB / nbytes:.2f}"
 
 
+def shared_backend(stack: ExitStack, root: Path, seaweed_class: type | None = None,
+                   prefix: str = "replicas") -> tuple[Any, dict[str, str]]:
+    """A private PostgreSQL and SeaweedFS (``seaweed_class``, else ``SeaweedFS``, with the bucket
+    BUCKET) on loopback, closed by ``stack``: the SeaweedFS, and a replica's environment on them
+    (``TANNERY_CATALOG``, ``TANNERY_BLOBS`` under ``prefix``, the ``AWS_*`` variables)."""
+    from tests.postgres_harness import PostgresServer
+    from tests.s3_harness import SeaweedFS
+
+    postgres = PostgresServer()
+    stack.callback(postgres.close)
+    postgres.start()
+    catalog = postgres.create_database("tannery_bench")
+    seaweed = (seaweed_class or SeaweedFS)(root=root / "seaweedfs")
+    stack.callback(seaweed.close)
+    seaweed.create_bucket(BUCKET)
+    return seaweed, {"TANNERY_CATALOG": catalog, "TANNERY_BLOBS": f"s3://{BUCKET}/{prefix}", **seaweed.env()}
+
+
 def run(options: Options) -> CaseResult:
     sizes = options.sizes or ([128 * MiB, 256 * MiB] if options.quick else [GiB, 2 * GiB])
     archive_bytes, big_bytes = sizes[0], sizes[-1]
     reps = options.reps or 3
     result = CaseResult("replicas", "Replicas on PostgreSQL and S3", __doc__.split("\n\n", 1)[1].strip())
-    from tests.postgres_harness import PostgresServer
-    from tests.s3_harness import SeaweedFS
-
     hot = _tensors(archive_bytes, 4, seed=0)
     big = _tensors(big_bytes, 8, seed=100)
     big["small"] = clients.random_tensor(ROW, seed=999)
     data: dict = {"archive_bytes": archive_bytes, "big_bytes": big_bytes}
     with ExitStack() as stack:
         tmp = stack.enter_context(scratch(options, "replicas"))
-        postgres = PostgresServer()
-        stack.callback(postgres.close)
-        postgres.start()
-        catalog = postgres.create_database("tannery_bench")
-        seaweed = SeaweedFS(root=tmp / "seaweedfs")
-        stack.callback(seaweed.close)
-        seaweed.create_bucket(BUCKET)
+        seaweed, shared_env = shared_backend(stack, tmp)
         aws = seaweed.env()
         weed_pid = seaweed._process.pid
-        shared_env = {"TANNERY_CATALOG": catalog, "TANNERY_BLOBS": f"s3://{BUCKET}/replicas", **aws}
         shared = stack.enter_context(tannery_server(tmp / "shared", env=shared_env, data_port="off"))
         cached = stack.enter_context(tannery_server(tmp / "cached", env=shared_env, data_port="off",
                                                     cache_dir=tmp / "cache", cache_size=4 * big_bytes))
