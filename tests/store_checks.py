@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+import sqlite3
 from pathlib import Path
 from typing import Mapping
 
@@ -70,8 +71,15 @@ def list_all(stub, prefix: str = "", page_size: int = 0) -> list[pb.ArchiveInfo]
             return archives
 
 
-def model_digests(model: Model) -> set[str]:
-    return {digest(p) for entries in model.values() for p in entries.values()}
+def referenced_blobs(data_dir: Path) -> set[str]:
+    """The blobs the catalog's entries reference, read from its file: each entry's own payload's,
+    or the pack that holds it (docs/packs.md). The blob files must be exactly these; that each
+    entry holds the model's bytes is checked through the server (:func:`archive_problems`)."""
+    conn = sqlite3.connect(f"file:{Path(data_dir) / 'catalog.sqlite3'}?mode=ro", uri=True, timeout=30)
+    try:
+        return {row[0] for row in conn.execute("SELECT DISTINCT blob FROM entries")}
+    finally:
+        conn.close()
 
 
 def store_problems(stub, data_dir: Path, model: Model) -> list[str]:
@@ -83,7 +91,7 @@ def store_problems(stub, data_dir: Path, model: Model) -> list[str]:
                         f"missing {sorted(set(model) - set(listed))}")
     for name in sorted(set(listed) & set(model)):
         problems += archive_problems(stub, name, model[name], listed[name])
-    blobs, wanted = blob_files(data_dir), model_digests(model)
+    blobs, wanted = blob_files(data_dir), referenced_blobs(data_dir)
     if blobs != wanted:
         problems.append(f"{len(blobs - wanted)} blob files nothing references, {len(wanted - blobs)} missing")
     left = temporary_files(data_dir)

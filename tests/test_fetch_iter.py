@@ -35,7 +35,7 @@ STATE = {
     "b.mask": torch.arange(101) % 3 == 1,  # 13 bytes bit-packed, split across pieces
     "a.weight": torch.arange(24, dtype=torch.float32).reshape(4, 6),
     "a.bias": torch.arange(6, dtype=torch.float16),
-    "c.ids": torch.arange(-5, 5, dtype=torch.int64),
+    "c.ids": torch.arange(-5, 200_000, dtype=torch.int64),  # 1.6 MB: a blob of its own (the others share a pack)
     "c.scale": torch.tensor(2.5, dtype=torch.float64),
     "c.empty": torch.zeros(0, 3),
     "d.bytes": torch.arange(7, dtype=torch.uint8),
@@ -71,7 +71,7 @@ def wait_unpinned(server, timeout: float = 10.0) -> bool:
 
 
 def blob_path(server, archive: str, entry: str) -> Path:
-    return server.storage.blobs.path(server.storage.catalog.entries(archive, [entry])[entry].digest)
+    return server.storage.blobs.path(server.storage.catalog.entries(archive, [entry])[entry].blob)
 
 
 # -- Client.fetch_iter -----------------------------------------------------------------------

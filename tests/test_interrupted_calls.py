@@ -86,8 +86,8 @@ def test_a_store_cancelled_between_whole_entries_commits_nothing(tmp_path, call_
         kept = blob_files(srv.data_dir)
         for attempt in range(10):
             sent, release = threading.Event(), threading.Event()
-            future = stub.Store.future(entries_then_wait(
-                f"cut-{attempt}", {"a": payload_of(5000, 1), "b": payload_of(7000, 2)}, sent, release))
+            future = stub.Store.future(entries_then_wait(  # payloads over 1 MiB: a blob each, not a pack
+                f"cut-{attempt}", {"a": payload_of(300_000, 1), "b": payload_of(300_001, 2)}, sent, release))
             assert sent.wait(30)
             # Both entries are blobs on the server: it holds the call, between two entries.
             assert wait_for(lambda: len(blob_files(srv.data_dir)) == len(kept) + 2)

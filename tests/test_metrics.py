@@ -80,6 +80,10 @@ def test_catalog_gauges_follow_stores_and_deletes(server):
     port = server.metrics_port
     assert [value(scrape(port), f"tannery_{n}") for n in ("archives", "archive_bytes", "blobs", "stored_bytes")] == [
         0, 0, 0, 0]
+    # Payloads over 1 MiB, each a blob of its own, stored once whatever archives hold it (small
+    # ones share their Store's pack instead: docs/packs.md).
+    PAYLOAD = encode_numpy(np.arange(300_000, dtype=np.float32))
+    OTHER = encode_numpy(np.arange(150_000, dtype=np.int64))
     first = stub.Store(store_requests("first", {"a": PAYLOAD, "b": OTHER}))
     second = stub.Store(store_requests("second", {"same": PAYLOAD}))  # the same payload, stored once
     samples = scrape(port)

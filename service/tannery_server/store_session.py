@@ -240,8 +240,12 @@ class StoreSession:
         pack, self._pack = self._pack, None
         if pack is None:
             return
-        pack.flush()
-        blob = self.storage.seal(pack.writer, self._holder)
+        try:
+            pack.flush()
+            blob = self.storage.seal(pack.writer, self._holder)
+        except BaseException:
+            pack.discard()  # a full disk, a bucket gone: nothing of the pack is left
+            raise
         self._blobs.append(blob)
         self._entries.extend(dataclasses.replace(e, blob=blob.digest) for e in self._in_pack)
         self._in_pack.clear()
