@@ -24,6 +24,7 @@ Helpers for raw stubs: :func:`store_requests` splits payloads into ``StoreReques
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import signal
@@ -347,3 +348,27 @@ def mounted_tmpfs(mount_point: Path, size: str) -> Iterator[Path]:
         yield mount_point
     finally:
         subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+class CallLog(logging.Handler):
+    """The fields of every call the in-process servers log (``tannery_server.calls``); add it to
+    that logger at INFO."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.records: list[dict[str, Any]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        fields = getattr(record, "fields", None)
+        if fields:
+            self.records.append(dict(fields))
+
+    def of(self, method: str, archive: str) -> list[dict[str, Any]]:
+        """The logged calls of ``method`` on ``archive``, in order."""
+        return [r for r in self.records if r["method"] == method and r.get("archive") == archive]
+
+    def last(self, method: str, archive: str) -> dict[str, Any]:
+        """The last logged call of ``method`` on ``archive`` (waits for its line: the log is
+        written once the handler has returned, after the client has its answer)."""
+        assert wait_for(lambda: bool(self.of(method, archive)), timeout=5), f"no {method} of {archive!r} in the call log"
+        return self.of(method, archive)[-1]

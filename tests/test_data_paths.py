@@ -40,7 +40,7 @@ from tannery_server.cli import build_parser
 from tannery_server.config import Config
 
 from .conftest import FIXTURES
-from .server_harness import ServerProcess, free_port, running_server, wait_for
+from .server_harness import CallLog, ServerProcess, free_port, running_server, wait_for
 from .test_client import Blocking, LoopThread, random_tensor
 from .test_security import pki  # noqa: F401  (the test CA, server and client certificates)
 
@@ -91,31 +91,6 @@ pytestmark = pytest.mark.usefixtures("no_client_environment")
 
 
 # -- the server's call log: which path a call took ----------------------------------------------
-
-
-class CallLog(logging.Handler):
-    """The fields of every call the in-process servers log (``tannery_server.calls``)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.records: list[dict[str, Any]] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        fields = getattr(record, "fields", None)
-        if fields:
-            self.records.append(dict(fields))
-
-    def last(self, method: str, archive: str) -> dict[str, Any]:
-        """The last logged call of ``method`` on ``archive`` (waits for its line: the log is
-        written once the handler has returned, after the client has its answer)."""
-        found: list[dict[str, Any]] = []
-
-        def logged() -> bool:
-            found[:] = [r for r in self.records if r["method"] == method and r.get("archive") == archive]
-            return bool(found)
-
-        assert wait_for(logged, timeout=5), f"no {method} of {archive!r} in the call log"
-        return found[-1]
 
 
 @pytest.fixture(scope="module")

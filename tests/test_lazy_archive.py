@@ -24,6 +24,7 @@ import tannery
 import tannery.aio
 from tannery_protocol.v1 import archives_pb2
 
+from . import server_harness
 from .server_harness import running_server, wait_for
 from .test_client import Blocking, LoopThread
 
@@ -35,20 +36,8 @@ def fresh(stem: str = "lazy") -> str:
     return f"{stem}{next(_names)}"
 
 
-class CallLog(logging.Handler):
-    """The fields of every call the in-process server logs (``tannery_server.calls``)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.records: list[dict[str, Any]] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        fields = getattr(record, "fields", None)
-        if fields:
-            self.records.append(dict(fields))
-
-    def of(self, method: str, archive: str) -> list[dict[str, Any]]:
-        return [r for r in self.records if r["method"] == method and r.get("archive") == archive]
+class CallLog(server_harness.CallLog):
+    """The call log, with the Describes of an archive counted."""
 
     def describes(self, archive: str, count: int) -> list[dict[str, Any]]:
         """The Describes of ``archive``, once ``count`` of them are logged (a line is written

@@ -50,14 +50,16 @@ class Hello(_message.Message):
     def __init__(self, ticket: _Optional[bytes] = ...) -> None: ...
 
 class EntryBytes(_message.Message):
-    __slots__ = ("name", "payload_bytes", "sha256")
+    __slots__ = ("name", "payload_bytes", "sha256", "inline")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    INLINE_FIELD_NUMBER: _ClassVar[int]
     name: str
     payload_bytes: int
     sha256: bytes
-    def __init__(self, name: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., sha256: _Optional[bytes] = ...) -> None: ...
+    inline: bool
+    def __init__(self, name: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., sha256: _Optional[bytes] = ..., inline: _Optional[bool] = ...) -> None: ...
 
 class MappedEntry(_message.Message):
     __slots__ = ("name", "prefix", "offset", "length", "digest", "file_size", "block_size", "first_block", "block_crcs", "checksum")
