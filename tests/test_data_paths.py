@@ -672,7 +672,7 @@ def test_a_tls_store_refused_while_its_bytes_still_arrive_gets_its_reason_and_th
 
     big = serialize(torch.arange(3 << 20, dtype=torch.float32))  # 12 MiB: three receive windows
 
-    def junk_after_a_big_payload(link, entries, progress=None):
+    def junk_after_a_big_payload(link, entries, progress=None, inline=False):
         link.send(frame(entry=EntryBytes(name="w", payload_bytes=len(big) + (8 << 20))))
         link.send_bytes(big)
         link.send_bytes(bytes(8 << 20))  # read as a second payload's header: bad magic

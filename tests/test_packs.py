@@ -175,3 +175,24 @@ def test_migrate_copies_a_pack_once_and_a_replica_serves_its_entries(request, tm
         for name in ("model", "copy"):
             got = collect_fetch(stub.Fetch(pb.FetchRequest(archive=name)))
             assert got == {k: tannery.torch.serialize(v) for k, v in sorted({**SMALL, **LARGE}.items())}
+
+
+@pytest.mark.parametrize("reads_inline", [True, False], ids=["server-reads-inline", "server-without"])
+def test_same_host_small_payloads_go_on_the_connection_itself_only_with_a_server_that_reads_them(
+        tmp_path, monkeypatch, reads_inline):
+    """A memory file per small payload (Store) or the pack passed once per entry (Fetch) costs more
+    than the bytes: they go inline, but only to and from a server that says it reads them (one
+    that does not, ``batched_entries`` off, gets memory files and sends files, as before)."""
+    from tannery import links
+
+    sealed, mapped = [], []
+    send_sealed, map_entry = links._send_sealed, links._mapped
+    monkeypatch.setattr(links, "_send_sealed", lambda *a, **k: (sealed.append(1), send_sealed(*a, **k))[1])
+    monkeypatch.setattr(links, "_mapped", lambda *a, **k: (mapped.append(1), map_entry(*a, **k))[1])
+    with running_server(tmp_path, batched_entries=reads_inline) as server:
+        with tannery.Client(server.target, transport="local") as client:
+            client.store("model", {**SMALL, **LARGE})
+            _same(client.fetch("model"), {**SMALL, **LARGE})
+    # The 2 MiB entry is one memory file, and one file passed, either way.
+    assert len(sealed) == (1 if reads_inline else len(SMALL) + 1)
+    assert len(mapped) == (1 if reads_inline else len(SMALL) + 1)

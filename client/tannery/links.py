@@ -114,7 +114,7 @@ def receive_fetch(link: Link, pieces: bool = False, pool: "receive_memory.Receiv
     entries = total = 0
     while True:
         received, fds = link.receive(expect_fds=1 if link.local else 0)
-        kind = expect(received, "end", "mapped" if link.local else "entry")
+        kind = expect(received, "end", "mapped", "entry") if link.local else expect(received, "end", "entry")
         if kind == "end":
             end: DataEnd = received.end
             if end.entries != entries or end.payload_bytes != total:
@@ -122,7 +122,7 @@ def receive_fetch(link: Link, pieces: bool = False, pool: "receive_memory.Receiv
                                 f"{end.payload_bytes} bytes, {entries} of {total} arrived")
             return
         entries += 1
-        if link.local:
+        if kind == "mapped":
             if len(fds) != 1:
                 for fd in fds:
                     os.close(fd)
@@ -133,13 +133,20 @@ def receive_fetch(link: Link, pieces: bool = False, pool: "receive_memory.Receiv
                 os.close(fds[0])
             total += len(received.mapped.prefix) + received.mapped.length
             yield arrived
-        elif pieces:
+            continue
+        for fd in fds:  # an entry's bytes come on the connection: a file passed with it is not used
+            os.close(fd)
+        if pieces:
             total += received.entry.payload_bytes
             yield from _received_pieces(link, received.entry)
         else:
             total += received.entry.payload_bytes
             yield _received(link, received.entry, pool)
 
+
+#: Payloads of a same-host Store smaller than this go on the connection itself (``inline``): a
+#: memory file for each would cost more than its bytes.
+INLINE_BELOW = 1 << 20
 
 #: Regions of a same-host Fetch smaller than this are copied out of their map, which is closed
 #: at once (:func:`_copied`); larger ones stay views of the blob file.
@@ -248,16 +255,18 @@ def _received_pieces(link: Link, entry: EntryBytes) -> Iterator[object]:
 # -- Store ------------------------------------------------------------------------------------
 
 
-def send_store(link: Link, entries: Iterable[tuple[str, list, bytes]], progress: "Progress" = None
-               ) -> tuple[int, int]:
+def send_store(link: Link, entries: Iterable[tuple[str, list, bytes]], progress: "Progress" = None,
+               inline: bool = False) -> tuple[int, int]:
     """Send each ``(name, payload parts, SHA-256 or empty)`` on ``link``, then ``end``, and wait
-    for the server's ``end``; returns the entries and payload bytes sent."""
+    for the server's ``end``; returns the entries and payload bytes sent. ``inline`` (a server
+    that reads them): payloads under :data:`INLINE_BELOW` go on a same-host connection itself."""
     count = total = 0
     for name, parts, sha256 in entries:
         views = [memoryview(part).cast("B") for part in parts]
         size = sum(view.nbytes for view in views)
-        link.send(frame(entry=EntryBytes(name=name, payload_bytes=size, sha256=sha256)))
-        if link.local:
+        inlined = link.local and inline and size < INLINE_BELOW
+        link.send(frame(entry=EntryBytes(name=name, payload_bytes=size, sha256=sha256, inline=inlined)))
+        if link.local and not inlined:
             for piece in _pieces(views, STORE_PIECE):
                 _send_sealed(link, piece, name, progress)
         else:

@@ -230,10 +230,10 @@ class LinkTransport:
     def store(self, calls: Calls, name: str, archive: Archive, prefix: str, replace: bool, progress: Progress,
               metadata: Mapping[str, str] | None, digests: bool, *, batched: bool = False) -> Steps[Any]:
         """A Store whose call carries begin and commit, its payloads sent on the data path
-        (``batched`` changes nothing there: every payload goes on the data connection)."""
+        (``batched``: the server reads small payloads inline on a same-host connection too)."""
         return (yield from self._upload(
             calls, calls.methods.store, encode_store_request(begin=store_begin(name, replace, metadata)),
-            lambda link: send_store(link, store_entries(archive, prefix, digests), progress),
+            lambda link: send_store(link, store_entries(archive, prefix, digests), progress, inline=batched),
             lambda sent: encode_store_commit(*sent)))
 
     def _upload(self, calls: Calls, method: Any, first: bytes, transfer: Any, last: Any = None) -> Steps[Any]:

@@ -47,7 +47,7 @@ async def serve_fetch(plane: DataPlane, storage: Storage, request: archives_pb2.
         await asyncio.shield(_release_resolved(plane, storage, resolving))
         raise
     try:
-        sent = await plane.over_link(transport, context, send_fetch, storage, plans)
+        sent = await plane.over_link(transport, context, send_fetch, storage, plans, batched)
         current_call().note("data_bytes", sent)
     finally:
         await asyncio.shield(plane.workers.run(storage.release, digests(plans)))

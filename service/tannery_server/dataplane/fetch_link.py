@@ -32,14 +32,17 @@ COMPUTE_WINDOW = 4 << 20
 SEND_BATCH_BLOCKS = 8
 
 
-def send_fetch(link: Link, storage: Storage, plans: Sequence[Plan]) -> int:
-    """Send every planned entry, then ``end``; the payload bytes sent."""
+def send_fetch(link: Link, storage: Storage, plans: Sequence[Plan], inline: bool = False) -> int:
+    """Send every planned entry, then ``end``; the payload bytes sent. ``inline`` (a client that
+    reads them): a pack's entries go as bytes on a same-host connection too, not as the pack
+    passed once for each."""
     total = 0
     shelf = BlobShelf(storage.open_blob)  # a pack stays open while consecutive entries read it
     try:
         for plan in plans:
             with VerifiedBlob(storage, plan, shelf) as blob:
-                total += _send_mapped(link, blob) if link.local else _send_bytes(link, blob)
+                mapped = link.local and not (inline and blob.shelf is not None)
+                total += _send_mapped(link, blob) if mapped else _send_bytes(link, blob)
     finally:
         shelf.close()
     link.send(frame(end=DataEnd(entries=len(plans), payload_bytes=total)))

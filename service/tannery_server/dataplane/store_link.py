@@ -5,7 +5,7 @@ call's ``commit``.
 
 Over TCP the payloads' bytes come as raw bytes after ``entry`` frames, received into a
 few reused windows; on the same host as sealed memory files (``piece`` frames), mapped
-and written from the mapping.
+and written from the mapping, or, for a small payload marked ``inline``, as over TCP.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ RECEIVE_BUFFERS = 3
 def receive_over(link: Link, session: StoreSession) -> None:
     """Give the session every entry the client sends, until its ``end`` (answered by ours)."""
     entries = 0
-    buffers = [] if link.local else [memoryview(bytearray(RECEIVE_WINDOW)) for _ in range(RECEIVE_BUFFERS)]
+    buffers: list[memoryview] = []  # made at the first payload that comes as bytes
     while True:
         received, fds = link.receive(expect_fds=1 if link.local else 0)
         kind = expect(received, "entry", "end", "piece")
@@ -51,10 +51,12 @@ def receive_over(link: Link, session: StoreSession) -> None:
         entries += 1
         entry = received.entry
         session.begin_entry(entry.name, entry.sha256)
-        if link.local:
+        if link.local and not entry.inline:
             _receive_pieces(link, session, entry)
-        else:
-            _receive_bytes(link, session, entry, buffers)
+            continue
+        if not buffers:
+            buffers += [memoryview(bytearray(RECEIVE_WINDOW)) for _ in range(RECEIVE_BUFFERS)]
+        _receive_bytes(link, session, entry, buffers)
 
 
 def _receive_bytes(link: Link, session: StoreSession, entry: EntryBytes, buffers: list[memoryview]) -> None:
