@@ -262,7 +262,7 @@ def test_a_slow_step_after_cheap_ones_keeps_the_fault_in_thread_going(monkeypatc
         return 0
 
     size = 16 * receive_memory.FAULT_STEP  # a quarter: four steps
-    receive_memory._fault_in_backwards(second_step_slow, 1 << 30, size, threading.Event())
+    receive_memory.fault_in_backwards(second_step_slow, 1 << 30, size, threading.Event())
     assert calls == [receive_memory.FAULT_STEP] * 6  # cheap, cold, then four cheap in a row
 
 

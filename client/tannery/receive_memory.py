@@ -196,7 +196,7 @@ def faulting_in_behind(buffer: memoryview) -> Iterator[None]:
         return
     address = np.frombuffer(buffer, dtype=np.uint8).ctypes.data  # the array goes at once; the buffer stays
     stop = threading.Event()
-    thread = threading.Thread(target=_fault_in_backwards, args=(madvise, address, buffer.nbytes, stop),
+    thread = threading.Thread(target=fault_in_backwards, args=(madvise, address, buffer.nbytes, stop),
                               name="tannery-fault-in", daemon=True)
     thread.start()
     try:
@@ -206,7 +206,10 @@ def faulting_in_behind(buffer: memoryview) -> Iterator[None]:
         thread.join()
 
 
-def _fault_in_backwards(madvise, address: int, size: int, stop: threading.Event) -> None:
+def fault_in_backwards(madvise, address: int, size: int, stop: threading.Event) -> None:
+    """Fault in ``size`` bytes from ``address`` a step at a time from the end (``madvise(address,
+    length, advice)``: the libc call, or a stand-in), until ``stop`` is set or the steps stay
+    cheap (the pages were there already: the receive is ahead, nothing to win)."""
     page = mmap.PAGESIZE
     end = address + size
     enough = max(FAULT_STEP, CHEAP_SHARE * size)
