@@ -14,11 +14,14 @@ from .archives import (cmd_get, cmd_ls, cmd_pull, cmd_push, cmd_rm, cmd_show, cm
 JSON_PUSH = ("push --json prints {name, entries, nbytes, payload_bytes, created (ISO 8601 UTC), already_stored, "
              "skipped: [{name, type}]}; already_stored is true when the archive already held exactly this content "
              "and nothing new was stored (created is then when it was first stored); skipped lists the torch "
-             "checkpoint's non-tensor values left out.")
+             "checkpoint's non-tensor values left out; files: [{name, size}] the files of a folder kept with the "
+             "archive (entries and nbytes count them too, as ls does).")
 JSON_LS = "ls --json prints a list of {name, entries, nbytes, payload_bytes, created (ISO 8601 UTC)}."
 JSON_SHOW = ("show --json prints {name, entries: [{name, dtype, shape, nbytes, payload_bytes, digest}], "
              "nbytes, payload_bytes, metadata: {key: value}} (sizes in bytes: nbytes of tensor data, "
-             "payload_bytes with headers; metadata is the archive's string map, as safetensors' __metadata__).")
+             "payload_bytes with headers; metadata is the archive's string map, as safetensors' __metadata__), "
+             "files: [{name, prefix, size, digest}] (the files kept with the archive, as a pushed folder's "
+             "config.json; prefix is the one they were pushed under, digest their entry payload's SHA-256).")
 JSON_GET = ("get --json prints {archive, entry, dtype, shape, nbytes, stats: {count, of, min, max, mean, std, "
             "nan, inf}, preview}; statistics cover finite elements (of: 'values', or 'abs' for complex), std is "
             "the population std, nan/inf are null for dtypes without them.")
@@ -42,7 +45,10 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
         "types, on stderr (and under \"skipped\" with --json). A progress bar shows bytes, rate and time left. "
         "Pushing again to a name that holds exactly this content (entries, bytes, metadata) succeeds and stores "
         "nothing new (\"is already stored with this content\"); other content under that name is refused, naming "
-        "the first entry that differs. " + JSON_PUSH,
+        "the first entry that differs. A folder's other files (config.json, generation_config.json, the "
+        "tokenizer's files, a README: every file beside the index and the shards, not its directories) are kept "
+        "with the archive, stored in the same call, at most 32 MiB each and 64 MiB in all, and pull -o DIR/ writes "
+        "them back; --exclude leaves some out, --no-files all of them. " + JSON_PUSH,
         "  tannery push model.safetensors --as resnet50\n"
         "  tannery push ./llama-3-8b/ --as llama3\n"
         "  tannery push encoder.pt --as bert --prefix encoder --replace\n",
@@ -53,6 +59,11 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
     push.add_argument("--prefix", metavar="P", default="", help="store every entry under P (w becomes P.w)")
     push.add_argument("--replace", action="store_true",
                       help="replace an archive of that name (default: refuse it unless it holds this very content)")
+    push.add_argument("--exclude", metavar="GLOB", action="append",
+                      help="a folder: leave out the files matching GLOB (as the shell matches: '*.bin'; repeat for "
+                           "more)")
+    push.add_argument("--no-files", action="store_true",
+                      help="a folder: keep only its weights, none of its other files (config, tokenizer)")
     push.add_argument("--json", action="store_true", help="print JSON (keys above)")
 
     pull = command(
@@ -62,7 +73,9 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
         "directory, a Hugging Face checkpoint folder: shards model-00001-of-0000N.safetensors of at most "
         "--max-shard-size (whole entries in name order; an entry over it gets a shard of its own) and "
         "model.safetensors.index.json, or a single model.safetensors when everything fits in one, as "
-        "save_pretrained writes them. Entries keep their full names; safetensors files get the archive's "
+        "save_pretrained writes them, and the files kept with the archive (a pushed folder's config.json, "
+        "tokenizer files: those under --prefix when given), each checked against the SHA-256 recorded when it "
+        "was pushed. Entries keep their full names; safetensors files get the archive's "
         "metadata as their __metadata__.",
         "  tannery pull resnet50 -o resnet50.safetensors\n"
         "  tannery pull bert -o encoder.safetensors --prefix encoder\n"
@@ -74,6 +87,8 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
     pull.add_argument("-o", "--output", metavar="FILE", required=True,
                       help="the file to write (.safetensors or .tannic); missing directories are created")
     pull.add_argument("-f", "--force", action="store_true", help="replace FILE if it exists (default: refuse)")
+    pull.add_argument("--no-files", action="store_true",
+                      help="a folder: write the weights only, not the files kept with the archive")
     pull.add_argument("--max-shard-size", metavar="SIZE",
                       help="a folder's largest shard, as 5GB (the default), 500MB or 2GiB")
     which = pull.add_mutually_exclusive_group()
@@ -95,7 +110,8 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
 
     show = command(
         "show", "list an archive's entries",
-        "Show the archive's metadata, every entry (name, dtype, shape, size) and the totals. " + JSON_SHOW,
+        "Show the archive's metadata, every entry (name, dtype, shape, size) and the totals, then the files kept "
+        "with it (a pushed folder's config.json, tokenizer files: name and size). " + JSON_SHOW,
         "  tannery show resnet50\n  tannery show resnet50 --json | jq '.entries[].name'\n",
         cmd_show,
     )

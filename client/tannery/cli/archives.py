@@ -27,14 +27,24 @@ def cmd_push(args: argparse.Namespace, out: Output) -> int:
 
     metadata: dict[str, str] = {}
     skipped: list[tuple[str, str]] = []
+    files: dict[str, bytes] = {}
     what = args.file
     if Path(args.file).is_dir():
-        from .hf import read_folder
+        from .hf import INDEX, read_folder
+        from .model_files import count, read_files
 
         folder = read_folder(args.file)  # checked against its index before the call
         archive, metadata = folder.archive, folder.metadata
-        if len(folder.shards) > 1:
-            what = f"{args.file} ({len(folder.shards)} shards)"
+        if not args.no_files:  # the folder's other files (config, tokenizer), bounded, read before the call
+            files, dirs = read_files(Path(args.file), [*folder.shards, Path(INDEX)], args.exclude or [])
+            if dirs:
+                out.note(f"left out {', '.join(dirs)}: only the folder's own files are kept, not its directories")
+        kinds = [f"{len(folder.shards)} shards"] if len(folder.shards) > 1 else []
+        kinds += [count(len(files))] if files else []
+        what += f" ({', '.join(kinds)})" if kinds else ""
+    elif args.no_files or args.exclude:
+        raise CommandError("--no-files and --exclude: only for a folder (a model folder's files beside its weights)",
+                           hint="push a folder, or leave them out")
     elif checkpoint_kind(args.file) == "safetensors":
         from .hf import read_shard
 
@@ -44,21 +54,27 @@ def cmd_push(args: argparse.Namespace, out: Output) -> int:
     total = payload_total(archive)
     with connect(args) as client, out.transfer(f"push {args.name}", total) as progress:
         info = client.store(args.name, archive, prefix=args.prefix, replace=args.replace, progress=progress,
-                            metadata=metadata)
+                            metadata=metadata, files=files)
     if skipped:
         left = "1 value that is not a tensor" if len(skipped) == 1 else f"{len(skipped)} values that are not tensors"
         out.warning(f"left out {left} (an archive holds tensors only): {describe_skipped(skipped)}")
     if args.json:
         out.json({**archive_json(info), "already_stored": bool(getattr(info, "already_stored", False)),
-                  "skipped": [{"name": name, "type": kind} for name, kind in skipped]})
+                  "skipped": [{"name": name, "type": kind} for name, kind in skipped],
+                  "files": [{"name": name, "size": len(data)} for name, data in sorted(files.items())]})
     else:
-        out.result(push_line(what, info))
+        out.result(push_line(what, info, files))
     return 0
 
 
-def push_line(what: str, info: Any) -> str:
-    """What ``push`` did: stored the archive, or found it already there with this very content."""
-    size = f"{_entries(info.entries)}, {human_size(info.nbytes)}"
+def push_line(what: str, info: Any, files: dict[str, bytes] | None = None) -> str:
+    """What ``push`` did: stored the archive, or found it already there with this very content.
+    The files kept with it are entries on the server: counted apart from the tensors."""
+    files = files or {}
+    kept = sum(map(len, files.values()))
+    size = f"{_entries(info.entries - len(files))}, {human_size(info.nbytes - kept)}"
+    if files:
+        size += f", and {len(files)} file{'s' if len(files) > 1 else ''} ({human_size(kept)})"
     if getattr(info, "already_stored", False):
         return f"{info.name} is already stored with this content ({what}: {size}): nothing new stored"
     return f"pushed {what} as {info.name}: {size}"
@@ -72,6 +88,7 @@ def _is_folder(output: str) -> bool:
 def cmd_pull(args: argparse.Namespace, out: Output) -> int:
     from tannery_protocol.names import owns
     from .checkpoint_writer import CheckpointWriter
+    from .model_files import count, kept_files, write_files
     from .tensorfiles import check_writable, checkpoint_kind, output_directory, refuse_existing
 
     names = _split_names(args.names) if args.names is not None else None
@@ -105,15 +122,23 @@ def cmd_pull(args: argparse.Namespace, out: Output) -> int:
                 raise CommandError(f"{args.name}: no entry under the prefix {args.prefix!r}",
                                    hint=show_hint(args.name))
         dtypes = sorted({described[name].dtype for name in selected})
+        kept = [] if args.no_files else kept_files(description, args.prefix or "")
+        files: dict[str, bytes] = {}
         if folder:
             from .hf import ShardedWriter, check_dtypes, folder_outputs, plan_shards
+            from .model_files import file_outputs
 
             check_dtypes(output, dtypes)
             plan = plan_shards([described[name] for name in selected], max_shard)
-            refuse_existing(folder_outputs(output, len(plan)), args.force)
+            weights = folder_outputs(output, len(plan))
+            refuse_existing(weights + file_outputs(output, [file.name for file in kept], weights), args.force)
             output_directory(output)
+            files = client.files(args.name, args.prefix or "") if kept else {}  # small: fetched first
             make_writer = lambda: ShardedWriter(output, plan, metadata)  # noqa: E731
         else:
+            if kept:
+                out.note(f"{args.name} keeps {count(len(kept))} ({', '.join(file.name for file in kept)}), written "
+                         "only into a folder (-o DIR/)")
             check_writable(output, dtypes, args.force)
             make_writer = lambda: CheckpointWriter(  # noqa: E731
                 args.output, [described[name] for name in selected], args.codes, metadata=metadata)
@@ -126,9 +151,11 @@ def cmd_pull(args: argparse.Namespace, out: Output) -> int:
             paths = writer.finish()
     nbytes = sum(described[name].nbytes for name in selected)
     if folder:
+        write_files(output, files)  # after the shards: a folder with a config has its weights
         shards = [p for p in paths if p.name.endswith(".safetensors")]
         index = " and the index" if len(paths) > len(shards) else ""
-        into = f"{output} ({len(shards)} shard{'s' if len(shards) > 1 else ''}{index})"
+        also = f", {count(len(files))}" if files else ""
+        into = f"{output} ({len(shards)} shard{'s' if len(shards) > 1 else ''}{index}{also})"
     else:
         into = " and ".join(map(str, paths))
     out.result(f"pulled {args.name} into {into}: {_entries(len(selected))}, {human_size(nbytes)}")
@@ -156,9 +183,11 @@ def cmd_show(args: argparse.Namespace, out: Output) -> int:
     metadata = dict(getattr(description, "metadata", {}) or {})
     nbytes = sum(e.nbytes for e in entries)
     payload = sum(e.payload_bytes for e in entries)
+    from .model_files import count, files_json, files_rows
+
     if args.json:
         out.json({"name": args.name, "entries": [entry_json(e) for e in entries], "nbytes": nbytes,
-                  "payload_bytes": payload, "metadata": metadata})
+                  "payload_bytes": payload, "metadata": metadata, "files": files_json(description)})
         return 0
     if metadata:
         out.line("metadata: " + ", ".join(f"{key}={value}" for key, value in sorted(metadata.items())))
@@ -167,6 +196,10 @@ def cmd_show(args: argparse.Namespace, out: Output) -> int:
     rows = [(e.name, e.dtype, format_shape(e.shape), human_size(e.nbytes)) for e in entries]
     footer = f"{_entries(len(entries))}, {human_size(nbytes)} ({human_size(payload)} stored with headers)"
     out.table([("NAME", "left"), ("DTYPE", "left"), ("SHAPE", "left"), ("SIZE", "right")], rows, footer)
+    kept = files_rows(description)
+    if kept:
+        out.line("")
+        out.table([("FILE", "left"), ("SIZE", "right")], kept, f"{count(len(kept))} kept with the archive")
     return 0
 
 
