@@ -327,8 +327,9 @@ def test_show_table_and_json(cli: Cli, tmp_path: Path) -> None:
         ["3", "entries,", "1.5", "MiB", "(1.5", "MiB", "stored", "with", "headers)"],
     ]
     shown = cli.json("show", "mlp")
-    assert set(shown) == {"name", "entries", "nbytes", "payload_bytes", "metadata"}
+    assert set(shown) == {"name", "entries", "nbytes", "payload_bytes", "metadata", "files"}
     assert shown["metadata"] == {}  # save_file without metadata writes no __metadata__
+    assert shown["files"] == []  # a file pushed, not a folder: no files kept with it (docs/model-folders.md)
     assert shown["entries"][2] | {"digest": None} == {"name": "w", "dtype": "float32", "shape": [512, 784],
                                                       "nbytes": 512 * 784 * 4, "payload_bytes": 512 * 784 * 4 + 49,
                                                       "digest": None}

@@ -79,10 +79,15 @@ class Client(CallCore):
 
     async def store(self, name: str, value: Any, *, prefix: str = "", replace: bool = False,
                     progress: Progress = None, metadata: Mapping[str, str] | None = None,
-                    skip_non_tensors: bool = False, allow_empty: bool = False) -> ArchiveInfo:
+                    skip_non_tensors: bool = False, allow_empty: bool = False,
+                    files: Mapping[str, bytes] | None = None) -> ArchiveInfo:
         """As :meth:`tannery.Client.store`."""
         return await _run(self._store(name, value, prefix, replace, progress, metadata, skip_non_tensors,
-                                      allow_empty))
+                                      allow_empty, files))
+
+    async def files(self, name: str, prefix: str = "", *, progress: Progress = None) -> dict[str, bytes]:
+        """As :meth:`tannery.Client.files`."""
+        return await _run(self._files(name, prefix, progress))
 
     async def archive(self, name: str, *, progress: Progress = None, lazy: bool = False) -> AsyncRemoteArchive:
         """As :meth:`tannery.Client.archive`; the reads of the archive are coroutines. Its

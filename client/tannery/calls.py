@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from .transports import Feed, Transport
 
 # Imported on first use: catalog calls (tannery ls, show, rm) need none of these.
+_archive_files = lazy_module("tannery.archive_files")
 _readers = lazy_module("tannery.readers")
 _state_dict = lazy_module("tannery.state_dict")
 _transports = lazy_module("tannery.transports")  # with tannery_protocol.datalink: sockets, ssl
@@ -170,9 +171,14 @@ class CallCore:
     # -- archives ------------------------------------------------------------------------
 
     def _store(self, name: str, value: Any, prefix: str, replace: bool, progress: Progress,
-               metadata: Mapping[str, str] | None, skip_non_tensors: bool, allow_empty: bool) -> Steps[ArchiveInfo]:
+               metadata: Mapping[str, str] | None, skip_non_tensors: bool, allow_empty: bool,
+               files: Mapping[str, bytes] | None = None) -> Steps[ArchiveInfo]:
         archive, rest = archive_to_store(name, value, prefix, skip_non_tensors=skip_non_tensors,
-                                         allow_empty=allow_empty)
+                                         allow_empty=allow_empty or bool(files))
+        where = f"Client.store({name!r})"
+        _archive_files.refuse_file_names(archive, where)
+        if files:
+            archive = _archive_files.with_files(archive, rest, prefix, _archive_files.check_files(files, where))
 
         def attempt(retry: int) -> Steps[ArchiveInfo]:  # the whole archive, sent again from its start
             transport = yield from self._transport_now()
@@ -191,7 +197,7 @@ class CallCore:
         several to a message (every reader reads them; a server from before them ignores the
         ask)."""
         request.batched_entries = True
-        noted = _Noted(reader, keep)
+        noted = _Noted(reader, keep, hide_files=not request.entries)  # every entry asked: the tensors only
         retry = 0
         while True:
             try:
@@ -227,6 +233,14 @@ class CallCore:
         """The tensors of ``asks``, in one Fetch (what a remote archive's reads take)."""
         got = yield from self._fetched(archives_pb2.FetchRequest(archive=archive, entries=asks), progress)
         return _readers.check_fetched([ask.name for ask in asks], got)
+
+    def _files(self, name: str, prefix: str, progress: Progress) -> Steps[dict[str, bytes]]:
+        """The files kept with archive ``name`` under ``prefix``, each checked against its digest."""
+        kept = [file for file in (yield from self._describe(name)).files if file.prefix == prefix]
+        asks = [archives_pb2.EntryAsk(name=file.entry, dtype="uint8", shape=archives_pb2.Shape(dims=[file.size]))
+                for file in kept]
+        tensors = (yield from self._transferred(name, asks, progress)) if asks else []
+        return {file.name: _archive_files.file_bytes(file, tensor) for file, tensor in zip(kept, tensors)}
 
     def _union(self, target: str, sources: Mapping[str, str] | Sequence[str], replace: bool,
                metadata: Mapping[str, str] | None) -> Steps[ArchiveInfo]:
@@ -283,10 +297,12 @@ class _Noted:
     """A Fetch's reader, noting the entries that come whole (a resumed Fetch skips them) and,
     for a Fetch returned whole, keeping what it makes instead of handing it on."""
 
-    def __init__(self, reader: Any, keep: bool) -> None:
+    def __init__(self, reader: Any, keep: bool, hide_files: bool = False) -> None:
         self.reader, self.pieces, self.pool = reader, reader.pieces, reader.pool
         self.done: list[str] = []
         self.kept: list[Any] | None = [] if keep else None
+        #: Leave out the files kept with the archive (a Fetch of every entry gives the tensors).
+        self.hide_files = hide_files
 
     def feed(self, message: Any) -> Sequence[Any]:
         return self._noted(self.reader.feed(message))
@@ -302,10 +318,18 @@ class _Noted:
             whole = self.reader.whole(item)
             if whole is not None:
                 self.done.append(whole)
+        if self.hide_files:
+            items = [item for item in items if not _archive_files.is_file_entry(_item_name(item))]
         if self.kept is None:
             return items
         self.kept.extend(items)
         return ()
+
+
+def _item_name(item: Any) -> str:
+    """The entry name of what a reader made: a ``(name, tensor)`` pair or a TensorPiece."""
+    name = getattr(item, "name", None)
+    return item[0] if name is None else name
 
 
 __all__ = ["CallCore"]

@@ -92,7 +92,8 @@ class Client(CallCore):
 
     def store(self, name: str, value: Any, *, prefix: str = "", replace: bool = False,
               progress: Progress = None, metadata: Mapping[str, str] | None = None,
-              skip_non_tensors: bool = False, allow_empty: bool = False) -> ArchiveInfo:
+              skip_non_tensors: bool = False, allow_empty: bool = False,
+              files: Mapping[str, bytes] | None = None) -> ArchiveInfo:
         """Store ``value`` as archive ``name``: an Archive, a mapping of names to tensors, an
         ``nn.Module`` (its state_dict) or a structure ``Archive.of_value`` takes, each entry
         named under ``prefix``.
@@ -110,8 +111,21 @@ class Client(CallCore):
         Nothing vanishes silently: a leaf of ``value`` that is not a tensor (a step count,
         None) is a TypeError naming its path unless ``skip_non_tensors`` (then it is left
         out), and an archive of no entries is an ArchiveError unless ``allow_empty``.
+
+        ``files`` (file name to bytes: a model folder's ``config.json``, its tokenizer's files)
+        are kept with the archive, committed in the same Store and read back with
+        :meth:`files`; at most 32 MiB each and 64 MiB in all (ArchiveError naming the file
+        otherwise). They are entries on the server, never listed among the tensors (see
+        :mod:`tannery.archive_files`), so a tensor named ``@file:...`` is refused.
         """
-        return _run(self._store(name, value, prefix, replace, progress, metadata, skip_non_tensors, allow_empty))
+        return _run(self._store(name, value, prefix, replace, progress, metadata, skip_non_tensors, allow_empty,
+                                files))
+
+    def files(self, name: str, prefix: str = "", *, progress: Progress = None) -> dict[str, bytes]:
+        """The files kept with archive ``name`` (``store(files=...)``; those stored under
+        ``prefix``), by name, in one Fetch, each checked against the SHA-256 recorded when it
+        was stored (DataLoss otherwise); ``describe(name).files`` lists them without their bytes."""
+        return _run(self._files(name, prefix, progress))
 
     def archive(self, name: str, *, progress: Progress = None, lazy: bool = True) -> RemoteArchive:
         """The archive ``name`` as a :class:`RemoteArchive` (NotFound when there is none).

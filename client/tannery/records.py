@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from tannery_protocol.codec import format_shape
 from tannery_protocol.v1 import archives_pb2, channels_pb2
+from .archive_files import split_entry
 
 if TYPE_CHECKING:
     from .archive import TensorInfo
@@ -65,21 +66,41 @@ class EntryDescription:
 
 
 @dataclass(frozen=True)
+class FileDescription:
+    """A file kept with the archive (a model folder's ``config.json``, say: see
+    :mod:`tannery.archive_files`): its name, the prefix it was stored under, its size in
+    bytes, the SHA-256 of its entry's payload and that entry's name."""
+
+    name: str
+    prefix: str
+    size: int
+    digest: str
+    entry: str
+
+
+@dataclass(frozen=True)
 class ArchiveDescription:
-    """An archive's info and every entry, sorted by name (iterating gives the entries)."""
+    """An archive's info and every entry, sorted by name (iterating gives the entries), and
+    the files kept with it (entries too on the server, never listed among the tensors)."""
 
     info: ArchiveInfo
     entries: tuple[EntryDescription, ...]
     #: The archive's string-to-string metadata (safetensors' ``__metadata__``), as stored.
     metadata: dict[str, str] = field(default_factory=dict, hash=False)
+    #: The files kept with the archive, sorted by entry name (those described: all of them
+    #: when every entry was).
+    files: tuple[FileDescription, ...] = ()
 
     @staticmethod
     def of(message: archives_pb2.ArchiveDescription) -> "ArchiveDescription":
-        entries = tuple(
-            EntryDescription(e.name, e.dtype, tuple(e.shape), e.nbytes, e.payload_bytes, e.digest)
-            for e in message.entries
-        )
-        return ArchiveDescription(ArchiveInfo.of(message.info), entries, dict(message.metadata))
+        entries, files = [], []
+        for e in message.entries:
+            kept = split_entry(e.name)
+            if kept is None:
+                entries.append(EntryDescription(e.name, e.dtype, tuple(e.shape), e.nbytes, e.payload_bytes, e.digest))
+            else:
+                files.append(FileDescription(kept[1], kept[0], e.nbytes, e.digest, e.name))
+        return ArchiveDescription(ArchiveInfo.of(message.info), tuple(entries), dict(message.metadata), tuple(files))
 
     @property
     def name(self) -> str:
@@ -127,4 +148,4 @@ class Published:
         return Published(message.payloads, message.bytes, message.dropped_subscribers)
 
 
-__all__ = ["ArchiveDescription", "ArchiveInfo", "Deleted", "EntryDescription", "Published"]
+__all__ = ["ArchiveDescription", "ArchiveInfo", "Deleted", "EntryDescription", "FileDescription", "Published"]

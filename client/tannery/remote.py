@@ -49,8 +49,9 @@ def _row_bound(value: object, what: str) -> int:
 
 
 def _is_whole(description: ArchiveDescription) -> bool:
-    """Whether a Describe's answer holds every entry of the archive (else it holds those asked)."""
-    return len(description.entries) == description.info.entries
+    """Whether a Describe's answer holds every entry of the archive (else it holds those asked);
+    the files kept with it are entries too (:mod:`tannery.archive_files`)."""
+    return len(description.entries) + len(description.files) == description.info.entries
 
 
 def _names_asked(names: Iterable[str] | None, where: str) -> list[str] | None:
@@ -144,7 +145,9 @@ class RemoteArchive(IndexedArchive):
         return None if entry is None else entry.info
 
     def __len__(self) -> int:
-        return self._opened.info.entries
+        if self._whole is not None:  # exact: the tensors, without the files kept with the archive
+            return len(self._whole.entries)
+        return self._opened.info.entries  # the info's count, which counts those files too
 
     def entry(self, name: str) -> EntryDescription:
         """The stored entry's description (payload size and digest included); ArchiveError when absent."""

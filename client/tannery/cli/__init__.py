@@ -58,7 +58,7 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every client subcommand (``serve`` is listed; its own parser is the server's)."""
-    from . import archives, channels
+    from . import archive_args, channels
 
     parser = argparse.ArgumentParser(prog="tannery", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=_Formatter)
@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                         add_help=False)
     commands.add_parser("migrate", help="copy a data directory into a PostgreSQL catalog and a bucket "
                         "(tannery migrate --help)", add_help=False)
-    archives.add_commands(commands, common, _Formatter)
+    archive_args.add_commands(commands, common, _Formatter)
     channels.add_commands(commands, common, _Formatter)
     return parser
 

@@ -1,20 +1,18 @@
 """The archive subcommands: push, pull, ls, show, get, union, rm.
 
 Each ``cmd_*`` function runs one subcommand and returns its exit status; torch-facing
-modules are imported inside them, so building the parser imports no torch.
+modules are imported inside them, so building the parser imports no torch. Their arguments
+and help are in :mod:`.archive_args`; the files of a model folder, in :mod:`.model_files`.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import shlex
+from pathlib import Path
 from typing import Any
 
-from pathlib import Path
-
-from tannery_protocol.codec import WRITER_CODES
 from tannery_protocol.names import did_you_mean
 from .connection import connect
 from .errors import CommandError
@@ -29,14 +27,24 @@ def cmd_push(args: argparse.Namespace, out: Output) -> int:
 
     metadata: dict[str, str] = {}
     skipped: list[tuple[str, str]] = []
+    files: dict[str, bytes] = {}
     what = args.file
     if Path(args.file).is_dir():
-        from .hf import read_folder
+        from .hf import INDEX, read_folder
+        from .model_files import count, read_files
 
         folder = read_folder(args.file)  # checked against its index before the call
         archive, metadata = folder.archive, folder.metadata
-        if len(folder.shards) > 1:
-            what = f"{args.file} ({len(folder.shards)} shards)"
+        if not args.no_files:  # the folder's other files (config, tokenizer), bounded, read before the call
+            files, dirs = read_files(Path(args.file), [*folder.shards, Path(INDEX)], args.exclude or [])
+            if dirs:
+                out.note(f"left out {', '.join(dirs)}: only the folder's own files are kept, not its directories")
+        kinds = [f"{len(folder.shards)} shards"] if len(folder.shards) > 1 else []
+        kinds += [count(len(files))] if files else []
+        what += f" ({', '.join(kinds)})" if kinds else ""
+    elif args.no_files or args.exclude:
+        raise CommandError("--no-files and --exclude: only for a folder (a model folder's files beside its weights)",
+                           hint="push a folder, or leave them out")
     elif checkpoint_kind(args.file) == "safetensors":
         from .hf import read_shard
 
@@ -46,21 +54,27 @@ def cmd_push(args: argparse.Namespace, out: Output) -> int:
     total = payload_total(archive)
     with connect(args) as client, out.transfer(f"push {args.name}", total) as progress:
         info = client.store(args.name, archive, prefix=args.prefix, replace=args.replace, progress=progress,
-                            metadata=metadata)
+                            metadata=metadata, files=files)
     if skipped:
         left = "1 value that is not a tensor" if len(skipped) == 1 else f"{len(skipped)} values that are not tensors"
         out.warning(f"left out {left} (an archive holds tensors only): {describe_skipped(skipped)}")
     if args.json:
         out.json({**archive_json(info), "already_stored": bool(getattr(info, "already_stored", False)),
-                  "skipped": [{"name": name, "type": kind} for name, kind in skipped]})
+                  "skipped": [{"name": name, "type": kind} for name, kind in skipped],
+                  "files": [{"name": name, "size": len(data)} for name, data in sorted(files.items())]})
     else:
-        out.result(push_line(what, info))
+        out.result(push_line(what, info, files))
     return 0
 
 
-def push_line(what: str, info: Any) -> str:
-    """What ``push`` did: stored the archive, or found it already there with this very content."""
-    size = f"{_entries(info.entries)}, {human_size(info.nbytes)}"
+def push_line(what: str, info: Any, files: dict[str, bytes] | None = None) -> str:
+    """What ``push`` did: stored the archive, or found it already there with this very content.
+    The files kept with it are entries on the server: counted apart from the tensors."""
+    files = files or {}
+    kept = sum(map(len, files.values()))
+    size = f"{_entries(info.entries - len(files))}, {human_size(info.nbytes - kept)}"
+    if files:
+        size += f", and {len(files)} file{'s' if len(files) > 1 else ''} ({human_size(kept)})"
     if getattr(info, "already_stored", False):
         return f"{info.name} is already stored with this content ({what}: {size}): nothing new stored"
     return f"pushed {what} as {info.name}: {size}"
@@ -74,6 +88,7 @@ def _is_folder(output: str) -> bool:
 def cmd_pull(args: argparse.Namespace, out: Output) -> int:
     from tannery_protocol.names import owns
     from .checkpoint_writer import CheckpointWriter
+    from .model_files import count, kept_files, write_files
     from .tensorfiles import check_writable, checkpoint_kind, output_directory, refuse_existing
 
     names = _split_names(args.names) if args.names is not None else None
@@ -107,15 +122,23 @@ def cmd_pull(args: argparse.Namespace, out: Output) -> int:
                 raise CommandError(f"{args.name}: no entry under the prefix {args.prefix!r}",
                                    hint=show_hint(args.name))
         dtypes = sorted({described[name].dtype for name in selected})
+        kept = [] if args.no_files else kept_files(description, args.prefix or "")
+        files: dict[str, bytes] = {}
         if folder:
             from .hf import ShardedWriter, check_dtypes, folder_outputs, plan_shards
+            from .model_files import file_outputs
 
             check_dtypes(output, dtypes)
             plan = plan_shards([described[name] for name in selected], max_shard)
-            refuse_existing(folder_outputs(output, len(plan)), args.force)
+            weights = folder_outputs(output, len(plan))
+            refuse_existing(weights + file_outputs(output, [file.name for file in kept], weights), args.force)
             output_directory(output)
+            files = client.files(args.name, args.prefix or "") if kept else {}  # small: fetched first
             make_writer = lambda: ShardedWriter(output, plan, metadata)  # noqa: E731
         else:
+            if kept:
+                out.note(f"{args.name} keeps {count(len(kept))} ({', '.join(file.name for file in kept)}), written "
+                         "only into a folder (-o DIR/)")
             check_writable(output, dtypes, args.force)
             make_writer = lambda: CheckpointWriter(  # noqa: E731
                 args.output, [described[name] for name in selected], args.codes, metadata=metadata)
@@ -128,9 +151,11 @@ def cmd_pull(args: argparse.Namespace, out: Output) -> int:
             paths = writer.finish()
     nbytes = sum(described[name].nbytes for name in selected)
     if folder:
+        write_files(output, files)  # after the shards: a folder with a config has its weights
         shards = [p for p in paths if p.name.endswith(".safetensors")]
         index = " and the index" if len(paths) > len(shards) else ""
-        into = f"{output} ({len(shards)} shard{'s' if len(shards) > 1 else ''}{index})"
+        also = f", {count(len(files))}" if files else ""
+        into = f"{output} ({len(shards)} shard{'s' if len(shards) > 1 else ''}{index}{also})"
     else:
         into = " and ".join(map(str, paths))
     out.result(f"pulled {args.name} into {into}: {_entries(len(selected))}, {human_size(nbytes)}")
@@ -158,9 +183,11 @@ def cmd_show(args: argparse.Namespace, out: Output) -> int:
     metadata = dict(getattr(description, "metadata", {}) or {})
     nbytes = sum(e.nbytes for e in entries)
     payload = sum(e.payload_bytes for e in entries)
+    from .model_files import count, files_json, files_rows
+
     if args.json:
         out.json({"name": args.name, "entries": [entry_json(e) for e in entries], "nbytes": nbytes,
-                  "payload_bytes": payload, "metadata": metadata})
+                  "payload_bytes": payload, "metadata": metadata, "files": files_json(description)})
         return 0
     if metadata:
         out.line("metadata: " + ", ".join(f"{key}={value}" for key, value in sorted(metadata.items())))
@@ -169,6 +196,10 @@ def cmd_show(args: argparse.Namespace, out: Output) -> int:
     rows = [(e.name, e.dtype, format_shape(e.shape), human_size(e.nbytes)) for e in entries]
     footer = f"{_entries(len(entries))}, {human_size(nbytes)} ({human_size(payload)} stored with headers)"
     out.table([("NAME", "left"), ("DTYPE", "left"), ("SHAPE", "left"), ("SIZE", "right")], rows, footer)
+    kept = files_rows(description)
+    if kept:
+        out.line("")
+        out.table([("FILE", "left"), ("SIZE", "right")], kept, f"{count(len(kept))} kept with the archive")
     return 0
 
 
@@ -303,21 +334,6 @@ def _entries(count: int) -> str:
     return f"{count} entr{'y' if count == 1 else 'ies'}"
 
 
-# -- the parser ----------------------------------------------------------------------------------
-
-JSON_PUSH = ("push --json prints {name, entries, nbytes, payload_bytes, created (ISO 8601 UTC), already_stored, "
-             "skipped: [{name, type}]}; already_stored is true when the archive already held exactly this content "
-             "and nothing new was stored (created is then when it was first stored); skipped lists the torch "
-             "checkpoint's non-tensor values left out.")
-JSON_LS = "ls --json prints a list of {name, entries, nbytes, payload_bytes, created (ISO 8601 UTC)}."
-JSON_SHOW = ("show --json prints {name, entries: [{name, dtype, shape, nbytes, payload_bytes, digest}], "
-             "nbytes, payload_bytes, metadata: {key: value}} (sizes in bytes: nbytes of tensor data, "
-             "payload_bytes with headers; metadata is the archive's string map, as safetensors' __metadata__).")
-JSON_GET = ("get --json prints {archive, entry, dtype, shape, nbytes, stats: {count, of, min, max, mean, std, "
-            "nan, inf}, preview}; statistics cover finite elements (of: 'values', or 'abs' for complex), std is "
-            "the population std, nan/inf are null for dtypes without them.")
-
-
 def subcommand(commands: Any, common: argparse.ArgumentParser, formatter: type,
                name: str, help: str, description: str, examples: str, run: Any) -> argparse.ArgumentParser:
     """Register subcommand ``name`` on ``commands`` (a subparsers action): its help line, its
@@ -326,119 +342,3 @@ def subcommand(commands: Any, common: argparse.ArgumentParser, formatter: type,
                                  epilog="examples:\n" + examples, formatter_class=formatter)
     parser.set_defaults(run=run)
     return parser
-
-
-def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type) -> None:
-    """Register the archive subcommands on ``commands`` (a subparsers action)."""
-    command = functools.partial(subcommand, commands, common, formatter)
-
-    push = command(
-        "push", "store a checkpoint file as an archive",
-        "Store a checkpoint file on the server as an archive of named tensors. FILE is a Hugging Face "
-        "checkpoint folder (model.safetensors.index.json and the shards it names, checked against each other, "
-        "or a model.safetensors), a .safetensors file, "
-        "a .tannic pair (model.tannic with model.metadata.tannic beside it; it stores no shapes, so its "
-        "entries are stored 1-D) or a torch checkpoint (.pt, .pth, .bin) read with "
-        "torch.load(weights_only=True): every tensor of its dicts and lists becomes an entry named by its "
-        "path (model.layers.0.weight). A safetensors file's __metadata__ (a folder's: its first shard's) is "
-        "kept as the archive's metadata. A torch checkpoint's values that are not tensors (a step count, a "
-        "name, None) cannot be entries: push stores the tensors and lists the values it left out, with their "
-        "types, on stderr (and under \"skipped\" with --json). A progress bar shows bytes, rate and time left. "
-        "Pushing again to a name that holds exactly this content (entries, bytes, metadata) succeeds and stores "
-        "nothing new (\"is already stored with this content\"); other content under that name is refused, naming "
-        "the first entry that differs. " + JSON_PUSH,
-        "  tannery push model.safetensors --as resnet50\n"
-        "  tannery push ./llama-3-8b/ --as llama3\n"
-        "  tannery push encoder.pt --as bert --prefix encoder --replace\n",
-        cmd_push,
-    )
-    push.add_argument("file", metavar="FILE", help="the checkpoint file, or a Hugging Face checkpoint folder")
-    push.add_argument("--as", dest="name", metavar="NAME", type=name_arg, required=True, help="the archive's name")
-    push.add_argument("--prefix", metavar="P", default="", help="store every entry under P (w becomes P.w)")
-    push.add_argument("--replace", action="store_true",
-                      help="replace an archive of that name (default: refuse it unless it holds this very content)")
-    push.add_argument("--json", action="store_true", help="print JSON (keys above)")
-
-    pull = command(
-        "pull", "write an archive (or part of it) to a file",
-        "Fetch an archive's entries and write them to FILE: a .safetensors file, or a .tannic pair "
-        "(FILE.tannic and FILE.metadata.tannic), by the extension; or, when FILE ends with a slash or is a "
-        "directory, a Hugging Face checkpoint folder: shards model-00001-of-0000N.safetensors of at most "
-        "--max-shard-size (whole entries in name order; an entry over it gets a shard of its own) and "
-        "model.safetensors.index.json, or a single model.safetensors when everything fits in one, as "
-        "save_pretrained writes them. Entries keep their full names; safetensors files get the archive's "
-        "metadata as their __metadata__.",
-        "  tannery pull resnet50 -o resnet50.safetensors\n"
-        "  tannery pull bert -o encoder.safetensors --prefix encoder\n"
-        "  tannery pull bert -o two.tannic --names encoder.w,encoder.b\n"
-        "  tannery pull llama3 -o ./llama-3-8b/ --max-shard-size 5GB\n",
-        cmd_pull,
-    )
-    pull.add_argument("name", metavar="NAME", type=name_arg, help="the archive")
-    pull.add_argument("-o", "--output", metavar="FILE", required=True,
-                      help="the file to write (.safetensors or .tannic); missing directories are created")
-    pull.add_argument("-f", "--force", action="store_true", help="replace FILE if it exists (default: refuse)")
-    pull.add_argument("--max-shard-size", metavar="SIZE",
-                      help="a folder's largest shard, as 5GB (the default), 500MB or 2GiB")
-    which = pull.add_mutually_exclusive_group()
-    which.add_argument("--prefix", metavar="P", help="only the entries under P (P itself and P.*)")
-    which.add_argument("--names", metavar="A,B", help="only these entries, comma-separated")
-    pull.add_argument("--codes", choices=WRITER_CODES, default="seed",
-                      help="dtype codes of a .tannic pair: 'seed' (default; pytannic's, complex64/128 as 37/38) "
-                           "or 'cpp' (Tannic C++'s, complex64/128 as 35/36, what a C++ Tannic program reads)")
-
-    ls = command(
-        "ls", "list archives",
-        "List the archives on the server (name, entries, size, creation time), optionally only those whose "
-        "names start with PREFIX. " + JSON_LS,
-        "  tannery ls\n  tannery ls resnet --json\n",
-        cmd_ls,
-    )
-    ls.add_argument("prefix", metavar="PREFIX", nargs="?", default="", help="only archives whose names start with this")
-    ls.add_argument("--json", action="store_true", help="print JSON (keys above)")
-
-    show = command(
-        "show", "list an archive's entries",
-        "Show the archive's metadata, every entry (name, dtype, shape, size) and the totals. " + JSON_SHOW,
-        "  tannery show resnet50\n  tannery show resnet50 --json | jq '.entries[].name'\n",
-        cmd_show,
-    )
-    show.add_argument("name", metavar="NAME", type=name_arg, help="the archive")
-    show.add_argument("--json", action="store_true", help="print JSON (keys above)")
-
-    get = command(
-        "get", "fetch one entry: dtype, shape, statistics, a preview",
-        "Fetch one entry by name and print its dtype, shape, size, statistics (min, max, mean, std of the "
-        "finite elements; NaN and Inf counts for floats) and a short preview; -o also writes it to a .npy "
-        "(numpy) or .pt (torch.save) file. Only that entry is transferred. " + JSON_GET,
-        "  tannery get resnet50 fc.weight\n  tannery get resnet50 fc.bias -o bias.npy --json\n",
-        cmd_get,
-    )
-    get.add_argument("name", metavar="NAME", type=name_arg, help="the archive")
-    get.add_argument("entry", metavar="ENTRY", type=name_arg, help="the entry's full name")
-    get.add_argument("-o", "--output", metavar="FILE",
-                     help="also write the tensor to FILE.npy or FILE.pt; missing directories are created")
-    get.add_argument("-f", "--force", action="store_true", help="replace FILE if it exists (default: refuse)")
-    get.add_argument("--json", action="store_true", help="print JSON (keys above)")
-
-    union = command(
-        "union", "make an archive of other archives' entries",
-        "Create TARGET from the entries of the SRC archives, each source's entries under its prefix when "
-        "given with --prefix P=SRC. No tensor bytes are copied on the server. Entry names must not clash.",
-        "  tannery union model encoder-v2 decoder-v1\n"
-        "  tannery union model --prefix encoder=bert --prefix decoder=gpt2\n",
-        cmd_union,
-    )
-    union.add_argument("target_name", metavar="TARGET", type=name_arg, help="the new archive")
-    union.add_argument("sources", metavar="SRC", type=name_arg, nargs="*", help="source archives, entries kept as named")
-    union.add_argument("--prefix", dest="prefixed", metavar="P=SRC", action="append",
-                       help="a source whose entries go under P (repeat for several)")
-    union.add_argument("--replace", action="store_true", help="replace an archive named TARGET (default: refuse)")
-
-    rm = command(
-        "rm", "delete archives",
-        "Delete archives; the tensor data no other archive shares is removed from the server.",
-        "  tannery rm resnet50\n  tannery rm old-1 old-2\n",
-        cmd_rm,
-    )
-    rm.add_argument("names", metavar="NAME", type=name_arg, nargs="+", help="the archives to delete")
