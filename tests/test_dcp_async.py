@@ -9,6 +9,7 @@ import queue
 import signal
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -115,7 +116,7 @@ class _GatedWriter(tannery.dcp.Writer):
 def _changed_after_call_worker(rank: int, world: int, port: int, target: str, archive: str, results) -> None:
     try:
         mesh = _init(rank, world, port)
-        group = dist.new_group(backend="gloo")
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=20))
         state = {"model": _sharded(_full(), mesh), "step": 7}
         future = dcp.async_save(state, storage_writer=_GatedWriter(target, archive), process_group=group)
         pending = not future.done()
@@ -136,7 +137,7 @@ def _changed_after_call_worker(rank: int, world: int, port: int, target: str, ar
 def _killed_worker(rank: int, world: int, port: int, target: str, archive: str, earlier: str, results) -> None:
     try:
         mesh = _init(rank, world, port)
-        group = dist.new_group(backend="gloo")
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=20))
         state = {"model": _sharded(_full(), mesh), "step": 7}
         dcp.async_save(state, storage_writer=tannery.dcp.Writer(target, earlier), process_group=group).result(TIMEOUT)
         told = []
