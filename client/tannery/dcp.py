@@ -23,6 +23,15 @@ reads it.
 
 Loading reshards: each rank fetches only what its read items need, rows ``[a, b)`` of an
 entry when the request covers whole rows, else the entry (then narrowed).
+
+Saving in the background: ``dcp.async_save(state_dict, storage_writer=Writer(...),
+process_group=group)`` stages a CPU copy of the state dict (so the caller may change its
+tensors as soon as the call returns) and saves it in a thread, as above; the returned future
+raises what the save raised, and the checkpoint still appears whole or not at all. Give it a
+process group of its own (``dist.new_group(backend="gloo")``), so that its collectives never
+interleave with the training loop's. ``AsyncCheckpointerType.PROCESS`` pickles the writer
+into a checkpoint process: make the writer from a target then (a client is not picklable;
+the process opens its own).
 """
 
 from __future__ import annotations
@@ -81,12 +90,6 @@ def entry_name(item: WriteItem) -> str:
     return fqn + "[" + ",".join(f"{o}:{o + s}" for o, s in zip(chunk.offsets, chunk.sizes)) + "]"
 
 
-def _client(client_or_target: Client | str | None) -> tuple[Client, bool]:
-    if isinstance(client_or_target, Client):
-        return client_or_target, False
-    return Client(client_or_target), True
-
-
 @dataclass(frozen=True)
 class _RankPart:
     archive: str  # the archive this rank stores its items as
@@ -96,12 +99,27 @@ class _Base:
     def __init__(self, client_or_target: Client | str | None, archive: str) -> None:
         if not isinstance(archive, str) or not archive:
             raise ValueError(f"tannery.dcp: the archive's name is a non-empty str, not {archive!r}")
-        self._client, self._owned = _client(client_or_target)
+        # A client given is used as it is; a target's client is opened on first use, by the
+        # process that uses it (a pickled copy opens its own).
+        self._owned = not isinstance(client_or_target, Client)
+        self._client: Client | None = None if self._owned else client_or_target
+        self._target = client_or_target if self._owned else None
         self.archive = archive
 
     @property
     def client(self) -> Client:
+        if self._client is None:
+            self._client = Client(self._target)
         return self._client
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Everything but the client (AsyncCheckpointerType.PROCESS sends the writer to its
+        checkpoint process this way); refused for a writer made with a client."""
+        if not self._owned:
+            raise TypeError(f"tannery.dcp.{type(self).__name__}: one made with a tannery.Client cannot be pickled "
+                            "(as dcp.async_save(..., async_checkpointer_type=PROCESS) does): make it with the "
+                            "server's target ('host:port') instead, and each process opens its own client")
+        return {**self.__dict__, **{key: None for key in ("_client", "_remote") if key in self.__dict__}}
 
     @property
     def checkpoint_id(self) -> str:
@@ -113,8 +131,9 @@ class _Base:
 
     def close(self) -> None:
         """Close the client if this object opened it (from a target)."""
-        if self._owned:
-            self._client.close()
+        if self._owned and self._client is not None:
+            self.client.close()
+            self._client = None
 
     def __enter__(self):
         return self
@@ -128,12 +147,15 @@ class Writer(_Base, StorageWriter):
 
     ``client_or_target`` is a :class:`tannery.Client` or its target (``host:port``; each
     rank then opens its own client). ``replace`` lets the save replace an existing archive
-    of that name (else the coordinator refuses before anything is written).
+    of that name (else the coordinator refuses before anything is written). ``progress``
+    (optional) is called with the payload bytes this rank sends, as they go.
     """
 
-    def __init__(self, client_or_target: Client | str | None, archive: str, *, replace: bool = False) -> None:
+    def __init__(self, client_or_target: Client | str | None, archive: str, *, replace: bool = False,
+                 progress: Callable[[int], Any] | None = None) -> None:
         super().__init__(client_or_target, archive)
         self.replace = replace
+        self.progress = progress
         self.save_id = ""
         self.is_coordinator = False
         self.rank: int | None = None
@@ -163,7 +185,7 @@ class Writer(_Base, StorageWriter):
 
     def _exists(self, name: str) -> bool:
         try:
-            self._client.describe(name)
+            self.client.describe(name)
         except NotFound:
             return False
         return True
@@ -189,7 +211,7 @@ class Writer(_Base, StorageWriter):
             results.append(WriteResult(index=item.index, size_in_bytes=tensor.numel() * tensor.element_size(),
                                        storage_data=StoredItem(name)))
         if tensors:
-            self._client.store(part.archive, MemoryArchive(tensors), replace=True)
+            self.client.store(part.archive, MemoryArchive(tensors), replace=True, progress=self.progress)
         future: Future = Future()
         future.set_result(results)
         return future
@@ -200,13 +222,13 @@ class Writer(_Base, StorageWriter):
         sources = [part for part, rank in zip(self._parts, results) if rank]
         meta_archive = f"{self.archive}.metadata.{self.save_id}"
         raw = pickle.dumps(metadata)
-        self._client.store(meta_archive, MemoryArchive({METADATA_ENTRY: torch.frombuffer(bytearray(raw), dtype=torch.uint8)}),
+        self.client.store(meta_archive, MemoryArchive({METADATA_ENTRY: torch.frombuffer(bytearray(raw), dtype=torch.uint8)}),
                            replace=True)
         sources.append(meta_archive)
-        self._client.union(self.archive, sources, replace=self.replace)
+        self.client.union(self.archive, sources, replace=self.replace)
         for name in sources:
             try:
-                self._client.delete(name)
+                self.client.delete(name)
             except Exception:  # the checkpoint is saved; a part left behind is only garbage
                 pass
 
@@ -239,7 +261,7 @@ class Reader(_Base, StorageReader):
     def _archive(self):
         if self._remote is None:
             # Described whole at once: a rank reads most entries (one Describe, not one each).
-            self._remote = self._client.archive(self.archive, progress=self.progress, lazy=False)
+            self._remote = self.client.archive(self.archive, progress=self.progress, lazy=False)
         return self._remote
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:

@@ -9,6 +9,12 @@ default transport, which takes the same-host socket), once through ``FileSystemW
 a new checkpoint (the tannery archive is deleted between repetitions, the directory
 removed), and the page cache is left as it is (both read what they just wrote). Times are
 the slowest rank's, from the barrier before the call to the barrier after it.
+
+Then each saves again with ``dcp.async_save`` (DCP's default staging: a CPU copy of the state
+dict; the thread checkpointer, on a gloo group of its own) and loads that checkpoint to check
+it: the time the training loop is blocked is from the call to its return, the total until
+the future completes (the loop idles meanwhile); CPU seconds are the rank process's, over
+the whole save.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ def _worker(rank: int, port: int, total: int, reps: int, target: str, directory:
              for i in range(ENTRIES)}
     target_state = {k: distribute_tensor(torch.zeros(rows, 1024), mesh, [Shard(0)]) for k in state}
     client = tannery.Client(target)
+    group = dist.new_group(backend="gloo")  # async saves' collectives, apart from the loop's
 
     def timed(call) -> float:
         dist.barrier()
@@ -62,28 +69,56 @@ def _worker(rank: int, port: int, total: int, reps: int, target: str, directory:
         dist.barrier()
         return time.perf_counter() - began
 
+    def timed_async(writer) -> tuple[float, float, float]:
+        """(blocked, total, CPU seconds) of one async_save."""
+        dist.barrier()
+        cpu, began = time.process_time(), time.perf_counter()
+        future = dcp.async_save(state, storage_writer=writer, process_group=group)
+        blocked = time.perf_counter() - began
+        future.result()
+        total, cpu = time.perf_counter() - began, time.process_time() - cpu
+        dist.barrier()
+        return blocked, total, cpu
+
+    def check_loaded() -> None:
+        for key, value in state.items():  # every byte came back
+            assert torch.equal(target_state[key].to_local(), value.to_local()), key
+            target_state[key].to_local().zero_()
+
     times: dict[str, list[float]] = {}
     for rep in range(reps):
         for name in ("tannery", "FileSystem"):
             if name == "tannery":
                 archive = f"bench/dcp-{rep}"
-                save = lambda: dcp.save(state, storage_writer=tannery.dcp.Writer(client, archive))  # noqa: E731
-                load = lambda: dcp.load(target_state, storage_reader=tannery.dcp.Reader(client, archive))  # noqa: E731
+                writer = lambda: tannery.dcp.Writer(client, archive)  # noqa: E731
+                reader = lambda: tannery.dcp.Reader(client, archive)  # noqa: E731
             else:
                 path = Path(directory) / f"dcp-{rep}"
-                save = lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(path))  # noqa: E731
-                load = lambda: dcp.load(target_state, storage_reader=dcp.FileSystemReader(path))  # noqa: E731
-            times.setdefault(f"{name} save", []).append(timed(save))
+                writer = lambda: dcp.FileSystemWriter(path)  # noqa: E731
+                reader = lambda: dcp.FileSystemReader(path)  # noqa: E731
+            load = lambda: dcp.load(target_state, storage_reader=reader())  # noqa: E731
+
+            def remove() -> None:
+                dist.barrier()
+                if rank == 0:
+                    if name == "tannery":
+                        client.delete(archive)
+                    else:
+                        shutil.rmtree(path, ignore_errors=True)
+                dist.barrier()
+
+            cpu = time.process_time()
+            times.setdefault(f"{name} save", []).append(timed(lambda: dcp.save(state, storage_writer=writer())))
+            times.setdefault(f"{name} save cpu", []).append(time.process_time() - cpu)
             times.setdefault(f"{name} load", []).append(timed(load))
-            for key, value in state.items():  # every byte came back
-                assert torch.equal(target_state[key].to_local(), value.to_local()), key
-                target_state[key].to_local().zero_()
-            dist.barrier()
-            if rank == 0:
-                if name == "tannery":
-                    client.delete(archive)
-                else:
-                    shutil.rmtree(path, ignore_errors=True)
+            check_loaded()
+            remove()
+            blocked, total, cpu = timed_async(writer())
+            for key, value in (("blocked", blocked), ("total", total), ("cpu", cpu)):
+                times.setdefault(f"{name} async {key}", []).append(value)
+            load()
+            check_loaded()
+            remove()
     client.close()
     results.put((rank, times))
     dist.destroy_process_group()
@@ -122,5 +157,29 @@ def run(options: Options) -> CaseResult:
                       f"{ratio:.2f}x")
         result.data[call] = {"tannery": medians[f"tannery {call}"], "filesystem": medians[f"FileSystem {call}"]}
     result.tables.append(table)
+    result.tables.append(_async_table(slowest, medians, reps))
+    result.data["async_save"] = {name: {key: medians[f"{name} async {key}"] for key in ("blocked", "total", "cpu")}
+                                 for name in ("tannery", "FileSystem")}
     result.notes.append(f"load average at the end: {load_average()}")
     return result
+
+
+def _async_table(slowest: dict[str, list[float]], medians: dict[str, float], reps: int) -> Table:
+    """async_save against save, each competitor's own: blocked and total time, CPU seconds."""
+    table = Table("async_save: the training loop blocked, slowest rank",
+                  ["competitor", "save", "async blocked", "async total", "blocked / save", "total / save",
+                   "CPU s, save / async", "total vs FileSystem"],
+                  note=f"Medians of {reps} repetitions; save: dcp.save, barrier to barrier; blocked: from the "
+                       "async_save call to its return; total: until its future completes; CPU: the rank "
+                       "process's seconds over the save (the slowest rank's); vs FileSystem: its async total over "
+                       "this one's (higher is better). Goal: blocked / save at most 0.25.")
+    for name in ("FileSystem", "tannery"):
+        save = medians[f"{name} save"]
+        blocked, total = medians[f"{name} async blocked"], medians[f"{name} async total"]
+        values = slowest[f"{name} async blocked"]
+        table.add(name if name == "tannery" else "DCP FileSystemWriter", f"{save:.2f} s",
+                  f"{blocked:.3f} s ({min(values):.3f}–{max(values):.3f})", f"{total:.2f} s",
+                  f"{blocked / save:.2f}", f"{total / save:.2f}",
+                  f"{medians[f'{name} save cpu']:.2f} / {medians[f'{name} async cpu']:.2f}",
+                  f"{medians['FileSystem async total'] / total:.2f}x")
+    return table
