@@ -1,4 +1,4 @@
-"""The archive subcommands: push, pull, ls, show, get, union, rm.
+"""The archive subcommands: push, pull, ls, show, get, union (rm is with the aliases, in ``aliases``).
 
 Each ``cmd_*`` function runs one subcommand and returns its exit status; torch-facing
 modules are imported inside them, so building the parser imports no torch.
@@ -16,6 +16,7 @@ from pathlib import Path
 
 from tannery_protocol.codec import WRITER_CODES
 from tannery_protocol.names import did_you_mean
+from .alias_view import alias_line, aliases_by_archive
 from .connection import connect
 from .errors import CommandError
 from .output import Output, human_size, iso_time, local_time, shorten
@@ -123,7 +124,7 @@ def cmd_pull(args: argparse.Namespace, out: Output) -> int:
         # The file is laid out from the description, then written piece by piece as the
         # messages arrive (one held at a time), and renamed into place when whole.
         with make_writer() as writer, out.transfer(f"pull {args.name}", total) as progress:
-            for piece in client.fetch_pieces(args.name, names=names, prefix=args.prefix or None, progress=progress):
+            for piece in client.fetch_pieces(description.name, names=names, prefix=args.prefix or None, progress=progress):
                 writer.write(piece)
             paths = writer.finish()
     nbytes = sum(described[name].nbytes for name in selected)
@@ -140,28 +141,34 @@ def cmd_pull(args: argparse.Namespace, out: Output) -> int:
 def cmd_ls(args: argparse.Namespace, out: Output) -> int:
     with connect(args) as client:
         archives = list(client.list(prefix=args.prefix or ""))
+        named = aliases_by_archive(client)
     if args.json:
-        out.json([archive_json(info) for info in archives])
+        out.json([{**archive_json(info), "aliases": named.get(info.name, [])} for info in archives])
     elif not archives:
         out.note("no archives" + (f" named {args.prefix}..." if args.prefix else ""))
     else:
-        rows = [(shorten(a.name, NAME_COLUMNS), str(a.entries), human_size(a.nbytes),
-                 local_time(getattr(a, "created", None))) for a in archives]
-        out.table([("NAME", "left"), ("ENTRIES", "right"), ("SIZE", "right"), ("CREATED", "left")], rows)
+        aliased = any(a.name in named for a in archives)  # the column only when it says something
+        rows = [(shorten(a.name, NAME_COLUMNS), str(a.entries), human_size(a.nbytes), local_time(getattr(
+            a, "created", None)), *([", ".join(named.get(a.name, []))] if aliased else [])) for a in archives]
+        out.table([("NAME", "left"), ("ENTRIES", "right"), ("SIZE", "right"), ("CREATED", "left"),
+                   *([("ALIASES", "left")] if aliased else [])], rows)
     return 0
 
 
 def cmd_show(args: argparse.Namespace, out: Output) -> int:
     with connect(args) as client:
         description = client.describe(args.name)
+        aliases = aliases_by_archive(client, description.name).get(description.name, [])
     entries = entries_of(description)
     metadata = dict(getattr(description, "metadata", {}) or {})
     nbytes = sum(e.nbytes for e in entries)
     payload = sum(e.payload_bytes for e in entries)
     if args.json:
         out.json({"name": args.name, "entries": [entry_json(e) for e in entries], "nbytes": nbytes,
-                  "payload_bytes": payload, "metadata": metadata})
+                  "payload_bytes": payload, "metadata": metadata, "archive": description.name, "aliases": aliases})
         return 0
+    if alias_line(args.name, description.name, aliases):
+        out.line(alias_line(args.name, description.name, aliases))
     if metadata:
         out.line("metadata: " + ", ".join(f"{key}={value}" for key, value in sorted(metadata.items())))
     from tannery_protocol.codec import format_shape
@@ -251,15 +258,6 @@ def union_sources(plain: list[str], prefixed: list[str]) -> dict[str, str] | lis
     return sources
 
 
-def cmd_rm(args: argparse.Namespace, out: Output) -> int:
-    with connect(args) as client:
-        for name in args.names:
-            deleted = client.delete(name)
-            freed = getattr(deleted, "bytes_freed", None)
-            out.result(f"deleted {name}" + (f" ({human_size(freed)} freed)" if freed is not None else ""))
-    return 0
-
-
 # -- records as the JSON output shows them (stable keys, documented in --help) ---------------
 
 
@@ -309,10 +307,12 @@ JSON_PUSH = ("push --json prints {name, entries, nbytes, payload_bytes, created 
              "skipped: [{name, type}]}; already_stored is true when the archive already held exactly this content "
              "and nothing new was stored (created is then when it was first stored); skipped lists the torch "
              "checkpoint's non-tensor values left out.")
-JSON_LS = "ls --json prints a list of {name, entries, nbytes, payload_bytes, created (ISO 8601 UTC)}."
+JSON_LS = ("ls --json prints a list of {name, entries, nbytes, payload_bytes, created (ISO 8601 UTC), aliases: "
+           "[the aliases that point at it]}.")
 JSON_SHOW = ("show --json prints {name, entries: [{name, dtype, shape, nbytes, payload_bytes, digest}], "
              "nbytes, payload_bytes, metadata: {key: value}} (sizes in bytes: nbytes of tensor data, "
-             "payload_bytes with headers; metadata is the archive's string map, as safetensors' __metadata__).")
+             "payload_bytes with headers; metadata is the archive's string map, as safetensors' __metadata__; "
+             "archive is the archive's own name, NAME's target when NAME is an alias; aliases, those pointing at it).")
 JSON_GET = ("get --json prints {archive, entry, dtype, shape, nbytes, stats: {count, of, min, max, mean, std, "
             "nan, inf}, preview}; statistics cover finite elements (of: 'values', or 'abs' for complex), std is "
             "the population std, nan/inf are null for dtypes without them.")
@@ -399,7 +399,8 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
 
     show = command(
         "show", "list an archive's entries",
-        "Show the archive's metadata, every entry (name, dtype, shape, size) and the totals. " + JSON_SHOW,
+        "Show the archive's metadata, every entry (name, dtype, shape, size) and the totals; NAME may be an "
+        "alias (the archive it points at is shown, and named). " + JSON_SHOW,
         "  tannery show resnet50\n  tannery show resnet50 --json | jq '.entries[].name'\n",
         cmd_show,
     )
@@ -434,11 +435,3 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
     union.add_argument("--prefix", dest="prefixed", metavar="P=SRC", action="append",
                        help="a source whose entries go under P (repeat for several)")
     union.add_argument("--replace", action="store_true", help="replace an archive named TARGET (default: refuse)")
-
-    rm = command(
-        "rm", "delete archives",
-        "Delete archives; the tensor data no other archive shares is removed from the server.",
-        "  tannery rm resnet50\n  tannery rm old-1 old-2\n",
-        cmd_rm,
-    )
-    rm.add_argument("names", metavar="NAME", type=name_arg, nargs="+", help="the archives to delete")
