@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -200,7 +199,7 @@ def test_each_bad_input_is_refused_naming_the_problem_and_the_remedy(srv, capsys
         with pytest.raises(AliasError, match="points at 'v1', not at no archive"):
             client.tag("prod", "v2", expect="")
         assert client.tag("fresh", "v2", expect="").changed  # "": only when the alias is new
-        with pytest.raises(AliasError, match="'fresh' does not exist, not pointing at 'v1'"):
+        with pytest.raises(AliasError, match="'fresh2' does not exist, not pointing at 'v1'"):
             client.tag("fresh2", "v2", expect="v1")
         with pytest.raises(NotFound, match="alias 'nope' not found"):
             client.untag("nope")
@@ -231,15 +230,15 @@ def test_the_read_token_cannot_tag_untag_or_prune(tmp_path):
     assert {"Resolve", "ListAliases"} <= {m.rsplit("/", 1)[-1] for m in READ_METHODS}
     with running_server(tmp_path, tokens=f"{WRITE}:write,{READ}:read") as server:
         with tannery.Client(server.target, token=WRITE) as writer, tannery.Client(server.target, token=READ) as reader:
-            versions(writer, "runs/1", "runs/2")
-            writer.tag("prod", "runs/1")
+            versions(writer, "runs/1", "runs/2", "runs/3")
+            writer.tag("prod", "runs/1")  # runs/2 is the one a prune keeping 1 would delete
             assert reader.resolve("prod") == "runs/1" and [a.alias for a in reader.aliases()] == ["prod"]
             assert value_of(every(reader.fetch("prod"))) == {1.0}
             for call in (lambda: reader.tag("prod", "runs/2"), lambda: reader.untag("prod"),
                          lambda: reader.prune("runs/", keep_last=1)):
                 with pytest.raises(PermissionDenied):
                     call()
-            assert writer.resolve("prod") == "runs/1" and len(writer.list()) == 2
+            assert writer.resolve("prod") == "runs/1" and len(writer.list()) == 3
 
 
 def test_a_replica_sees_the_other_replicas_move_at_once(tmp_path, postgres_url, s3_url):
