@@ -211,7 +211,7 @@ def test_a_catalog_of_a_newer_schema_is_refused(tmp_path, capsys):
     conn = sqlite3.connect(data_dir / "catalog.sqlite3")
     conn.execute("PRAGMA user_version = 99")
     conn.close()
-    with pytest.raises(CatalogTooNew, match="catalog schema version 99 is newer than this tannery's \\(3\\)"):
+    with pytest.raises(CatalogTooNew, match="catalog schema version 99 is newer than this tannery's \\(4\\)"):
         SqliteCatalog(data_dir / "catalog.sqlite3")
     assert cli.main(["scrub", "--data-dir", str(data_dir)]) == 1
     assert "tannery scrub: " in capsys.readouterr().err
