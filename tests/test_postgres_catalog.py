@@ -366,7 +366,7 @@ def test_a_version_1_catalog_gets_the_metadata_column(postgres_url):
     finally:
         catalog.close()
     with psycopg.connect(postgres_url) as conn:
-        assert conn.execute("SELECT version FROM schema_version").fetchall() == [(3,)]
+        assert conn.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]
 
 
 # Schema version 3: packs (entries.blob, entries.blob_offset, entries.digest) ---------------------
