@@ -309,7 +309,8 @@ def test_ls_table_and_json(cli: Cli, tmp_path: Path) -> None:
     assert [line.split()[:4] for line in lines[1:]] == [[n, "1", "6.0", "MiB"] for n in ("resnet-a", "resnet-b", "vit")]
     listed = cli.json("ls", "resnet")
     assert [a["name"] for a in listed] == ["resnet-a", "resnet-b"]
-    assert set(listed[0]) == {"name", "entries", "nbytes", "payload_bytes", "created"}
+    assert set(listed[0]) == {"name", "entries", "nbytes", "payload_bytes", "created", "aliases"}
+    assert listed[0]["aliases"] == []  # the aliases pointing at it (tests/test_aliases.py)
     assert listed[0]["nbytes"] == 1024 * 1536 * 4 and listed[0]["payload_bytes"] == 1024 * 1536 * 4 + 49
     assert listed[0]["created"].endswith("Z")
 
@@ -327,7 +328,8 @@ def test_show_table_and_json(cli: Cli, tmp_path: Path) -> None:
         ["3", "entries,", "1.5", "MiB", "(1.5", "MiB", "stored", "with", "headers)"],
     ]
     shown = cli.json("show", "mlp")
-    assert set(shown) == {"name", "entries", "nbytes", "payload_bytes", "metadata", "files"}
+    assert set(shown) == {"name", "entries", "nbytes", "payload_bytes", "metadata", "files", "archive", "aliases"}
+    assert (shown["archive"], shown["aliases"]) == (shown["name"], [])  # no alias here (tests/test_aliases.py)
     assert shown["metadata"] == {}  # save_file without metadata writes no __metadata__
     assert shown["files"] == []  # a file pushed, not a folder: no files kept with it (docs/model-folders.md)
     assert shown["entries"][2] | {"digest": None} == {"name": "w", "dtype": "float32", "shape": [512, 784],

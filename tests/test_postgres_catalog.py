@@ -351,7 +351,7 @@ def test_a_version_1_catalog_gets_the_metadata_column(postgres_url):
             cur.execute("INSERT INTO schema_version (version) VALUES (1)")
             cur.execute("INSERT INTO archives (name, created_ns, entries, nbytes, payload_bytes) "
                         "VALUES ('old', 1, 0, 0, 0)")
-    assert SCHEMA_VERSION == 3
+    assert SCHEMA_VERSION == 4
     catalog = PostgresCatalog(postgres_url)
     try:
         assert catalog.archive("old").metadata == {}
@@ -366,7 +366,7 @@ def test_a_version_1_catalog_gets_the_metadata_column(postgres_url):
     finally:
         catalog.close()
     with psycopg.connect(postgres_url) as conn:
-        assert conn.execute("SELECT version FROM schema_version").fetchall() == [(3,)]
+        assert conn.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]
 
 
 # Schema version 3: packs (entries.blob, entries.blob_offset, entries.digest) ---------------------

@@ -339,6 +339,28 @@ def _delete(channel, metadata):
     return _code(lambda: stub.Delete(pb.DeleteRequest(archive=name), timeout=10, metadata=metadata))
 
 
+def _tag(channel, metadata):
+    stub = archives_pb2_grpc.ArchivesStub(channel)
+    return _code(lambda: stub.Tag(pb.TagRequest(alias=_unique("alias"), archive="base"), timeout=10, metadata=metadata))
+
+
+def _untag(channel, metadata):
+    alias = _unique("untagged")
+    stub = archives_pb2_grpc.ArchivesStub(channel)
+    stub.Tag(pb.TagRequest(alias=alias, archive="base"), timeout=10, metadata=(("authorization", f"Bearer {WRITE_TOKEN}"),))
+    return _code(lambda: stub.Untag(pb.UntagRequest(alias=alias), timeout=10, metadata=metadata))
+
+
+def _resolve(channel, metadata):
+    stub = archives_pb2_grpc.ArchivesStub(channel)
+    return _code(lambda: stub.Resolve(pb.ResolveRequest(name="base"), timeout=10, metadata=metadata))
+
+
+def _list_aliases(channel, metadata):
+    stub = archives_pb2_grpc.ArchivesStub(channel)
+    return _code(lambda: stub.ListAliases(pb.ListAliasesRequest(), timeout=10, metadata=metadata))
+
+
 def _data_paths(channel, metadata):
     stub = archives_pb2_grpc.ArchivesStub(channel)
     return _code(lambda: stub.DataPaths(pb.DataPathsRequest(), timeout=10, metadata=metadata))
@@ -365,10 +387,14 @@ RPCS = [
     Rpc("List", _list, Code.OK),
     Rpc("Delete", _delete, Code.OK),
     Rpc("DataPaths", _data_paths, Code.OK),
+    Rpc("Tag", _tag, Code.OK),
+    Rpc("Untag", _untag, Code.OK),
+    Rpc("Resolve", _resolve, Code.OK),
+    Rpc("ListAliases", _list_aliases, Code.OK),
     Rpc("Publish", _publish, Code.OK),
     Rpc("Subscribe", _subscribe, Code.DEADLINE_EXCEEDED),
 ]
-READERS = {"List", "Describe", "Fetch", "Subscribe", "DataPaths"}
+READERS = {"List", "Describe", "Fetch", "Subscribe", "DataPaths", "Resolve", "ListAliases"}
 
 #: (case, metadata, role the server should grant: None, "read" or "write")
 TOKEN_CASES = [

@@ -18,6 +18,7 @@ _EXPORTS = {
     "ServiceError": "tannery_protocol.errors",
     "NotFound": "tannery_protocol.errors",
     "AlreadyExists": "tannery_protocol.errors",
+    "AliasError": "tannery_protocol.errors",
     "InvalidArgument": "tannery_protocol.errors",
     "ResourceExhausted": "tannery_protocol.errors",
     "PermissionDenied": "tannery_protocol.errors",
@@ -38,6 +39,9 @@ _EXPORTS = {
     "ArchiveInfo": "tannery.records",
     "ArchiveDescription": "tannery.records",
     "EntryDescription": "tannery.records",
+    "Alias": "tannery.records",
+    "Tagged": "tannery.records",
+    "Pruned": "tannery.records",
     "TensorPiece": "tannery.received",
 }
 

@@ -32,7 +32,7 @@ from .connection import Connection
 from .grpc_streams import AioUpload, aio_send
 from .readers import EntryReader, PieceReader
 from .received import TensorPiece
-from .records import ArchiveDescription, ArchiveInfo, Deleted, Published
+from .records import Alias, ArchiveDescription, ArchiveInfo, Deleted, Pruned, Published, Tagged, Untagged
 from .remote import AsyncRemoteArchive
 from .requests import Progress, fetch_request
 from .waits import END, Acquire, Blocking, Driven, Read, Rpc, Send, Sleep, Status, Steps, Upload, Wait
@@ -93,14 +93,18 @@ class Client(CallCore):
         """As :meth:`tannery.Client.archive`; the reads of the archive are coroutines. Its
         ``names``, ``info``, ``entry`` and ``in`` answer at once (they cannot await a Describe),
         so it is described whole when opened, unless ``lazy=True``: then opening describes no
-        entry, reads describe what they need, and those answer for what has been described."""
+        entry, reads describe what they need, and those answer for what has been described.
+        An alias is resolved once, at open: later reads ask for the archive it named then."""
+        description = await self.describe(name, () if lazy else None)
+        archive = description.name or name
+
         async def transfer(asks: Sequence[Any]) -> list[torch.Tensor]:
-            return await _run(self._transferred(name, asks, progress))
+            return await _run(self._transferred(archive, asks, progress))
 
         async def describe(names: Sequence[str] | None) -> ArchiveDescription:
-            return await self.describe(name, names)
+            return await self.describe(archive, names)
 
-        return AsyncRemoteArchive(await self.describe(name, () if lazy else None), transfer, describe)
+        return AsyncRemoteArchive(description, transfer, describe)
 
     async def fetch(self, name: str, names: Iterable[str] | None = None, prefix: str | None = None, *,
                     progress: Progress = None) -> Archive:
@@ -131,9 +135,29 @@ class Client(CallCore):
         """As :meth:`tannery.Client.list`."""
         return await _run(self._list(prefix))
 
-    async def delete(self, name: str) -> Deleted:
+    async def delete(self, name: str, *, force: bool = False) -> Deleted:
         """As :meth:`tannery.Client.delete`."""
-        return await _run(self._delete(name))
+        return await _run(self._delete(name, force))
+
+    async def tag(self, alias: str, archive: str, *, expect: str | None = None) -> Tagged:
+        """As :meth:`tannery.Client.tag`."""
+        return await _run(self._tag(alias, archive, expect))
+
+    async def untag(self, alias: str) -> Untagged:
+        """As :meth:`tannery.Client.untag`."""
+        return await _run(self._untag(alias))
+
+    async def resolve(self, name: str) -> str:
+        """As :meth:`tannery.Client.resolve`."""
+        return await _run(self._resolve(name))
+
+    async def aliases(self, prefix: str = "", *, archive: str | None = None) -> list[Alias]:
+        """As :meth:`tannery.Client.aliases`."""
+        return await _run(self._aliases(prefix, archive))
+
+    async def prune(self, prefix: str, *, keep_last: int, dry_run: bool = False) -> Pruned:
+        """As :meth:`tannery.Client.prune`."""
+        return await _run(self._prune(prefix, keep_last, dry_run))
 
     async def load_state_dict(self, module: torch.nn.Module, name: str, prefix: str = "", strict: bool = True,
                               *, progress: Progress = None) -> Any:

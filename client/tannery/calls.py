@@ -21,8 +21,9 @@ import grpc
 from tannery_protocol import errors
 from tannery_protocol._lazy import lazy_module
 from .connection import Calls, Connection, TLSLike, check_transport, rpc_error
-from .records import ArchiveDescription, ArchiveInfo, Deleted, Published
+from .records import Alias, ArchiveDescription, ArchiveInfo, Deleted, Pruned, Published, Tagged, Untagged
 from .requests import Methods, Progress, archive_to_store, check_tensors, describe_request, list_request, union_request
+from .retention import check_prune, plan_prune
 from .retries import RetryPolicy, call_name, resumed_request
 from .waits import Acquire, Blocking, Rpc, Sleep, Steps
 from tannery_protocol.v1 import archives_pb2
@@ -261,8 +262,8 @@ class CallCore:
             if not token:
                 return archives
 
-    def _delete(self, name: str) -> Steps[Deleted]:
-        request = archives_pb2.DeleteRequest(archive=name)
+    def _delete(self, name: str, force: bool = False) -> Steps[Deleted]:
+        request = archives_pb2.DeleteRequest(archive=name, force=force)
 
         def attempt(retry: int) -> Steps[Deleted]:
             try:
@@ -276,9 +277,60 @@ class CallCore:
 
     def _load_state_dict(self, module: torch.nn.Module, name: str, prefix: str, strict: bool,
                          progress: Progress) -> Steps[Any]:
-        plan = _state_dict.plan_state_dict(module, (yield from self._describe(name)), prefix, strict)
-        tensors = (yield from self._transferred(name, plan.asks, progress)) if plan.asks else []
+        description = yield from self._describe(name)
+        plan = _state_dict.plan_state_dict(module, description, prefix, strict)
+        # The archive the Describe found (an alias resolved once): no move mixes two versions.
+        archive = description.name or name
+        tensors = (yield from self._transferred(archive, plan.asks, progress)) if plan.asks else []
         return plan.load(module, tensors, strict)
+
+    # -- aliases and retention -----------------------------------------------------------
+
+    def _tag(self, alias: str, archive: str, expect: str | None) -> Steps[Tagged]:
+        request = archives_pb2.TagRequest(alias=alias, archive=archive)
+        if expect is not None:
+            request.expect = expect
+        # Retried as it is: a Tag whose lost attempt moved the alias finds it there and answers OK.
+        return Tagged.of((yield from self._retrying(f"Tag of {alias!r}",
+                                                    lambda retry: self._unary_once(self._methods.tag, request))))
+
+    def _untag(self, alias: str) -> Steps[Untagged]:
+        request = archives_pb2.UntagRequest(alias=alias)
+
+        def attempt(retry: int) -> Steps[Untagged]:
+            try:
+                return Untagged(Alias.of((yield from self._unary_once(self._methods.untag, request)).removed))
+            except errors.NotFound:
+                if retry:  # the attempt whose answer was lost removed it
+                    return Untagged.gone(alias)
+                raise
+
+        return (yield from self._retrying(f"Untag of {alias!r}", attempt))
+
+    def _resolve(self, name: str) -> Steps[str]:
+        return (yield from self._unary(self._methods.resolve, archives_pb2.ResolveRequest(name=name))).archive
+
+    def _aliases(self, prefix: str, archive: str | None) -> Steps[list[Alias]]:
+        request = archives_pb2.ListAliasesRequest(prefix=prefix, archive=archive or "")
+        return [Alias.of(a) for a in (yield from self._unary(self._methods.list_aliases, request)).aliases]
+
+    def _prune(self, prefix: str, keep_last: int, dry_run: bool) -> Steps[Pruned]:
+        keep_last = check_prune(prefix, keep_last)
+        archives = yield from self._list(prefix)
+        plan = plan_prune(archives, (yield from self._aliases("", None)), keep_last)
+        if dry_run:
+            return Pruned(plan.delete, plan.keep, plan.aliased, dry_run=True)
+        deleted, kept, aliased = [], list(plan.keep), dict(plan.aliased)
+        for info in plan.delete:
+            try:
+                yield from self._delete(info.name)
+                deleted.append(info)
+            except errors.NotFound:  # deleted by someone else meanwhile: gone all the same
+                deleted.append(info)
+            except errors.AliasError:  # an alias reached it after the List: kept, as aliased ones are
+                kept.append(info)
+                aliased[info.name] = tuple(a.alias for a in (yield from self._aliases("", info.name)))
+        return Pruned(tuple(deleted), tuple(sorted(kept, key=lambda i: (i.created, i.name), reverse=True)), aliased)
 
     # -- channels ------------------------------------------------------------------------
 

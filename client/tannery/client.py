@@ -26,7 +26,7 @@ from tannery_protocol._lazy import lazy_module
 from . import grpc_streams
 from .calls import CallCore
 from .connection import Connection
-from .records import ArchiveDescription, ArchiveInfo, Deleted, Published
+from .records import Alias, ArchiveDescription, ArchiveInfo, Deleted, Pruned, Published, Tagged, Untagged
 from .requests import Progress, fetch_request
 from .waits import END, Acquire, Blocking, Driven, Read, Rpc, Send, Sleep, Status, Steps, Upload, Wait
 
@@ -134,10 +134,13 @@ class Client(CallCore):
         them, ``names()`` and ``to_value`` the whole archive, once; so opening an archive and
         reading one entry cost the same whatever its size. ``lazy=False`` describes every
         entry at once, a snapshot every read is checked against. Reads fetch only what they
-        return; ``progress`` is called with the payload bytes of each message received."""
+        return; ``progress`` is called with the payload bytes of each message received.
+        ``name`` may be an alias: it is resolved once, at open, and every later read asks for
+        the archive it named then (``.description.name``), so a move never mixes two versions."""
         description = self.describe(name, () if lazy else None)
-        return _remote.RemoteArchive(description, lambda asks: _run(self._transferred(name, asks, progress)),
-                                     lambda names: self.describe(name, names))
+        archive = description.name or name
+        return _remote.RemoteArchive(description, lambda asks: _run(self._transferred(archive, asks, progress)),
+                                     lambda names: self.describe(archive, names))
 
     def fetch(self, name: str, names: Iterable[str] | None = None, prefix: str | None = None, *,
               progress: Progress = None) -> Archive:
@@ -184,12 +187,45 @@ class Client(CallCore):
         """Every archive whose name starts with ``prefix``, sorted by name (all pages)."""
         return _run(self._list(prefix))
 
-    def delete(self, name: str) -> Deleted:
+    def delete(self, name: str, *, force: bool = False) -> Deleted:
         """Remove archive ``name`` (NotFound if there is none) and the blobs only it used.
 
+        An archive an alias points at is refused (AliasError naming the aliases) unless
+        ``force``, which removes those aliases with it (``aliases_removed``).
         When an attempt's answer was lost (UNAVAILABLE) and the retry finds the archive gone,
         the lost attempt deleted it: the result says so (``already_gone``), with no counts."""
-        return _run(self._delete(name))
+        return _run(self._delete(name, force))
+
+    def tag(self, alias: str, archive: str, *, expect: str | None = None) -> Tagged:
+        """Point ``alias`` at archive ``archive``, creating or moving it atomically: every read that
+        names the alias afterwards (``archive``, ``fetch``, ``load_state_dict``, a union's source)
+        reads the new archive whole; one that resolved it before, the old one whole.
+
+        ``expect`` makes it a compare-and-set: the move happens only when the alias points at
+        ``expect`` now (``""``: only when there is no such alias yet), else AliasError naming
+        where it points. A tag to where the alias already points succeeds with ``changed``
+        False (so a retry after a lost answer does not fail). AliasError too when ``alias`` is
+        an archive's name or ``archive`` an alias; NotFound when ``archive`` does not exist."""
+        return _run(self._tag(alias, archive, expect))
+
+    def untag(self, alias: str) -> Untagged:
+        """Remove ``alias`` (NotFound if there is none); the archive stays."""
+        return _run(self._untag(alias))
+
+    def resolve(self, name: str) -> str:
+        """The archive ``name`` denotes now: an alias's target, or ``name`` itself for an archive
+        (NotFound when it is neither)."""
+        return _run(self._resolve(name))
+
+    def aliases(self, prefix: str = "", *, archive: str | None = None) -> list[Alias]:
+        """Every alias whose name starts with ``prefix`` (pointing at ``archive``, if given), by name."""
+        return _run(self._aliases(prefix, archive))
+
+    def prune(self, prefix: str, *, keep_last: int, dry_run: bool = False) -> Pruned:
+        """Delete all but the newest ``keep_last`` archives whose names start with ``prefix``
+        (newest by creation time), never one an alias points at; ``dry_run`` deletes nothing and
+        says what would go. ValueError for ``keep_last`` under 1 or an empty prefix."""
+        return _run(self._prune(prefix, keep_last, dry_run))
 
     def load_state_dict(self, module: torch.nn.Module, name: str, prefix: str = "", strict: bool = True,
                         *, progress: Progress = None) -> Any:

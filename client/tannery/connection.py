@@ -187,7 +187,8 @@ def service_error(
     """The tannery exception for a call that ended with ``code``, carrying the server's message.
 
     INVALID_ARGUMENT with ``tannery-error: format`` is a :class:`~tannery_protocol.errors.FormatError`;
-    FAILED_PRECONDITION an :class:`~tannery_protocol.errors.ArchiveError`; a status with no class of
+    FAILED_PRECONDITION an :class:`~tannery_protocol.errors.ArchiveError` (with ``tannery-error: alias``,
+    an :class:`~tannery_protocol.errors.AliasError`); a status with no class of
     its own (DEADLINE_EXCEEDED, INTERNAL, ...) a :class:`~tannery_protocol.errors.ServiceError`
     whose message starts with the status. Each carries ``.code``, the status's name.
     """
@@ -196,6 +197,8 @@ def service_error(
     kind = next((value for key, value in trailing or () if key == ERROR_KIND), None)
     if code is grpc.StatusCode.INVALID_ARGUMENT and kind == "format":
         error: Exception = errors.FormatError(message)
+    elif code is grpc.StatusCode.FAILED_PRECONDITION and kind == "alias":
+        error = errors.AliasError(message)
     elif code in _ERRORS:
         if code is grpc.StatusCode.UNAVAILABLE:
             message = f"{message} (server {target})"

@@ -1,7 +1,8 @@
 """The records calls return: what users get back from a call, built from its answer message.
 
 :class:`ArchiveInfo` (an archive as the catalog knows it), :class:`ArchiveDescription` and
-its entries (:class:`EntryDescription`), :class:`Deleted` and :class:`Published`. Shared by
+its entries (:class:`EntryDescription`), :class:`Deleted` and :class:`Published`; aliases
+(:class:`Alias`, :class:`Tagged`, :class:`Untagged`) and :class:`Pruned`. Shared by
 ``tannery.Client``, ``tannery.aio.Client`` and the remote archives; nothing here imports torch.
 """
 
@@ -113,6 +114,65 @@ class ArchiveDescription:
         return len(self.entries)
 
 
+def _time(stamp: object) -> dt.datetime:
+    return dt.datetime.fromtimestamp(stamp.ToNanoseconds() / 1e9, dt.timezone.utc)  # type: ignore[attr-defined]
+
+
+_EPOCH = dt.datetime.fromtimestamp(0, dt.timezone.utc)
+
+
+@dataclass(frozen=True)
+class Alias:
+    """A name that points at an archive (``archive``), and when it was created or last moved (UTC)."""
+
+    alias: str
+    archive: str
+    moved: dt.datetime
+
+    @staticmethod
+    def of(message: archives_pb2.Alias) -> "Alias":
+        return Alias(message.alias, message.archive, _time(message.moved))
+
+
+@dataclass(frozen=True)
+class Tagged:
+    """What a tag did: the alias as it is now, the archive it pointed at before ("" when the tag
+    created it), and whether anything changed (False: it already pointed there)."""
+
+    alias: Alias
+    previous: str
+    changed: bool
+
+    @staticmethod
+    def of(message: archives_pb2.TagResponse) -> "Tagged":
+        return Tagged(Alias.of(message.alias), message.previous, message.changed)
+
+
+@dataclass(frozen=True)
+class Untagged:
+    """The alias an untag removed (the archive stays). ``already_gone``: the call was retried
+    after a lost answer and found no alias: the lost attempt removed it (its target is not known)."""
+
+    alias: Alias
+    already_gone: bool = False
+
+    @staticmethod
+    def gone(name: str) -> "Untagged":
+        return Untagged(Alias(name, "", _EPOCH), already_gone=True)
+
+
+@dataclass(frozen=True)
+class Pruned:
+    """What a prune did (or, ``dry_run``, would do): the archives deleted and those kept, each
+    newest first; ``aliased`` maps each kept archive an alias points at to its aliases (kept
+    whatever its age)."""
+
+    deleted: tuple[ArchiveInfo, ...]
+    kept: tuple[ArchiveInfo, ...]
+    aliased: dict[str, tuple[str, ...]] = field(default_factory=dict, hash=False)
+    dry_run: bool = False
+
+
 @dataclass(frozen=True)
 class Deleted:
     """What a delete removed: the archive, and the blobs no other archive used (and their bytes)."""
@@ -123,10 +183,13 @@ class Deleted:
     #: The call was retried after a lost answer and found the archive gone: the attempt
     #: whose answer was lost deleted it (what it removed is not known; the counts are 0).
     already_gone: bool = False
+    #: The aliases removed with the archive (``force``), sorted.
+    aliases_removed: tuple[str, ...] = ()
 
     @staticmethod
     def of(message: archives_pb2.DeleteResponse) -> "Deleted":
-        return Deleted(ArchiveInfo.of(message.deleted), message.blobs_removed, message.bytes_freed)
+        return Deleted(ArchiveInfo.of(message.deleted), message.blobs_removed, message.bytes_freed,
+                       aliases_removed=tuple(message.aliases_removed))
 
     @staticmethod
     def gone(name: str) -> "Deleted":
@@ -148,4 +211,5 @@ class Published:
         return Published(message.payloads, message.bytes, message.dropped_subscribers)
 
 
-__all__ = ["ArchiveDescription", "ArchiveInfo", "Deleted", "EntryDescription", "FileDescription", "Published"]
+__all__ = ["Alias", "ArchiveDescription", "ArchiveInfo", "Deleted", "EntryDescription", "FileDescription", "Pruned",
+           "Published", "Tagged", "Untagged"]

@@ -11,6 +11,8 @@ off). Every retry is logged at INFO on the ``tannery.client`` logger. What is re
   finish, and answers an identical Store of an archive that is already there with OK;
 - Delete: an archive already gone when a retry arrives was deleted by the attempt whose
   answer was lost, so that retry reports it deleted (``Deleted.already_gone``);
+- Resolve and ListAliases as reads; Tag as it is (a Tag whose lost attempt moved the alias
+  finds it there and answers OK, ``expect`` or not); Untag as Delete (``Untagged.already_gone``);
 - Fetch, resumed after the entries already received whole (:func:`resumed_request`): no
   entry is fetched twice into the result; the one cut off midway comes again whole.
 

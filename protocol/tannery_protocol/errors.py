@@ -32,6 +32,12 @@ class AlreadyExists(ServiceError):
 REPLACE_REMEDY = "give replace=True to replace it"
 
 
+class AliasError(ServiceError):
+    """A write aliases forbid (FAILED_PRECONDITION, ``tannery-error: alias``): a tag with ``expect``
+    whose alias points elsewhere now (the message names its current target), an alias where an
+    archive is needed or the reverse, a delete of an archive an alias points at (without ``force``)."""
+
+
 class InvalidArgument(ServiceError, ValueError):
     """A request the server refuses as malformed (a bad name, a limit exceeded)."""
 
@@ -62,6 +68,7 @@ class Cancelled(ServiceError):
 
 __all__ = [
     "REPLACE_REMEDY",
+    "AliasError",
     "AlreadyExists",
     "ArchiveError",
     "Cancelled",

@@ -26,7 +26,7 @@ from .dataplane.plane import DataPlane
 from .dataplane.store import SessionSteps, receive_store
 from .fetching import check_request
 from .handling import add_service, answering_failures
-from .storage import ArchiveLimits, ArchiveRecord, Storage
+from .storage import AliasRecord, ArchiveLimits, ArchiveRecord, Storage
 from .storage_failures import failure_of
 from .store_session import StoreSession
 from .validation import check_archive_name, check_metadata, check_prefix
@@ -46,6 +46,12 @@ def archive_info(record: ArchiveRecord) -> archives_pb2.ArchiveInfo:
         name=record.name, entries=record.entries, nbytes=record.nbytes, payload_bytes=record.payload_bytes,
         created=created, already_stored=record.already_stored,
     )
+
+
+def alias_info(record: AliasRecord) -> archives_pb2.Alias:
+    moved = Timestamp()
+    moved.FromNanoseconds(record.moved_ns)
+    return archives_pb2.Alias(alias=record.alias, archive=record.archive, moved=moved)
 
 
 def written(record: ArchiveRecord) -> archives_pb2.ArchiveInfo:
@@ -146,15 +152,15 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
         catalog = self.storage.catalog
 
         def read():
-            record = catalog.archive(request.archive)
+            record = catalog.lookup(request.archive)  # an alias resolved once: its info names the archive
             if record is None:
                 raise Missing(f"archive {request.archive!r} not found")
             if request.no_entries:
                 return record, []
             if request.names:
-                found = catalog.entries(request.archive, request.names)
+                found = catalog.entries(record.name, request.names)
                 return record, [found[name] for name in sorted(found)]
-            return record, catalog.entries_under(request.archive, "")
+            return record, catalog.entries_under(record.name, "")
 
         record, entries = await self._run(read)
         current_call().note("described", len(entries))
@@ -181,12 +187,66 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
     @answering_failures
     async def Delete(self, request: archives_pb2.DeleteRequest, context) -> archives_pb2.DeleteResponse:
         current_call().note("archive", request.archive)
-        record, collected = await self._run(self.storage.delete, request.archive)
+        record, collected = await self._run(self.storage.delete, request.archive, request.force)
         if record is None:
+            alias = await self._run(self.storage.catalog.alias, request.archive)
+            if alias is not None:
+                raise Missing(f"archive {request.archive!r} not found: it is an alias (of {alias.archive!r}); "
+                              f"remove the alias with tannery untag {request.archive}, or delete {alias.archive!r}")
             raise Missing(f"archive {request.archive!r} not found")
         return archives_pb2.DeleteResponse(
-            deleted=archive_info(record), blobs_removed=collected.blobs, bytes_freed=collected.bytes
+            deleted=archive_info(record), blobs_removed=collected.blobs, bytes_freed=collected.bytes,
+            aliases_removed=record.untagged,
         )
+
+    # Aliases ----------------------------------------------------------------------------
+
+    @answering_failures
+    async def Tag(self, request: archives_pb2.TagRequest, context) -> archives_pb2.TagResponse:
+        alias = self._alias_name(request.alias)
+        archive = check_archive_name(request.archive, self.config.max_name_bytes)
+        expect = request.expect if request.HasField("expect") else None
+        if expect:
+            check_archive_name(expect, self.config.max_name_bytes)
+        record = await self._run(self.storage.tag, alias, archive, expect)
+        current_call().note("tagged", record.archive if record.changed else "unchanged")
+        return archives_pb2.TagResponse(alias=alias_info(record), previous=record.previous, changed=record.changed)
+
+    @answering_failures
+    async def Untag(self, request: archives_pb2.UntagRequest, context) -> archives_pb2.UntagResponse:
+        alias = self._alias_name(request.alias)
+        record = await self._run(self.storage.untag, alias)
+        if record is None:
+            there = await self._run(self.storage.catalog.archive, alias)
+            hint = ": it is an archive (tannery rm deletes archives)" if there is not None else ""
+            raise Missing(f"alias {alias!r} not found{hint}")
+        return archives_pb2.UntagResponse(removed=alias_info(record))
+
+    @answering_failures
+    async def Resolve(self, request: archives_pb2.ResolveRequest, context) -> archives_pb2.ResolveResponse:
+        name = self._alias_name(request.name)
+
+        def read() -> tuple[ArchiveRecord | None, AliasRecord | None]:
+            record = self.storage.catalog.lookup(name)
+            alias = None if record is None or record.name == name else self.storage.catalog.alias(name)
+            return record, alias
+
+        record, alias = await self._run(read)
+        if record is None:
+            raise Missing(f"no archive or alias {name!r}")
+        answer = archives_pb2.ResolveResponse(archive=record.name)
+        if alias is not None and alias.archive == record.name:  # (moved again between the two reads: no alias info)
+            answer.alias.CopyFrom(alias_info(alias))
+        return answer
+
+    @answering_failures
+    async def ListAliases(self, request: archives_pb2.ListAliasesRequest, context) -> archives_pb2.ListAliasesResponse:
+        records = await self._run(self.storage.catalog.aliases, request.prefix, request.archive)
+        return archives_pb2.ListAliasesResponse(aliases=[alias_info(r) for r in records])
+
+    def _alias_name(self, name: str) -> str:
+        current_call().note("alias", name)
+        return check_archive_name(name, self.config.max_name_bytes)
 
 
 async def _cancellation_known(context: grpc.aio.ServicerContext, wait: float = 0.25) -> None:

@@ -58,6 +58,14 @@ class Mismatch(Failure):
     kind = "archive"
 
 
+class AliasRefused(Failure):
+    """A write aliases forbid: a compare-and-set Tag whose alias moved, an alias where an archive
+    is needed (or the reverse), an aliased archive deleted without ``force``."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    kind = "alias"
+
+
 class Cancelled(Failure):
     """The client cancelled the call, or its deadline passed, before it was done."""
 

@@ -114,19 +114,22 @@ def resolve(storage: Storage, request: archives_pb2.FetchRequest) -> list[Plan]:
     """The plans of a request, their blobs pinned (release ``digests(plans)`` afterwards).
 
     Missing for a missing archive or entry, Mismatch for an entry that is not what is asked.
+    An alias is resolved once, here: every entry is read from the archive it named then.
     """
     catalog = storage.catalog
 
     def lookup() -> list[Plan]:
-        if catalog.archive(request.archive) is None:
+        record = catalog.lookup(request.archive)
+        if record is None:
             raise Missing(f"archive {request.archive!r} not found")
+        archive = record.name
         if not request.entries:
-            entries = catalog.entries_under(request.archive, request.prefix)
+            entries = catalog.entries_under(archive, request.prefix)
             if request.prefix and not entries:
                 raise Missing(f"archive {request.archive!r}: no entry under prefix {request.prefix!r}")
             blobs = _packs(catalog, entries)
             return [Plan(e, None, 0, e.payload_bytes, DTYPES[e.dtype], blob=blobs.get(e.blob)) for e in entries]
-        found = catalog.entries(request.archive, [ask.name for ask in request.entries])
+        found = catalog.entries(archive, [ask.name for ask in request.entries])
         blobs = _packs(catalog, found.values())
         plans = []
         for ask in request.entries:

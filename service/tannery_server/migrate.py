@@ -8,7 +8,8 @@ An archive the target already has is skipped when it has the same entries (a mig
 run again resumes where it stopped) and reported as a conflict when it differs. A blob the
 target already has is not uploaded again. A damaged archive (a blob that does not match its
 name) is left out and reported, and the migration goes on with the next one; each archive
-keeps its creation time and metadata.
+keeps its creation time and metadata. Aliases follow the archives, each pointing where it
+did (one whose name or target the target store refuses is reported as a conflict).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .storage import BlobInfo, DigestMismatch, EntryRecord, Storage
+from .storage import BlobInfo, DigestMismatch, EntryRecord, Refusal, Storage
 from .storage.shared_storage import SharedStorage
 
 log = logging.getLogger("tannery_server.migrate")
@@ -56,6 +57,7 @@ def migrate(source: Storage, target: SharedStorage, progress: Callable[[str], No
     while True:
         page = source.catalog.list_archives("", after, 500)
         if not page:
+            _migrate_aliases(source, target, done, progress)
             return done
         for record in page:
             try:
@@ -91,6 +93,17 @@ def _migrate_archive(source: Storage, target: SharedStorage, name: str, done: Mi
         target.release(blobs, holder=holder)
     done.archives += 1
     progress(f"{name}: {plural(len(entries), 'entry')} migrated")
+
+
+def _migrate_aliases(source: Storage, target: SharedStorage, done: Migrated, progress: Callable[[str], None]) -> None:
+    """Every alias of ``source`` in ``target``, pointing where it did, with when it last moved."""
+    for alias in source.catalog.aliases():
+        try:
+            target.catalog.tag(alias.alias, alias.archive, None, alias.moved_ns)
+            progress(f"alias {alias.alias} -> {alias.archive} migrated")
+        except Refusal as exc:  # a missing target, a name the target uses for an archive
+            done.conflicts.append(alias.alias)
+            progress(f"alias {alias.alias}: CONFLICT, {exc}; left out")
 
 
 def _same(ours: list[EntryRecord], theirs: list[EntryRecord]) -> bool:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from .failures import DataLoss, Failure, LimitExceeded, Malformed, Missing, NameTaken, Unavailable
-from .storage.errors import (ArchiveExists, Damaged, DigestMismatch, InvalidRequest, NoSuchArchive, OutOfResources,
+from .failures import AliasRefused, DataLoss, Failure, LimitExceeded, Malformed, Missing, NameTaken, Unavailable
+from .storage.errors import (AliasConflict, ArchiveExists, Damaged, DigestMismatch, InvalidRequest, NoSuchArchive, OutOfResources,
                              StorageFull, StorageUnavailable, TooManyEntries)
 
 
@@ -29,6 +29,7 @@ STATUSES: tuple[tuple[type[Exception], type[Failure]], ...] = (
     # The refusals: the request's doing, nothing changed.
     (ArchiveExists, NameTaken),  # ALREADY_EXISTS
     (NoSuchArchive, Missing),  # NOT_FOUND
+    (AliasConflict, AliasRefused),  # FAILED_PRECONDITION, tannery-error "alias"
     (InvalidRequest, Malformed),  # INVALID_ARGUMENT
     (TooManyEntries, LimitExceeded),  # RESOURCE_EXHAUSTED: over a configured limit
 )

@@ -32,6 +32,7 @@ from .config import Config
 from .failures import BadPayload, LimitExceeded, Malformed, Unavailable
 from .storage import ArchiveExists, ArchiveRecord, BlobInfo, DigestMismatch, EntryRecord, PayloadWriter, Storage
 from .storage.packs import PACK_BELOW, PACK_BLOCK_SIZE, PACK_TARGET, Pack
+from .storage.alias_sql import alias_name_refusal
 from .storage.same_content import (digest_difference, header_difference, metadata_difference, other_content,
                                    require_same, unknown_entry)
 from .validation import check_entry_name
@@ -86,7 +87,10 @@ class StoreSession:
     def check_existing(self) -> None:
         """Before any data is received: find an archive of this name (unless ``replace``), and
         refuse at once when its metadata differs (ALREADY_EXISTS naming the key). Checked
-        again at commit."""
+        again at commit. A name that is an alias is refused at once, ``replace`` or not."""
+        alias = self.storage.catalog.alias(self.archive)
+        if alias is not None:
+            raise alias_name_refusal(self.archive, alias.archive)
         if self.replace:
             return
         record = self.storage.catalog.archive(self.archive)

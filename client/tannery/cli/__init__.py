@@ -1,6 +1,6 @@
 """The ``tannery`` command: ``serve`` runs the server, the other subcommands are a client.
 
-Subcommands live in small modules (``archives``, ``channels``); ``output`` formats what
+Subcommands live in small modules (``archives``, ``aliases``, ``channels``); ``output`` formats what
 they print, ``tensorfiles`` reads and writes files, ``connection`` makes the client.
 Building the parser imports neither torch nor the server: ``serve``, ``scrub`` and
 ``migrate`` hand over at once to the command the server's package registers (the entry
@@ -58,7 +58,7 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every client subcommand (``serve`` is listed; its own parser is the server's)."""
-    from . import archive_args, channels
+    from . import aliases, archive_args, channels
 
     parser = argparse.ArgumentParser(prog="tannery", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=_Formatter)
@@ -73,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("migrate", help="copy a data directory into a PostgreSQL catalog and a bucket "
                         "(tannery migrate --help)", add_help=False)
     archive_args.add_commands(commands, common, _Formatter)
+    aliases.add_commands(commands, common, _Formatter)
     channels.add_commands(commands, common, _Formatter)
     return parser
 

@@ -1,4 +1,4 @@
-"""The arguments and help of the archive subcommands (push, pull, ls, show, get, union, rm),
+"""The arguments and help of the archive subcommands (push, pull, ls, show, get, union),
 apart from the code that runs them (:mod:`.archives`), so that each module stays short."""
 
 from __future__ import annotations
@@ -8,20 +8,21 @@ import functools
 from typing import Any
 
 from tannery_protocol.codec import WRITER_CODES
-from .archives import (cmd_get, cmd_ls, cmd_pull, cmd_push, cmd_rm, cmd_show, cmd_union, name_arg,
-                       subcommand)
+from .archives import cmd_get, cmd_ls, cmd_pull, cmd_push, cmd_show, cmd_union, name_arg, subcommand
 
 JSON_PUSH = ("push --json prints {name, entries, nbytes, payload_bytes, created (ISO 8601 UTC), already_stored, "
              "skipped: [{name, type}]}; already_stored is true when the archive already held exactly this content "
              "and nothing new was stored (created is then when it was first stored); skipped lists the torch "
              "checkpoint's non-tensor values left out; files: [{name, size}] the files of a folder kept with the "
              "archive (entries and nbytes count them too, as ls does).")
-JSON_LS = "ls --json prints a list of {name, entries, nbytes, payload_bytes, created (ISO 8601 UTC)}."
+JSON_LS = ("ls --json prints a list of {name, entries, nbytes, payload_bytes, created (ISO 8601 UTC), aliases: "
+           "[the aliases that point at it]}.")
 JSON_SHOW = ("show --json prints {name, entries: [{name, dtype, shape, nbytes, payload_bytes, digest}], "
              "nbytes, payload_bytes, metadata: {key: value}} (sizes in bytes: nbytes of tensor data, "
              "payload_bytes with headers; metadata is the archive's string map, as safetensors' __metadata__), "
              "files: [{name, prefix, size, digest}] (the files kept with the archive, as a pushed folder's "
-             "config.json; prefix is the one they were pushed under, digest their entry payload's SHA-256).")
+             "config.json; prefix is the one they were pushed under, digest their entry payload's SHA-256), "
+             "archive (the archive's own name: NAME's target when NAME is an alias), aliases (those pointing at it).")
 JSON_GET = ("get --json prints {archive, entry, dtype, shape, nbytes, stats: {count, of, min, max, mean, std, "
             "nan, inf}, preview}; statistics cover finite elements (of: 'values', or 'abs' for complex), std is "
             "the population std, nan/inf are null for dtypes without them.")
@@ -111,7 +112,8 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
     show = command(
         "show", "list an archive's entries",
         "Show the archive's metadata, every entry (name, dtype, shape, size) and the totals, then the files kept "
-        "with it (a pushed folder's config.json, tokenizer files: name and size). " + JSON_SHOW,
+        "with it (a pushed folder's config.json, tokenizer files: name and size); NAME may be an alias (the "
+        "archive it points at is shown, and named). " + JSON_SHOW,
         "  tannery show resnet50\n  tannery show resnet50 --json | jq '.entries[].name'\n",
         cmd_show,
     )
@@ -146,11 +148,3 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
     union.add_argument("--prefix", dest="prefixed", metavar="P=SRC", action="append",
                        help="a source whose entries go under P (repeat for several)")
     union.add_argument("--replace", action="store_true", help="replace an archive named TARGET (default: refuse)")
-
-    rm = command(
-        "rm", "delete archives",
-        "Delete archives; the tensor data no other archive shares is removed from the server.",
-        "  tannery rm resnet50\n  tannery rm old-1 old-2\n",
-        cmd_rm,
-    )
-    rm.add_argument("names", metavar="NAME", type=name_arg, nargs="+", help="the archives to delete")

@@ -1,4 +1,4 @@
-"""The archive subcommands: push, pull, ls, show, get, union, rm.
+"""The archive subcommands: push, pull, ls, show, get, union (rm is with the aliases, in ``aliases``).
 
 Each ``cmd_*`` function runs one subcommand and returns its exit status; torch-facing
 modules are imported inside them, so building the parser imports no torch. Their arguments
@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tannery_protocol.names import did_you_mean
+from .alias_view import alias_line, aliases_by_archive
 from .connection import connect
 from .errors import CommandError
 from .output import Output, human_size, iso_time, local_time, shorten
@@ -146,7 +147,8 @@ def cmd_pull(args: argparse.Namespace, out: Output) -> int:
         # The file is laid out from the description, then written piece by piece as the
         # messages arrive (one held at a time), and renamed into place when whole.
         with make_writer() as writer, out.transfer(f"pull {args.name}", total) as progress:
-            for piece in client.fetch_pieces(args.name, names=names, prefix=args.prefix or None, progress=progress):
+            for piece in client.fetch_pieces(description.name, names=names, prefix=args.prefix or None,
+                                             progress=progress):
                 writer.write(piece)
             paths = writer.finish()
     nbytes = sum(described[name].nbytes for name in selected)
@@ -165,20 +167,24 @@ def cmd_pull(args: argparse.Namespace, out: Output) -> int:
 def cmd_ls(args: argparse.Namespace, out: Output) -> int:
     with connect(args) as client:
         archives = list(client.list(prefix=args.prefix or ""))
+        named = aliases_by_archive(client)
     if args.json:
-        out.json([archive_json(info) for info in archives])
+        out.json([{**archive_json(info), "aliases": named.get(info.name, [])} for info in archives])
     elif not archives:
         out.note("no archives" + (f" named {args.prefix}..." if args.prefix else ""))
     else:
-        rows = [(shorten(a.name, NAME_COLUMNS), str(a.entries), human_size(a.nbytes),
-                 local_time(getattr(a, "created", None))) for a in archives]
-        out.table([("NAME", "left"), ("ENTRIES", "right"), ("SIZE", "right"), ("CREATED", "left")], rows)
+        aliased = any(a.name in named for a in archives)  # the column only when it says something
+        rows = [(shorten(a.name, NAME_COLUMNS), str(a.entries), human_size(a.nbytes), local_time(getattr(
+            a, "created", None)), *([", ".join(named.get(a.name, []))] if aliased else [])) for a in archives]
+        out.table([("NAME", "left"), ("ENTRIES", "right"), ("SIZE", "right"), ("CREATED", "left"),
+                   *([("ALIASES", "left")] if aliased else [])], rows)
     return 0
 
 
 def cmd_show(args: argparse.Namespace, out: Output) -> int:
     with connect(args) as client:
         description = client.describe(args.name)
+        aliases = aliases_by_archive(client, description.name).get(description.name, [])
     entries = entries_of(description)
     metadata = dict(getattr(description, "metadata", {}) or {})
     nbytes = sum(e.nbytes for e in entries)
@@ -187,8 +193,11 @@ def cmd_show(args: argparse.Namespace, out: Output) -> int:
 
     if args.json:
         out.json({"name": args.name, "entries": [entry_json(e) for e in entries], "nbytes": nbytes,
-                  "payload_bytes": payload, "metadata": metadata, "files": files_json(description)})
+                  "payload_bytes": payload, "metadata": metadata, "files": files_json(description),
+                  "archive": description.name, "aliases": aliases})
         return 0
+    if alias_line(args.name, description.name, aliases):
+        out.line(alias_line(args.name, description.name, aliases))
     if metadata:
         out.line("metadata: " + ", ".join(f"{key}={value}" for key, value in sorted(metadata.items())))
     from tannery_protocol.codec import format_shape
@@ -280,15 +289,6 @@ def union_sources(plain: list[str], prefixed: list[str]) -> dict[str, str] | lis
             raise CommandError(f"--prefix {prefix}: given twice", hint="give each prefix once")
         sources[prefix] = name
     return sources
-
-
-def cmd_rm(args: argparse.Namespace, out: Output) -> int:
-    with connect(args) as client:
-        for name in args.names:
-            deleted = client.delete(name)
-            freed = getattr(deleted, "bytes_freed", None)
-            out.result(f"deleted {name}" + (f" ({human_size(freed)} freed)" if freed is not None else ""))
-    return 0
 
 
 # -- records as the JSON output shows them (stable keys, documented in --help) ---------------

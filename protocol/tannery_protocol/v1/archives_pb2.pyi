@@ -235,17 +235,91 @@ class ListResponse(_message.Message):
     def __init__(self, archives: _Optional[_Iterable[_Union[ArchiveInfo, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
-    __slots__ = ("archive",)
+    __slots__ = ("archive", "force")
     ARCHIVE_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
     archive: str
-    def __init__(self, archive: _Optional[str] = ...) -> None: ...
+    force: bool
+    def __init__(self, archive: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
 
 class DeleteResponse(_message.Message):
-    __slots__ = ("deleted", "blobs_removed", "bytes_freed")
+    __slots__ = ("deleted", "blobs_removed", "bytes_freed", "aliases_removed")
     DELETED_FIELD_NUMBER: _ClassVar[int]
     BLOBS_REMOVED_FIELD_NUMBER: _ClassVar[int]
     BYTES_FREED_FIELD_NUMBER: _ClassVar[int]
+    ALIASES_REMOVED_FIELD_NUMBER: _ClassVar[int]
     deleted: ArchiveInfo
     blobs_removed: int
     bytes_freed: int
-    def __init__(self, deleted: _Optional[_Union[ArchiveInfo, _Mapping]] = ..., blobs_removed: _Optional[int] = ..., bytes_freed: _Optional[int] = ...) -> None: ...
+    aliases_removed: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, deleted: _Optional[_Union[ArchiveInfo, _Mapping]] = ..., blobs_removed: _Optional[int] = ..., bytes_freed: _Optional[int] = ..., aliases_removed: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Alias(_message.Message):
+    __slots__ = ("alias", "archive", "moved")
+    ALIAS_FIELD_NUMBER: _ClassVar[int]
+    ARCHIVE_FIELD_NUMBER: _ClassVar[int]
+    MOVED_FIELD_NUMBER: _ClassVar[int]
+    alias: str
+    archive: str
+    moved: _timestamp_pb2.Timestamp
+    def __init__(self, alias: _Optional[str] = ..., archive: _Optional[str] = ..., moved: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class TagRequest(_message.Message):
+    __slots__ = ("alias", "archive", "expect")
+    ALIAS_FIELD_NUMBER: _ClassVar[int]
+    ARCHIVE_FIELD_NUMBER: _ClassVar[int]
+    EXPECT_FIELD_NUMBER: _ClassVar[int]
+    alias: str
+    archive: str
+    expect: str
+    def __init__(self, alias: _Optional[str] = ..., archive: _Optional[str] = ..., expect: _Optional[str] = ...) -> None: ...
+
+class TagResponse(_message.Message):
+    __slots__ = ("alias", "previous", "changed")
+    ALIAS_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    alias: Alias
+    previous: str
+    changed: bool
+    def __init__(self, alias: _Optional[_Union[Alias, _Mapping]] = ..., previous: _Optional[str] = ..., changed: _Optional[bool] = ...) -> None: ...
+
+class UntagRequest(_message.Message):
+    __slots__ = ("alias",)
+    ALIAS_FIELD_NUMBER: _ClassVar[int]
+    alias: str
+    def __init__(self, alias: _Optional[str] = ...) -> None: ...
+
+class UntagResponse(_message.Message):
+    __slots__ = ("removed",)
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    removed: Alias
+    def __init__(self, removed: _Optional[_Union[Alias, _Mapping]] = ...) -> None: ...
+
+class ResolveRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class ResolveResponse(_message.Message):
+    __slots__ = ("archive", "alias")
+    ARCHIVE_FIELD_NUMBER: _ClassVar[int]
+    ALIAS_FIELD_NUMBER: _ClassVar[int]
+    archive: str
+    alias: Alias
+    def __init__(self, archive: _Optional[str] = ..., alias: _Optional[_Union[Alias, _Mapping]] = ...) -> None: ...
+
+class ListAliasesRequest(_message.Message):
+    __slots__ = ("prefix", "archive")
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    ARCHIVE_FIELD_NUMBER: _ClassVar[int]
+    prefix: str
+    archive: str
+    def __init__(self, prefix: _Optional[str] = ..., archive: _Optional[str] = ...) -> None: ...
+
+class ListAliasesResponse(_message.Message):
+    __slots__ = ("aliases",)
+    ALIASES_FIELD_NUMBER: _ClassVar[int]
+    aliases: _containers.RepeatedCompositeFieldContainer[Alias]
+    def __init__(self, aliases: _Optional[_Iterable[_Union[Alias, _Mapping]]] = ...) -> None: ...

@@ -69,6 +69,26 @@ class ArchivesStub:
                 request_serializer=tannery__protocol_dot_v1_dot_archives__pb2.DataPathsRequest.SerializeToString,
                 response_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.DataPathsResponse.FromString,
                 _registered_method=True)
+        self.Tag = channel.unary_unary(
+                '/tannery.v1.Archives/Tag',
+                request_serializer=tannery__protocol_dot_v1_dot_archives__pb2.TagRequest.SerializeToString,
+                response_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.TagResponse.FromString,
+                _registered_method=True)
+        self.Untag = channel.unary_unary(
+                '/tannery.v1.Archives/Untag',
+                request_serializer=tannery__protocol_dot_v1_dot_archives__pb2.UntagRequest.SerializeToString,
+                response_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.UntagResponse.FromString,
+                _registered_method=True)
+        self.Resolve = channel.unary_unary(
+                '/tannery.v1.Archives/Resolve',
+                request_serializer=tannery__protocol_dot_v1_dot_archives__pb2.ResolveRequest.SerializeToString,
+                response_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.ResolveResponse.FromString,
+                _registered_method=True)
+        self.ListAliases = channel.unary_unary(
+                '/tannery.v1.Archives/ListAliases',
+                request_serializer=tannery__protocol_dot_v1_dot_archives__pb2.ListAliasesRequest.SerializeToString,
+                response_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.ListAliasesResponse.FromString,
+                _registered_method=True)
 
 
 class ArchivesServicer:
@@ -138,7 +158,9 @@ class ArchivesServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Delete(self, request, context):
-        """Removes an archive, and the blobs no other archive references.
+        """Removes an archive, and the blobs no other archive references. An archive an alias
+        points at is refused (FAILED_PRECONDITION, "tannery-error" = "alias", naming the aliases)
+        unless DeleteRequest.force, which removes those aliases with it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -152,6 +174,46 @@ class ArchivesServicer:
         answers with the initial metadata "tannery-ticket", a one-time ticket the client
         presents on the data connection. The bytes move there; the call's status is the
         transfer's outcome.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Tag(self, request, context):
+        """Points alias `alias` at archive `archive`, creating the alias or moving it, atomically: a
+        call that names the alias afterwards (Describe, Fetch, a Union's source, Resolve) reads
+        all of the new archive, and one that resolved it before reads all of the old one. Aliases
+        and archives share one namespace: an alias that is an archive's name is refused
+        (FAILED_PRECONDITION, trailing metadata "tannery-error" = "alias"), so is a target that
+        is itself an alias (point at the archive it names); a missing target is NOT_FOUND.
+        With `expect`, a compare-and-set: the move happens only when the alias points at
+        `expect` now (`expect` empty: only when the alias does not exist yet); otherwise
+        FAILED_PRECONDITION ("tannery-error" = "alias") names the alias's current target. A Tag
+        to the target the alias already has answers OK with `changed` false, whatever `expect`
+        says, so a Tag retried after its answer was lost does not fail.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Untag(self, request, context):
+        """Removes an alias (the archive stays). NOT_FOUND when there is no such alias.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Resolve(self, request, context):
+        """The archive a name denotes now: an alias's target, or an archive's own name. NOT_FOUND
+        when the name is neither.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListAliases(self, request, context):
+        """Every alias whose name starts with `prefix` (and that points at `archive`, when given),
+        sorted by name, in one answer (aliases are few: one per deployment, not per checkpoint).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -194,6 +256,26 @@ def add_ArchivesServicer_to_server(servicer, server):
                     servicer.DataPaths,
                     request_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.DataPathsRequest.FromString,
                     response_serializer=tannery__protocol_dot_v1_dot_archives__pb2.DataPathsResponse.SerializeToString,
+            ),
+            'Tag': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tag,
+                    request_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.TagRequest.FromString,
+                    response_serializer=tannery__protocol_dot_v1_dot_archives__pb2.TagResponse.SerializeToString,
+            ),
+            'Untag': grpc.unary_unary_rpc_method_handler(
+                    servicer.Untag,
+                    request_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.UntagRequest.FromString,
+                    response_serializer=tannery__protocol_dot_v1_dot_archives__pb2.UntagResponse.SerializeToString,
+            ),
+            'Resolve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resolve,
+                    request_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.ResolveRequest.FromString,
+                    response_serializer=tannery__protocol_dot_v1_dot_archives__pb2.ResolveResponse.SerializeToString,
+            ),
+            'ListAliases': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAliases,
+                    request_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.ListAliasesRequest.FromString,
+                    response_serializer=tannery__protocol_dot_v1_dot_archives__pb2.ListAliasesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -385,6 +467,114 @@ class Archives:
             '/tannery.v1.Archives/DataPaths',
             tannery__protocol_dot_v1_dot_archives__pb2.DataPathsRequest.SerializeToString,
             tannery__protocol_dot_v1_dot_archives__pb2.DataPathsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tag(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tannery.v1.Archives/Tag',
+            tannery__protocol_dot_v1_dot_archives__pb2.TagRequest.SerializeToString,
+            tannery__protocol_dot_v1_dot_archives__pb2.TagResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Untag(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tannery.v1.Archives/Untag',
+            tannery__protocol_dot_v1_dot_archives__pb2.UntagRequest.SerializeToString,
+            tannery__protocol_dot_v1_dot_archives__pb2.UntagResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resolve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tannery.v1.Archives/Resolve',
+            tannery__protocol_dot_v1_dot_archives__pb2.ResolveRequest.SerializeToString,
+            tannery__protocol_dot_v1_dot_archives__pb2.ResolveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAliases(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tannery.v1.Archives/ListAliases',
+            tannery__protocol_dot_v1_dot_archives__pb2.ListAliasesRequest.SerializeToString,
+            tannery__protocol_dot_v1_dot_archives__pb2.ListAliasesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,18 +7,20 @@ the server gives them their statuses (``tannery_server.storage_failures``).
 ``PostgresCatalog`` and ``S3BlobStore`` (what replicas share) are imported on first use, so
 the embedded server never needs psycopg or boto3."""
 
-from .base import (ArchiveRecord, BlobFile, BlobInfo, BlobStore, Catalog, CatalogTotals, EntryRecord, ArchiveLimits,
+from .base import (AliasRecord, ArchiveRecord, BlobFile, BlobInfo, BlobStore, Catalog, CatalogTotals, EntryRecord, ArchiveLimits,
                    SharedCatalog, TempBlob)
 from .reserve import SpaceReserve
 from .blob_cache import CachedBlobStore
 from .catalog_and_blobs import Storage
 from .core import Collected, StorageBase
-from .errors import (ArchiveExists, CatalogTooNew, Damaged, DigestMismatch, InvalidRequest, NoSuchArchive, OutOfResources,
+from .errors import (AliasConflict, ArchiveExists, CatalogTooNew, Damaged, DigestMismatch, InvalidRequest, NoSuchArchive, OutOfResources,
                      Refusal, StorageError, StorageFull, StorageUnavailable, TooManyEntries)
 from .lock import DataDirectoryInUse, DataDirectoryLock
 from .payload_writer import PayloadWriter
 
 __all__ = [
+    "AliasConflict",
+    "AliasRecord",
     "ArchiveExists",
     "ArchiveRecord",
     "BlobFile",

@@ -92,6 +92,22 @@ class ArchiveRecord:
     #: Set on the record a Store or Union returns when it found the archive already holding
     #: exactly its content and stored nothing (never kept in the catalog).
     already_stored: bool = field(default=False, compare=False)
+    #: Set on the record a Delete returns: the aliases removed with it (``force``), sorted.
+    untagged: tuple[str, ...] = field(default=(), compare=False)
+
+
+@dataclass(frozen=True)
+class AliasRecord:
+    """An alias: a name pointing at an archive's name, moved atomically (see :meth:`Catalog.tag`)."""
+
+    alias: str
+    archive: str
+    #: When it was created or last moved (``time.time_ns()``).
+    moved_ns: int
+    #: On what :meth:`Catalog.tag` returns: the archive it pointed at before ("" when created),
+    #: and whether the tag wrote anything (False: it already pointed there).
+    previous: str = field(default="", compare=False)
+    changed: bool = field(default=True, compare=False)
 
 
 @dataclass(frozen=True)
@@ -119,6 +135,36 @@ class Catalog(ABC):
 
     @abstractmethod
     def archive(self, name: str) -> ArchiveRecord | None: ...
+
+    @abstractmethod
+    def lookup(self, name: str) -> ArchiveRecord | None:
+        """The archive ``name`` denotes now, in one query: the archive of that name, or the one
+        the alias ``name`` points at (its record carries the archive's own name, which the
+        caller then reads by, so one call never reads two versions). What every read takes."""
+        ...
+
+    @abstractmethod
+    def alias(self, name: str) -> AliasRecord | None:
+        """The alias of that name, if there is one."""
+        ...
+
+    @abstractmethod
+    def aliases(self, prefix: str = "", archive: str = "") -> list[AliasRecord]:
+        """The aliases whose names start with ``prefix`` (pointing at ``archive`` if given), by name."""
+        ...
+
+    @abstractmethod
+    def tag(self, alias: str, archive: str, expect: str | None, now_ns: int) -> AliasRecord:
+        """Point ``alias`` at ``archive`` in one transaction (:mod:`.alias_sql`'s rules): a record
+        with ``changed`` False when it already points there; AliasConflict when ``alias`` is an
+        archive's name, ``archive`` is an alias, or ``expect`` (None: no condition; "": no alias
+        yet) is not its current target; NoSuchArchive when ``archive`` does not exist."""
+        ...
+
+    @abstractmethod
+    def untag(self, alias: str) -> AliasRecord | None:
+        """Remove an alias; returns it (None if absent)."""
+        ...
 
     @abstractmethod
     def entries(self, archive: str, names: Sequence[str]) -> dict[str, EntryRecord]:
@@ -177,8 +223,10 @@ class Catalog(ABC):
         ...
 
     @abstractmethod
-    def delete_archive(self, name: str) -> tuple[ArchiveRecord | None, list[str]]:
-        """Remove an archive; returns it (None if absent) and the digests it referenced."""
+    def delete_archive(self, name: str, force: bool = False) -> tuple[ArchiveRecord | None, list[str]]:
+        """Remove an archive; returns it (None if absent) and the digests it referenced.
+        AliasConflict naming the aliases that point at it, unless ``force``: then they are
+        removed with it (named in the record's ``untagged``)."""
         ...
 
     @abstractmethod

@@ -255,13 +255,17 @@ class Storage(StorageBase):
         self.collect(released)
         return record
 
-    def delete(self, name: str) -> tuple[ArchiveRecord | None, Collected]:
+    def _catalog_write(self, write: Callable[[], T], freeing: bool = False) -> T:
+        return self._write_catalog(write, use_reserve=freeing)
+
+    def delete(self, name: str, force: bool = False) -> tuple[ArchiveRecord | None, Collected]:
         """Remove an archive and the blobs only it referenced; works on a disk with no free byte.
 
         On a full disk the catalog write uses the space reserve; the blobs' removal then
         frees space, and the reserve is re-created once there is room for it.
         """
-        record, released = self._write_catalog(lambda: self.catalog.delete_archive(name), use_reserve=True)
+        record, released = self._write_catalog(lambda: self.catalog.delete_archive(name, force),
+                                              use_reserve=True)
         try:
             collected = self.collect(released)
         finally:

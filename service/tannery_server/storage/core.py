@@ -16,12 +16,13 @@ import errno
 import hashlib
 import logging
 import sqlite3
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence, TypeVar
 
-from .base import ArchiveLimits, ArchiveRecord, BlobFile, BlobInfo, BlobStore, Catalog, EntryRecord
+from .base import AliasRecord, ArchiveLimits, ArchiveRecord, BlobFile, BlobInfo, BlobStore, Catalog, EntryRecord
 from .disk import EXHAUSTED_ERRNOS, free_bytes, is_disk_full
 from .errors import Damaged, OutOfResources, StorageFull, StorageUnavailable
 from .block_reader import BlockReader
@@ -92,8 +93,24 @@ class StorageBase(ABC):
         """Make ``target`` of the entries of ``(archive, prefix)`` sources (:meth:`Catalog.union`)."""
 
     @abstractmethod
-    def delete(self, name: str) -> tuple[ArchiveRecord | None, Collected]:
-        """Remove an archive (None if absent) and free what only it referenced."""
+    def delete(self, name: str, force: bool = False) -> tuple[ArchiveRecord | None, Collected]:
+        """Remove an archive (None if absent) and free what only it referenced; an archive an
+        alias points at only with ``force``, which removes those aliases (:meth:`Catalog.delete_archive`)."""
+
+    # Aliases (catalog rows only: no blob changes) ---------------------------------------------
+
+    def tag(self, alias: str, archive: str, expect: str | None) -> AliasRecord:
+        """Point ``alias`` at ``archive`` now (:meth:`Catalog.tag`)."""
+        return self._catalog_write(lambda: self.catalog.tag(alias, archive, expect, time.time_ns()))
+
+    def untag(self, alias: str) -> AliasRecord | None:
+        """Remove ``alias`` (None if absent); possible on a full disk, as a Delete is."""
+        return self._catalog_write(lambda: self.catalog.untag(alias), freeing=True)
+
+    def _catalog_write(self, write: Callable[[], T], freeing: bool = False) -> T:
+        """Run a catalog write that touches no blob (the embedded storage answers a full disk
+        there, ``freeing`` ones with its space reserve)."""
+        return write()
 
     # Holding blobs ----------------------------------------------------------------------
 

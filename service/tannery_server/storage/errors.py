@@ -58,6 +58,12 @@ class NoSuchArchive(Refusal):
     """An archive the request names (a source of a union) is not there."""
 
 
+class AliasConflict(Refusal):
+    """A write that aliases forbid: a compare-and-set Tag whose alias moved meanwhile, a name
+    that is an alias where an archive is needed (or the reverse), an archive an alias points at
+    deleted without ``force``. The message names the alias, its target and the remedy."""
+
+
 class InvalidRequest(Refusal):
     """The request would make an archive the rules forbid: a union giving one entry name from
     two sources, or an entry name over the name limit."""
@@ -67,5 +73,5 @@ class TooManyEntries(Refusal):
     """The request would make an archive of more entries than the configured limit."""
 
 
-__all__ = ["ArchiveExists", "CatalogTooNew", "Damaged", "DigestMismatch", "InvalidRequest", "NoSuchArchive",
+__all__ = ["AliasConflict", "ArchiveExists", "CatalogTooNew", "Damaged", "DigestMismatch", "InvalidRequest", "NoSuchArchive",
            "OutOfResources", "Refusal", "StorageError", "StorageFull", "StorageUnavailable", "TooManyEntries"]

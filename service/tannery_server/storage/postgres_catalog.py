@@ -31,10 +31,12 @@ agree to well within the collection's grace period.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable, Iterable, Mapping, Sequence
 
-from .base import ArchiveLimits, ArchiveRecord, BlobInfo, CatalogTotals, EntryRecord, SharedCatalog
+from . import alias_sql
+from .base import AliasRecord, ArchiveLimits, ArchiveRecord, BlobInfo, CatalogTotals, EntryRecord, SharedCatalog
 from .catalog_sql import (ARCHIVE_COLUMNS, BLOB_COLUMNS, ENTRY_COLUMNS, ENTRY_COPIED, ENTRY_INSERT, archive_from_row,
                           check_union_limits, compare_existing, duplicate_error, entries_under_query, entry_from_row,
                           entry_values, metadata_text)
@@ -80,6 +82,32 @@ class PostgresCatalog(SharedCatalog):
         row = self._db.read(f"reading archive {name!r}", lambda cur: cur.execute(
             f"SELECT {ARCHIVE_COLUMNS} FROM archives WHERE name = %s", (name,)).fetchone())
         return archive_from_row(row) if row else None
+
+    def lookup(self, name: str) -> ArchiveRecord | None:
+        row = self._db.read(f"looking up {name!r}", lambda cur: cur.execute(
+            f"SELECT {ARCHIVE_COLUMNS} FROM archives WHERE {alias_sql.lookup_sql('%s')}", (name, name)).fetchone())
+        return archive_from_row(row) if row else None
+
+    def alias(self, name: str) -> AliasRecord | None:
+        return self._db.read(f"reading alias {name!r}", lambda cur: alias_sql.alias_of(_query(cur), "%s", name))
+
+    def aliases(self, prefix: str = "", archive: str = "") -> list[AliasRecord]:
+        return self._db.read("listing aliases", lambda cur: alias_sql.aliases(_query(cur), "%s", prefix, archive))
+
+    def tag(self, alias: str, archive: str, expect: str | None, now_ns: int) -> AliasRecord:
+        def work(cur: Cursor) -> AliasRecord:
+            for name in sorted({alias, archive}):  # the alias's writes, and the target's (no Delete meanwhile)
+                self._lock_name(cur, name)
+            return alias_sql.tag(_query(cur), "%s", alias, archive, expect, now_ns)
+
+        return self._db.write(f"tagging {archive!r} as {alias!r}", work)
+
+    def untag(self, alias: str) -> AliasRecord | None:
+        def work(cur: Cursor) -> AliasRecord | None:
+            self._lock_name(cur, alias)
+            return alias_sql.untag(_query(cur), "%s", alias)
+
+        return self._db.write(f"removing alias {alias!r}", work)
 
     def entries(self, archive: str, names: Sequence[str]) -> dict[str, EntryRecord]:
         rows = self._db.read(f"reading entries of {archive!r}", lambda cur: cur.execute(
@@ -170,6 +198,7 @@ class PostgresCatalog(SharedCatalog):
     def _begin_archive(cur: Cursor, name: str, replace: bool, created_ns: int,
                        metadata: Mapping[str, str] | None = None) -> int:
         """ArchiveExists unless the name is free or may be replaced; the new archive, nameless."""
+        alias_sql.refuse_alias_name(_query(cur), "%s", name, "archive")
         if not replace and cur.execute("SELECT 1 FROM archives WHERE name = %s", (name,)).fetchone():
             raise ArchiveExists(f"archive {name!r} already exists")
         return cur.execute(
@@ -268,7 +297,8 @@ class PostgresCatalog(SharedCatalog):
     @staticmethod
     def _source_id(cur: Cursor, archive: str) -> int:
         """A union's source, locked against deletion and replacement until the union commits."""
-        row = cur.execute("SELECT id FROM archives WHERE name = %s FOR SHARE", (archive,)).fetchone()
+        row = cur.execute(f"SELECT id FROM archives WHERE {alias_sql.lookup_sql('%s')} FOR SHARE",
+                          (archive, archive)).fetchone()
         if row is None:
             raise NoSuchArchive(f"archive {archive!r} not found (a source of the union)")
         return row[0]
@@ -284,15 +314,16 @@ class PostgresCatalog(SharedCatalog):
         return duplicate_error(row[0] if row else "?", sources, ids, lambda other_id, inner: cur.execute(
             "SELECT 1 FROM entries WHERE archive_id = %s AND name = %s", (other_id, inner)).fetchone() is not None)
 
-    def delete_archive(self, name: str) -> tuple[ArchiveRecord | None, list[str]]:
+    def delete_archive(self, name: str, force: bool = False) -> tuple[ArchiveRecord | None, list[str]]:
         def work(cur: Cursor) -> tuple[ArchiveRecord | None, list[str]]:
             self._lock_name(cur, name)
             row = cur.execute(f"SELECT {ARCHIVE_COLUMNS} FROM archives WHERE name = %s", (name,)).fetchone()
             if row is None:
                 return None, []
+            untagged = alias_sql.release_target(_query(cur), "%s", name, force)
             released = self._drop(cur, name)
             self._touch_unreferenced(cur, released, time.time_ns())
-            return archive_from_row(row), released
+            return dataclasses.replace(archive_from_row(row), untagged=untagged), released
 
         return self._db.write(f"deleting archive {name!r}", work)
 
@@ -397,6 +428,15 @@ class PostgresCatalog(SharedCatalog):
 
     def close(self) -> None:
         self._db.close()
+
+
+def _query(cur: Cursor) -> alias_sql.Query:
+    """Statements on ``cur`` as :mod:`.alias_sql` runs them: each returns its rows (none for a write)."""
+    def run(sql: str, args: tuple) -> list[tuple]:
+        cur.execute(sql, args)
+        return cur.fetchall() if cur.description is not None else []
+
+    return run
 
 
 __all__ = ["MIGRATIONS", "PostgresCatalog", "SCHEMA_VERSION", "safe_name"]

@@ -78,8 +78,18 @@ def _to_version_3(cur: Cursor) -> None:
     cur.execute("ALTER TABLE entries ALTER COLUMN digest SET NOT NULL")
 
 
+def _to_version_4(cur: Cursor) -> None:
+    """Aliases (:mod:`.alias_sql`): a name pointing at an archive's name, and when it last moved."""
+    cur.execute("""CREATE TABLE aliases (
+    alias text COLLATE "C" PRIMARY KEY,
+    target text COLLATE "C" NOT NULL,
+    moved_ns bigint NOT NULL
+)""")
+    cur.execute("CREATE INDEX aliases_by_target ON aliases (target)")
+
+
 #: ``MIGRATIONS[n]`` brings schema version ``n`` to ``n + 1`` (0: an empty database).
-MIGRATIONS: tuple[Callable[[Cursor], None], ...] = (_to_version_1, _to_version_2, _to_version_3)
+MIGRATIONS: tuple[Callable[[Cursor], None], ...] = (_to_version_1, _to_version_2, _to_version_3, _to_version_4)
 SCHEMA_VERSION = len(MIGRATIONS)
 #: The advisory lock (two-key form, apart from the names' one-key locks) of schema changes.
 _SCHEMA_LOCK = (0x7A77, 1)

@@ -181,6 +181,6 @@ class SharedStorage(StorageBase):
         record, _released = self.catalog.union(target, sources, replace, time.time_ns(), limits, metadata)
         return record
 
-    def delete(self, name: str) -> tuple[ArchiveRecord | None, Collected]:
-        record, _released = self.catalog.delete_archive(name)
+    def delete(self, name: str, force: bool = False) -> tuple[ArchiveRecord | None, Collected]:
+        record, _released = self.catalog.delete_archive(name, force)
         return record, Collected()

@@ -9,12 +9,14 @@ versioned (:mod:`.sqlite_schema`): a catalog of an older version is migrated
 
 from __future__ import annotations
 
+import dataclasses
 import sqlite3
 import threading
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from .base import ArchiveLimits, ArchiveRecord, BlobInfo, Catalog, CatalogTotals, EntryRecord
+from . import alias_sql
+from .base import AliasRecord, ArchiveLimits, ArchiveRecord, BlobInfo, Catalog, CatalogTotals, EntryRecord
 from .catalog_sql import (ARCHIVE_COLUMNS, BLOB_COLUMNS, ENTRY_COLUMNS, ENTRY_COPIED, ENTRY_INSERT, archive_from_row,
                           check_union_limits, compare_existing, duplicate_error, entries_under_query, entry_from_row,
                           entry_values, metadata_text)
@@ -72,6 +74,18 @@ class SqliteCatalog(Catalog):
             f"SELECT {ARCHIVE_COLUMNS} FROM archives WHERE name = ?", (name,)
         ).fetchone()
         return archive_from_row(row) if row else None
+
+    def lookup(self, name: str) -> ArchiveRecord | None:
+        row = self._reader().execute(
+            f"SELECT {ARCHIVE_COLUMNS} FROM archives WHERE {alias_sql.lookup_sql('?')}", (name, name)
+        ).fetchone()
+        return archive_from_row(row) if row else None
+
+    def alias(self, name: str) -> AliasRecord | None:
+        return alias_sql.alias_of(_query(self._reader()), "?", name)
+
+    def aliases(self, prefix: str = "", archive: str = "") -> list[AliasRecord]:
+        return alias_sql.aliases(_query(self._reader()), "?", prefix, archive)
 
     def entries(self, archive: str, names: Sequence[str]) -> dict[str, EntryRecord]:
         conn = self._reader()
@@ -175,6 +189,7 @@ class SqliteCatalog(Catalog):
                        metadata: Mapping[str, str] | None = None) -> int:
         """Check the name is free (or may be replaced) and create the archive under a
         temporary name, so that its sources may include the archive it replaces."""
+        alias_sql.refuse_alias_name(_query(conn), "?", name, "archive")
         if not replace and conn.execute("SELECT 1 FROM archives WHERE name = ?", (name,)).fetchone():
             raise ArchiveExists(f"archive {name!r} already exists")
         cursor = conn.execute(
@@ -239,7 +254,8 @@ class SqliteCatalog(Catalog):
         with self._transaction() as conn:
             ids = []
             for archive, _prefix in sources:
-                row = conn.execute("SELECT id FROM archives WHERE name = ?", (archive,)).fetchone()
+                row = conn.execute(f"SELECT id FROM archives WHERE {alias_sql.lookup_sql('?')}",
+                                   (archive, archive)).fetchone()
                 if row is None:
                     raise NoSuchArchive(f"archive {archive!r} not found (a source of the union)")
                 ids.append(row[0])
@@ -281,12 +297,21 @@ class SqliteCatalog(Catalog):
         return duplicate_error(row[0] if row else "?", sources, ids, lambda other_id, inner: conn.execute(
             "SELECT 1 FROM entries WHERE archive_id = ? AND name = ?", (other_id, inner)).fetchone() is not None)
 
-    def delete_archive(self, name: str) -> tuple[ArchiveRecord | None, list[str]]:
+    def delete_archive(self, name: str, force: bool = False) -> tuple[ArchiveRecord | None, list[str]]:
         with self._transaction() as conn:
             row = conn.execute(f"SELECT {ARCHIVE_COLUMNS} FROM archives WHERE name = ?", (name,)).fetchone()
             if row is None:
                 return None, []
-            return archive_from_row(row), self._drop(conn, name)
+            untagged = alias_sql.release_target(_query(conn), "?", name, force)
+            return dataclasses.replace(archive_from_row(row), untagged=untagged), self._drop(conn, name)
+
+    def tag(self, alias: str, archive: str, expect: str | None, now_ns: int) -> AliasRecord:
+        with self._transaction() as conn:
+            return alias_sql.tag(_query(conn), "?", alias, archive, expect, now_ns)
+
+    def untag(self, alias: str) -> AliasRecord | None:
+        with self._transaction() as conn:
+            return alias_sql.untag(_query(conn), "?", alias)
 
     def forget_blobs(self, digests: Iterable[str]) -> None:
         with self._transaction() as conn:
@@ -310,6 +335,11 @@ class SqliteCatalog(Catalog):
             self._readers.clear()
         with self._write_lock:
             self._writer.close()
+
+
+def _query(conn: sqlite3.Connection) -> alias_sql.Query:
+    """Statements on ``conn`` as :mod:`.alias_sql` runs them: each returns its rows."""
+    return lambda sql, args: conn.execute(sql, args).fetchall()
 
 
 class _Transaction:

@@ -75,9 +75,19 @@ def _to_version_3(conn: sqlite3.Connection) -> None:
     conn.execute("UPDATE entries SET digest = blob")
 
 
+def _to_version_4(conn: sqlite3.Connection) -> None:
+    """Aliases (:mod:`.alias_sql`): a name pointing at an archive's name, and when it last moved."""
+    conn.execute("""CREATE TABLE IF NOT EXISTS aliases (
+    alias TEXT PRIMARY KEY,
+    target TEXT NOT NULL,
+    moved_ns INTEGER NOT NULL
+) WITHOUT ROWID""")
+    conn.execute("CREATE INDEX IF NOT EXISTS aliases_by_target ON aliases(target)")
+
+
 #: The steps of the schema, in order: ``MIGRATIONS[n]`` brings version ``n`` to ``n + 1``. Each
 #: may be run again on a catalog it has already changed.
-MIGRATIONS = (_to_version_1, _to_version_2, _to_version_3)
+MIGRATIONS = (_to_version_1, _to_version_2, _to_version_3, _to_version_4)
 #: The schema's version (``PRAGMA user_version``) this code reads and writes.
 SCHEMA_VERSION = len(MIGRATIONS)
 

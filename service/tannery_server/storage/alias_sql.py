@@ -1,0 +1,135 @@
+"""Aliases in SQL, written once for the SQLite and PostgreSQL catalogs: the table's rules, run in
+the caller's transaction (which holds the locks its catalog takes for a write of a name).
+
+An alias is a row ``(alias, target, moved_ns)``; ``target`` is an archive's name. Aliases and
+archives share one namespace: no alias is an archive's name, no alias points at an alias, every
+alias points at an archive that exists (a Delete of its target is refused, or with ``force``
+removes it too). Every read resolves a name in the query that finds its archive
+(:data:`LOOKUP`), so a call reads one version whole however the alias moves meanwhile.
+
+The queries take the catalog's placeholder as ``mark`` (``?`` or ``%s``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from .base import AliasRecord
+from .errors import AliasConflict, NoSuchArchive
+
+#: Runs ``(sql, args)`` in the caller's transaction: the rows (none for a statement without).
+Query = Callable[[str, tuple], Sequence[tuple]]
+
+#: The archive a name denotes (its own, or its alias's target), for ``WHERE name = {LOOKUP}``
+#: with the name given twice.
+LOOKUP = "coalesce((SELECT target FROM aliases WHERE alias = {0}), {0})"
+ALIAS_COLUMNS = "alias, target, moved_ns"
+
+
+def lookup_sql(mark: str) -> str:
+    """``name = ...`` resolving an alias (two arguments: the name, twice)."""
+    return "name = " + LOOKUP.format(mark)
+
+
+def target_of(query: Query, mark: str, name: str) -> str | None:
+    rows = query(f"SELECT target FROM aliases WHERE alias = {mark}", (name,))
+    return rows[0][0] if rows else None
+
+
+def alias_of(query: Query, mark: str, name: str) -> AliasRecord | None:
+    rows = query(f"SELECT {ALIAS_COLUMNS} FROM aliases WHERE alias = {mark}", (name,))
+    return AliasRecord(*rows[0]) if rows else None
+
+
+def aliases(query: Query, mark: str, prefix: str, archive: str) -> list[AliasRecord]:
+    """The aliases under ``prefix`` (pointing at ``archive`` if given), by name (names sort by
+    their bytes in both catalogs, so those with the prefix are contiguous)."""
+    sql = f"SELECT {ALIAS_COLUMNS} FROM aliases WHERE alias >= {mark}"
+    args: tuple = (prefix,)
+    if archive:
+        sql += f" AND target = {mark}"
+        args += (archive,)
+    out = []
+    for row in query(sql + " ORDER BY alias", args):
+        if not row[0].startswith(prefix):
+            break
+        out.append(AliasRecord(*row))
+    return out
+
+
+def refuse_alias_name(query: Query, mark: str, name: str, what: str) -> None:
+    """AliasConflict when ``name`` (the archive a Store or Union would write) is an alias."""
+    target = target_of(query, mark, name)
+    if target is not None:
+        raise alias_name_refusal(name, target, what)
+
+
+def alias_name_refusal(name: str, target: str, what: str = "archive") -> AliasConflict:
+    """The refusal of a write of archive ``name``, which is an alias of ``target``."""
+    return AliasConflict(
+        f"{what} {name!r}: that name is an alias (of archive {target!r}), and aliases and archives share one "
+        f"namespace: write under another name (then move the alias there: tannery tag {name} NEW), or "
+        f"remove the alias first (tannery untag {name})")
+
+
+def tag(query: Query, mark: str, alias: str, archive: str, expect: str | None, now_ns: int) -> AliasRecord:
+    """Point ``alias`` at ``archive`` (see :meth:`~.base.Catalog.tag`)."""
+    if query(f"SELECT 1 FROM archives WHERE name = {mark}", (alias,)):
+        raise AliasConflict(
+            f"alias {alias!r}: that name is an archive's, and aliases and archives share one namespace: "
+            "choose another name for the alias")
+    chained = target_of(query, mark, archive)
+    if chained is not None:
+        raise AliasConflict(
+            f"alias {alias!r}: {archive!r} is itself an alias (of {chained!r}), and an alias points at an "
+            f"archive: tag {chained!r} instead")
+    if not query(f"SELECT 1 FROM archives WHERE name = {mark}", (archive,)):
+        raise NoSuchArchive(f"archive {archive!r} not found: alias {alias!r} must point at an archive that exists")
+    current = alias_of(query, mark, alias)
+    if current is not None and current.archive == archive:  # a retry whose answer was lost, or no move
+        return AliasRecord(alias, archive, current.moved_ns, previous=archive, changed=False)
+    if expect is not None and (current.archive if current else "") != expect:
+        raise AliasConflict(_not_expected(alias, current, expect))
+    if current is None:
+        query(f"INSERT INTO aliases ({ALIAS_COLUMNS}) VALUES ({mark}, {mark}, {mark})", (alias, archive, now_ns))
+    else:
+        query(f"UPDATE aliases SET target = {mark}, moved_ns = {mark} WHERE alias = {mark}", (archive, now_ns, alias))
+    return AliasRecord(alias, archive, now_ns, previous=current.archive if current else "", changed=True)
+
+
+def _not_expected(alias: str, current: AliasRecord | None, expect: str) -> str:
+    if current is None:
+        return (f"alias {alias!r} does not exist, not pointing at {expect!r} as expected: tag it without "
+                "expect to create it")
+    wanted = f"{expect!r} as expected" if expect else "no archive (expected no such alias yet)"
+    return (f"alias {alias!r} points at {current.archive!r}, not at {wanted}: another writer moved it; "
+            f"resolve it again (tannery resolve) and decide, or tag without expect to move it regardless")
+
+
+def untag(query: Query, mark: str, alias: str) -> AliasRecord | None:
+    found = alias_of(query, mark, alias)
+    if found is not None:
+        query(f"DELETE FROM aliases WHERE alias = {mark}", (alias,))
+    return found
+
+
+def release_target(query: Query, mark: str, archive: str, force: bool) -> tuple[str, ...]:
+    """Before archive ``archive`` is deleted: the aliases pointing at it, removed when ``force``,
+    else AliasConflict naming them and the remedies."""
+    names = tuple(row[0] for row in query(f"SELECT alias FROM aliases WHERE target = {mark} ORDER BY alias",
+                                          (archive,)))
+    if not names:
+        return ()
+    if not force:
+        listed = ", ".join(repr(n) for n in names)
+        raise AliasConflict(
+            f"archive {archive!r} is what alias{'es' if len(names) > 1 else ''} {listed} point"
+            f"{'' if len(names) > 1 else 's'} at: move {'them' if len(names) > 1 else 'it'} first "
+            f"(tannery tag {names[0]} OTHER) or untag, or delete with force (tannery rm --force, "
+            "delete(name, force=True)) to remove the aliases too")
+    query(f"DELETE FROM aliases WHERE target = {mark}", (archive,))
+    return names
+
+
+__all__ = ["ALIAS_COLUMNS", "LOOKUP", "Query", "alias_name_refusal", "alias_of", "aliases", "lookup_sql", "refuse_alias_name",
+           "release_target", "tag", "target_of", "untag"]
