@@ -19,7 +19,7 @@ import tannery
 import tannery.aio
 from tannery_protocol.errors import NotFound, Unavailable
 
-from .server_harness import running_server
+from .server_harness import HOST, free_port, running_server
 
 WRITE, READ = "watch-write-5d2a", "watch-read-81bc"
 
@@ -151,8 +151,25 @@ def test_a_server_shutting_down_ends_the_watch_unavailable(tmp_path):
             watch = client.watch("prod")
             assert next(watch).archive == "v1"
             server.stop()
-            with pytest.raises(Unavailable):
+            with pytest.raises(Unavailable, match="shutting down"):
                 next(watch)
+
+
+def test_a_watch_resumes_after_the_server_restarts_and_repeats_no_target(tmp_path):
+    port = free_port()
+    with tannery.Client(f"{HOST}:{port}", retries=8) as client:
+        with running_server(tmp_path, port=port):
+            versions(client, "v1", "v2", "v3")
+            client.tag("prod", "v1")
+            watch = client.watch("prod")
+            assert next(watch).archive == "v1"
+            client.tag("prod", "v2")
+            assert next(watch).archive == "v2"
+        with running_server(tmp_path, port=port) as server:
+            eventually(lambda: polled(server) == ["prod"], timeout=15)  # watching again, v2 not repeated
+            client.tag("prod", "v3")
+            assert next(watch).archive == "v3"
+            watch.close()
 
 
 def test_a_watcher_on_one_replica_sees_a_move_made_on_the_other_within_a_second(tmp_path, postgres_url, s3_url):
