@@ -394,7 +394,7 @@ RPCS = [
     Rpc("Publish", _publish, Code.OK),
     Rpc("Subscribe", _subscribe, Code.DEADLINE_EXCEEDED),
 ]
-READERS = {"List", "Describe", "Fetch", "Subscribe", "DataPaths", "Resolve", "ListAliases"}
+READERS = {"List", "Describe", "Fetch", "Subscribe", "DataPaths", "Resolve", "ListAliases", "Watch"}
 
 #: (case, metadata, role the server should grant: None, "read" or "write")
 TOKEN_CASES = [

@@ -35,6 +35,7 @@ from .received import TensorPiece
 from .records import Alias, ArchiveDescription, ArchiveInfo, Deleted, Pruned, Published, Tagged, Untagged
 from .remote import AsyncRemoteArchive
 from .requests import Progress, fetch_request
+from .watches import Watched
 from .waits import END, Acquire, Blocking, Driven, Read, Rpc, Send, Sleep, Status, Steps, Upload, Wait
 
 if TYPE_CHECKING:  # torch is imported where a tensor is made (tannery.readers, tannery.requests)
@@ -159,6 +160,11 @@ class Client(CallCore):
         """As :meth:`tannery.Client.prune`."""
         return await _run(self._prune(prefix, keep_last, dry_run))
 
+    def watch(self, alias: str) -> "AsyncWatch":
+        """As :meth:`tannery.Client.watch`: ``async for moved in client.watch("prod")``; ``async
+        with`` it, or :meth:`AsyncWatch.close` it, to end it."""
+        return AsyncWatch(self, alias)
+
     async def load_state_dict(self, module: torch.nn.Module, name: str, prefix: str = "", strict: bool = True,
                               *, progress: Progress = None) -> Any:
         """As :meth:`tannery.Client.load_state_dict`."""
@@ -224,6 +230,62 @@ class AsyncSubscription:
             self._feed.close()
 
 
+class AsyncWatch:
+    """The targets of a watched alias, an async iterator (and ``async with``): the call is read
+    by a task started at the first ``async for`` step, which keeps only the newest target."""
+
+    def __init__(self, client: Client, alias: str) -> None:
+        self._ready = asyncio.Event()
+        self._watched = client._watched(alias, self._ready.set)
+        self._task: asyncio.Task | None = None
+
+
+    def __aiter__(self) -> "AsyncWatch":
+        return self
+
+    async def __anext__(self) -> Alias:
+        if self._task is None and not self._watched.closed:
+            self._task = asyncio.create_task(_pump(self._watched))
+        while True:
+            self._ready.clear()
+            item = self._watched.take()
+            if item is not None:
+                break
+            await self._ready.wait()
+        if item is END:
+            raise StopAsyncIteration
+        return item
+
+    def close(self) -> None:
+        """End the watch: the call is cancelled, iterating stops."""
+        self._watched.close()
+        self._ready.set()
+
+    async def aclose(self) -> None:
+        """:meth:`close`, and wait until the call is over."""
+        self.close()
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def __aenter__(self) -> "AsyncWatch":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+async def _pump(watched: Watched) -> None:
+    """Read a watch's call (a task that holds no reference to its AsyncWatch)."""
+    try:
+        await _run(watched.pump())
+    except asyncio.CancelledError:
+        if not watched.closed:
+            raise
+
+
 # -- waiting, by awaiting ---------------------------------------------------------------------
 
 
@@ -280,4 +342,4 @@ _WAITS: dict[type, Callable[..., Any]] = {
 }
 
 
-__all__ = ["AsyncRemoteArchive", "AsyncSubscription", "Client"]
+__all__ = ["AsyncRemoteArchive", "AsyncSubscription", "AsyncWatch", "Client"]

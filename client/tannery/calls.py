@@ -26,6 +26,7 @@ from .requests import Methods, Progress, archive_to_store, check_tensors, descri
 from .retention import check_prune, plan_prune
 from .retries import RetryPolicy, call_name, resumed_request
 from .waits import Acquire, Blocking, Rpc, Sleep, Steps
+from .watches import Watched
 from tannery_protocol.v1 import archives_pb2
 
 if TYPE_CHECKING:
@@ -313,6 +314,10 @@ class CallCore:
     def _aliases(self, prefix: str, archive: str | None) -> Steps[list[Alias]]:
         request = archives_pb2.ListAliasesRequest(prefix=prefix, archive=archive or "")
         return [Alias.of(a) for a in (yield from self._unary(self._methods.list_aliases, request)).aliases]
+
+    def _watched(self, alias: str, notify: Callable[[], None]) -> Watched:
+        """A Watch of ``alias`` (not open yet: its ``pump`` opens it), retried as this client retries."""
+        return Watched(self._calls, alias, self._retries, notify)
 
     def _prune(self, prefix: str, keep_last: int, dry_run: bool) -> Steps[Pruned]:
         keep_last = check_prune(prefix, keep_last)

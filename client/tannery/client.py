@@ -221,6 +221,16 @@ class Client(CallCore):
         """Every alias whose name starts with ``prefix`` (pointing at ``archive``, if given), by name."""
         return _run(self._aliases(prefix, archive))
 
+    def watch(self, alias: str) -> "Watch":
+        """Follow ``alias``: an iterator of :class:`~tannery.records.Alias` records (the archive it
+        points at, when it moved there), its current target first, then one per move, made on
+        any replica, until :meth:`Watch.close` (or the ``with`` block ends, or the iterator is
+        dropped after a ``break``). A caller that reads slowly gets the latest target, not
+        every move in between. NotFound naming the alias when there is none, or when it is
+        removed while watched; a server that restarts is watched again (``retries``), its
+        target yielded again only if it changed meanwhile."""
+        return Watch(self, alias)
+
     def prune(self, prefix: str, *, keep_last: int, dry_run: bool = False) -> Pruned:
         """Delete all but the newest ``keep_last`` archives whose names start with ``prefix``
         (newest by creation time), never one an alias points at; ``dry_run`` deletes nothing and
@@ -288,6 +298,49 @@ class LinkSubscription(Subscription):
         self._feed.link.close()
 
 
+class Watch:
+    """The targets of a watched alias (an iterator and a context manager); the call is read on
+    a thread of its own, which keeps only the newest target not yet taken."""
+
+    def __init__(self, client: Client, alias: str) -> None:
+        self._ready = ready = threading.Condition()
+
+        def wake() -> None:  # holds no reference to this Watch: dropping it closes the call
+            with ready:
+                ready.notify_all()
+
+        self._wake = wake
+        self._watched = client._watched(alias, wake)
+        self._thread = threading.Thread(target=_run, args=(self._watched.pump(),), daemon=True,
+                                        name=f"tannery-watch-{alias}")
+        self._thread.start()
+
+    def __iter__(self) -> "Watch":
+        return self
+
+    def __next__(self) -> Alias:
+        with self._ready:
+            while (item := self._watched.take()) is None:
+                self._ready.wait()
+        if item is END:
+            raise StopIteration
+        return item
+
+    def close(self) -> None:
+        """End the watch: the call is cancelled, iterating stops."""
+        self._watched.close()
+        self._wake()
+
+    def __enter__(self) -> "Watch":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
 # -- waiting, by blocking ---------------------------------------------------------------------
 
 
@@ -342,4 +395,4 @@ _WAITS = {
 }
 
 
-__all__ = ["Client", "LinkSubscription", "Subscription"]
+__all__ = ["Client", "LinkSubscription", "Subscription", "Watch"]

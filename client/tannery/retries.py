@@ -13,6 +13,8 @@ off). Every retry is logged at INFO on the ``tannery.client`` logger. What is re
   answer was lost, so that retry reports it deleted (``Deleted.already_gone``);
 - Resolve and ListAliases as reads; Tag as it is (a Tag whose lost attempt moved the alias
   finds it there and answers OK, ``expect`` or not); Untag as Delete (``Untagged.already_gone``);
+- Watch, reopened: its first answer (the alias's target then) is handed on only when it
+  differs from the last one seen (:mod:`tannery.watches`);
 - Fetch, resumed after the entries already received whole (:func:`resumed_request`): no
   entry is fetched twice into the result; the one cut off midway comes again whole.
 

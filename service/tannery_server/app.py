@@ -116,6 +116,8 @@ class RunningServer:
     metrics_port: int | None = None
     #: The Channels servicer (its ``hub`` holds the channels), None when not installed.
     channels: Any = None
+    #: The aliases watched (:class:`~.watching.AliasWatches`).
+    watches: Any = None
     _closers: list[Callable[[], Awaitable[Any] | Any]] = field(default_factory=list)
     #: Run while calls drain: they end calls that would otherwise never finish (subscriptions).
     _enders: list[Callable[[], Awaitable[Any]]] = field(default_factory=list)
@@ -208,6 +210,7 @@ async def start(config: Config) -> RunningServer:
         archives_servicer = archives.ArchivesServicer(storage, config, data_paths)
         archives.add_to_server(archives_servicer, server)
         closers.append(archives_servicer.close)
+        enders.append(archives_servicer.watches.close)  # watch streams never end by themselves
         services = [ARCHIVES]
         channels_servicer = _register_channels(server, config, enders, data_paths)
         if channels_servicer is not None:
@@ -247,7 +250,7 @@ async def start(config: Config) -> RunningServer:
     watcher.start()
     closers.append(watcher.close)  # closers run in reverse: the watcher stops first
     running = RunningServer(server, port, config, storage, health_servicer, metrics_port, channels_servicer,
-                            closers, enders)
+                            archives_servicer.watches, closers, enders)
     security = _security_summary(config, tokens, running.target)
     metrics_at = metrics_url(config.metrics_host or config.host, metrics_port) if metrics_port else "off"
     log.info("serving on %s (gRPC), %s, metrics %s; %s; %s", running.target, data_paths.describe(), metrics_at,

@@ -30,6 +30,7 @@ from .storage import AliasRecord, ArchiveLimits, ArchiveRecord, Storage
 from .storage_failures import failure_of
 from .store_session import StoreSession
 from .validation import check_archive_name, check_metadata, check_prefix
+from .watching import add_watch
 from .workers import Workers
 from tannery_protocol.wire import parse_store_request, serialize_response
 
@@ -72,6 +73,8 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
         self.plane = DataPlane(data_paths, self.workers, failure_of=self.failure_of)
         self._run = self.workers.run
         self._limits = ArchiveLimits(config.max_entries, config.max_name_bytes)
+        #: The aliases watched (Watch), one catalog reader each; closed as the server stops.
+        self.watches = add_watch(self)
 
     def close(self) -> None:
         self.workers.close()
@@ -243,6 +246,16 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
     async def ListAliases(self, request: archives_pb2.ListAliasesRequest, context) -> archives_pb2.ListAliasesResponse:
         records = await self._run(self.storage.catalog.aliases, request.prefix, request.archive)
         return archives_pb2.ListAliasesResponse(aliases=[alias_info(r) for r in records])
+
+    @answering_failures
+    async def Watch(self, request: archives_pb2.WatchRequest, context) -> None:
+        alias = self._alias_name(request.alias)
+        if await self._run(self.storage.catalog.alias, alias) is None:
+            there = await self._run(self.storage.catalog.archive, alias)
+            if there is not None:
+                raise Missing(f"alias {alias!r} not found: it is an archive's name, and an archive never moves "
+                              "(watch an alias: tannery tag ALIAS ARCHIVE makes one)")
+        await self.watches.serve(alias, context, self.failure_of)
 
     def _alias_name(self, name: str) -> str:
         current_call().note("alias", name)

@@ -1,4 +1,4 @@
-"""The subcommands that move and remove names: tag, untag, rm (which aliases hold back) and prune.
+"""The subcommands that move, follow and remove names: tag, untag, watch, rm (which aliases hold back) and prune.
 
 An alias is a name pointing at an archive, moved atomically (``tannery tag prod runs/7/step-2000``):
 readers that name it read one archive whole, the old or the new, never a mix.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 from typing import Any
 
 from .archives import archive_json, name_arg, subcommand
@@ -47,6 +48,26 @@ def cmd_untag(args: argparse.Namespace, out: Output) -> int:
         out.json({"alias": removed.alias, "archive": removed.archive})
     else:
         out.result(f"removed alias {removed.alias}" + (f" (it pointed at {removed.archive})" if removed.archive else ""))
+    return 0
+
+JSON_WATCH = ("watch --json prints one JSON object per line: {alias, archive, moved (ISO 8601 UTC)}, the current "
+              "target first, then one per move.")
+
+
+def cmd_watch(args: argparse.Namespace, out: Output) -> int:
+    with connect(args) as client:
+        with client.watch(args.alias) as watch:
+            first = True
+            for moved in watch:
+                if args.json:
+                    out.line(json.dumps({"alias": moved.alias, "archive": moved.archive,
+                                         "moved": iso_time(moved.moved)}), flush=True)
+                else:
+                    what = "points at" if first else "moved to"
+                    out.line(f"{local_time(moved.moved)}  {moved.alias} {what} {moved.archive}", flush=True)
+                if first:
+                    out.note(f"watching {args.alias}; Ctrl-C to stop")
+                    first = False
     return 0
 
 
@@ -137,6 +158,18 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
     untag.add_argument("alias", metavar="ALIAS", type=name_arg, help="the alias to remove")
     untag.add_argument("--json", action="store_true", help="print JSON (keys above)")
 
+    watch = command(
+        "watch", "follow an alias: its target now, then each move",
+        "Print the archive ALIAS points at now, then a line each time it moves (on any replica; within about "
+        "half a second), with the local time it moved, until Ctrl-C. A move made twice before the line is "
+        "printed shows only where it ended. An alias removed while watched ends the command with an error. "
+        + JSON_WATCH,
+        "  tannery watch prod\n  tannery watch prod --json\n",
+        cmd_watch,
+    )
+    watch.add_argument("alias", metavar="ALIAS", type=name_arg, help="the alias to follow")
+    watch.add_argument("--json", action="store_true", help="print one JSON object per line (keys above)")
+
     prune = command(
         "prune", "delete all but the newest archives under a prefix",
         "Delete every archive whose name starts with PREFIX but the newest N (by creation time), never one an "
@@ -151,4 +184,4 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
     prune.add_argument("--json", action="store_true", help="print JSON (keys above)")
 
 
-__all__ = ["add_commands", "cmd_prune", "cmd_rm", "cmd_tag", "cmd_untag"]
+__all__ = ["add_commands", "cmd_prune", "cmd_rm", "cmd_tag", "cmd_untag", "cmd_watch"]

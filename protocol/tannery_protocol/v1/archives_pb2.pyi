@@ -323,3 +323,17 @@ class ListAliasesResponse(_message.Message):
     ALIASES_FIELD_NUMBER: _ClassVar[int]
     aliases: _containers.RepeatedCompositeFieldContainer[Alias]
     def __init__(self, aliases: _Optional[_Iterable[_Union[Alias, _Mapping]]] = ...) -> None: ...
+
+class WatchRequest(_message.Message):
+    __slots__ = ("alias",)
+    ALIAS_FIELD_NUMBER: _ClassVar[int]
+    alias: str
+    def __init__(self, alias: _Optional[str] = ...) -> None: ...
+
+class WatchResponse(_message.Message):
+    __slots__ = ("archive", "moved")
+    ARCHIVE_FIELD_NUMBER: _ClassVar[int]
+    MOVED_FIELD_NUMBER: _ClassVar[int]
+    archive: str
+    moved: _timestamp_pb2.Timestamp
+    def __init__(self, archive: _Optional[str] = ..., moved: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...

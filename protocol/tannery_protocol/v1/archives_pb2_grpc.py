@@ -89,6 +89,11 @@ class ArchivesStub:
                 request_serializer=tannery__protocol_dot_v1_dot_archives__pb2.ListAliasesRequest.SerializeToString,
                 response_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.ListAliasesResponse.FromString,
                 _registered_method=True)
+        self.Watch = channel.unary_stream(
+                '/tannery.v1.Archives/Watch',
+                request_serializer=tannery__protocol_dot_v1_dot_archives__pb2.WatchRequest.SerializeToString,
+                response_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.WatchResponse.FromString,
+                _registered_method=True)
 
 
 class ArchivesServicer:
@@ -219,6 +224,22 @@ class ArchivesServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Watch(self, request, context):
+        """Follows alias `alias`: the first message is its current target, sent at once; then one
+        message each time it moves to another archive, until the client closes the call. Moves
+        made on any replica arrive within about half a second (each server reads the alias from
+        the catalog every 0.25 s, one reader per alias however many watch it). A watcher that
+        reads slowly is sent the latest target, never a backlog: moves in between are skipped.
+        A Tag to the archive the alias already names sends nothing.
+        An alias that does not exist is NOT_FOUND naming it at once (the call does not wait for it
+        to appear); an alias removed while watched (Untag, a forced Delete of its archive) ends the
+        stream NOT_FOUND naming it. A server shutting down ends the stream UNAVAILABLE: watch
+        again (the clients do, and send the target again only when it changed meanwhile).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ArchivesServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -276,6 +297,11 @@ def add_ArchivesServicer_to_server(servicer, server):
                     servicer.ListAliases,
                     request_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.ListAliasesRequest.FromString,
                     response_serializer=tannery__protocol_dot_v1_dot_archives__pb2.ListAliasesResponse.SerializeToString,
+            ),
+            'Watch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Watch,
+                    request_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.WatchRequest.FromString,
+                    response_serializer=tannery__protocol_dot_v1_dot_archives__pb2.WatchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -575,6 +601,33 @@ class Archives:
             '/tannery.v1.Archives/ListAliases',
             tannery__protocol_dot_v1_dot_archives__pb2.ListAliasesRequest.SerializeToString,
             tannery__protocol_dot_v1_dot_archives__pb2.ListAliasesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Watch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tannery.v1.Archives/Watch',
+            tannery__protocol_dot_v1_dot_archives__pb2.WatchRequest.SerializeToString,
+            tannery__protocol_dot_v1_dot_archives__pb2.WatchResponse.FromString,
             options,
             channel_credentials,
             insecure,
