@@ -361,6 +361,15 @@ def _list_aliases(channel, metadata):
     return _code(lambda: stub.ListAliases(pb.ListAliasesRequest(), timeout=10, metadata=metadata))
 
 
+def _watch(channel, metadata):
+    """An allowed watch answers the alias's target, then waits for a move that never comes:
+    DEADLINE_EXCEEDED."""
+    alias = _unique("watched")
+    stub = archives_pb2_grpc.ArchivesStub(channel)
+    stub.Tag(pb.TagRequest(alias=alias, archive="base"), timeout=10, metadata=(("authorization", f"Bearer {WRITE_TOKEN}"),))
+    return _code(lambda: list(stub.Watch(pb.WatchRequest(alias=alias), timeout=0.5, metadata=metadata)))
+
+
 def _data_paths(channel, metadata):
     stub = archives_pb2_grpc.ArchivesStub(channel)
     return _code(lambda: stub.DataPaths(pb.DataPathsRequest(), timeout=10, metadata=metadata))
@@ -391,6 +400,7 @@ RPCS = [
     Rpc("Untag", _untag, Code.OK),
     Rpc("Resolve", _resolve, Code.OK),
     Rpc("ListAliases", _list_aliases, Code.OK),
+    Rpc("Watch", _watch, Code.DEADLINE_EXCEEDED),
     Rpc("Publish", _publish, Code.OK),
     Rpc("Subscribe", _subscribe, Code.DEADLINE_EXCEEDED),
 ]

@@ -2,7 +2,8 @@
 
 A client sends ``authorization: Bearer <token>`` metadata. Each known token has a role:
 ``read`` may call the RPCs the protos mark ``idempotency_level = NO_SIDE_EFFECTS`` (List,
-Describe, Fetch and Subscribe); ``write`` may call everything.
+Describe, Fetch, DataPaths, Resolve, ListAliases, Watch and Subscribe); ``write`` may call
+everything (Store, Union, Delete, Tag, Untag, Publish).
 Health and reflection answer without a token. With no token configured the server is
 open (and :func:`app.start` says so in a warning).
 
