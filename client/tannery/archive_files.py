@@ -22,42 +22,21 @@ from typing import TYPE_CHECKING, Any
 
 from tannery_protocol import errors
 from tannery_protocol._lazy import lazy_module
-from tannery_protocol.names import SEPARATOR, join
+
+from .file_entries import MARK, entry_name, is_file_entry, split_entry  # noqa: F401 (this module's face)
 
 if TYPE_CHECKING:
     import torch as _torch
 
     from .archive import Archive
-    from .records import FileDescription
+    from .records import FileDescription  # noqa: F401 (annotations only)
 
 torch = lazy_module("torch")
 
-#: What the entry name of a kept file starts with (after its prefix and a dot).
-MARK = "@file:"
 #: The largest file kept with an archive (32 MiB): larger ones are weights or data, not a folder's small files.
 MAX_FILE_BYTES = 32 << 20
 #: The most bytes of files one archive keeps (64 MiB in all).
 MAX_FILES_BYTES = 64 << 20
-
-
-def entry_name(file: str, prefix: str = "") -> str:
-    """The entry that holds ``file``: ``@file:config.json``, under ``prefix`` ``enc.@file:config.json``."""
-    return join(prefix, MARK + file)
-
-
-def split_entry(name: str) -> tuple[str, str] | None:
-    """``(prefix, file)`` of an entry that holds a file, None for a tensor's entry."""
-    if name.startswith(MARK):
-        return "", name[len(MARK):]
-    at = name.find(SEPARATOR + MARK)
-    if at < 0:
-        return None
-    return name[:at], name[at + len(SEPARATOR + MARK):]
-
-
-def is_file_entry(name: str) -> bool:
-    """Whether entry ``name`` holds a kept file (and is no tensor of the archive's)."""
-    return split_entry(name) is not None
 
 
 def check_file_name(file: object, where: str) -> str:

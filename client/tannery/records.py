@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from tannery_protocol.codec import format_shape
 from tannery_protocol.v1 import archives_pb2, channels_pb2
-from .archive_files import split_entry
+from .file_entries import split_entry
 
 if TYPE_CHECKING:
     from .archive import TensorInfo
