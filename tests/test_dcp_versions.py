@@ -157,7 +157,9 @@ def test_a_rank_killed_during_async_save_leaves_the_alias_on_the_last_whole_chec
     said = _run(_killed_async_worker, 2, server.target, "runs/8/")
     statuses = {rank: [status for status, _ in answers] for rank, answers in said.items()}
     assert sorted(statuses[1]) == ["returned", "uploading"], said
-    assert statuses[0][0] == "returned" and statuses[0][-1] == "failed", said
+    # Rank 0's future never succeeds (it raises once gloo notices the dead peer; under load that
+    # may come after the test has stopped waiting, so "ok" is what is ruled out).
+    assert statuses[0][0] == "returned" and "ok" not in statuses[0], said
     # The alias still names the last whole checkpoint; nothing newer or within keep_last was pruned.
     assert client.resolve("runs/8/latest") == "runs/8/step-2"
     assert _checkpoints(client, "runs/8/") == ["runs/8/step-1", "runs/8/step-2"]
