@@ -32,6 +32,11 @@ process group of its own (``dist.new_group(backend="gloo")``), so that its colle
 interleave with the training loop's. ``AsyncCheckpointerType.PROCESS`` pickles the writer
 into a checkpoint process: make the writer from a target then (a client is not picklable;
 the process opens its own).
+
+Versions: ``Writer(target, "runs/7/step-3000", alias="runs/7/latest", keep_last=3)`` moves the
+alias to the checkpoint once it is whole, then prunes the run's older checkpoints (see
+:mod:`tannery.dcp_versions`); ``Reader(target, "runs/7/latest")`` resumes from it, every rank
+reading the one archive the coordinator resolved.
 """
 
 from __future__ import annotations
@@ -60,6 +65,8 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 
 from .archive import MemoryArchive
 from .client import Client
+from .dcp_versions import Versions
+from .records import Pruned
 from tannery_protocol.errors import NotFound
 from .requests import entry_ask
 
@@ -149,13 +156,27 @@ class Writer(_Base, StorageWriter):
     rank then opens its own client). ``replace`` lets the save replace an existing archive
     of that name (else the coordinator refuses before anything is written). ``progress``
     (optional) is called with the payload bytes this rank sends, as they go.
+
+    ``alias`` (optional): once the checkpoint is whole, the alias is moved to it,
+    compare-and-set against where it pointed when the save began (a move by anyone else
+    meanwhile is refused: AliasError, the checkpoint saved, nothing pruned). ``keep_last``
+    (optional, 1 or more): then every checkpoint under ``prune_prefix`` (default: the name up
+    to its last ``/``) but the newest ``keep_last`` and the aliased ones is deleted;
+    :attr:`pruned` says what was. See :mod:`tannery.dcp_versions`.
     """
 
     def __init__(self, client_or_target: Client | str | None, archive: str, *, replace: bool = False,
-                 progress: Callable[[int], Any] | None = None) -> None:
+                 progress: Callable[[int], Any] | None = None, alias: str | None = None,
+                 keep_last: int | None = None, prune_prefix: str | None = None) -> None:
         super().__init__(client_or_target, archive)
         self.replace = replace
         self.progress = progress
+        self.versions = Versions(alias, keep_last, prune_prefix)
+        if keep_last is not None:
+            self.versions.prefix(archive)  # a name with no run prefix is refused at once
+        #: What the last save's prune did (on the coordinator; None when it pruned nothing).
+        self.pruned: Pruned | None = None
+        self._expect: str | None = None
         self.save_id = ""
         self.is_coordinator = False
         self.rank: int | None = None
@@ -179,6 +200,8 @@ class Writer(_Base, StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         if not self.replace and self._exists(self.archive):
             raise FileExistsError(f"tannery.dcp.Writer: archive {self.archive!r} exists (replace=True to replace it)")
+        self._expect = self.versions.begin(self.client, self.archive) if self.versions.wanted else None
+        self.pruned = None
         self.save_id = uuid.uuid4().hex[:16]
         self._parts = [f"{self.archive}.rank-{i}.{self.save_id}" for i in range(len(plans))]
         return [dataclasses.replace(plan, storage_data=_RankPart(part)) for plan, part in zip(plans, self._parts)]
@@ -231,6 +254,8 @@ class Writer(_Base, StorageWriter):
                 self.client.delete(name)
             except Exception:  # the checkpoint is saved; a part left behind is only garbage
                 pass
+        if self.versions.wanted:  # the checkpoint is whole: now the alias, then the prune
+            self.pruned = self.versions.commit(self.client, self.archive, self._expect)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.archive, save_id=self.save_id)
@@ -265,9 +290,7 @@ class Reader(_Base, StorageReader):
         return self._remote
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        remote = self._archive()
-        raw = remote._transfer([entry_ask(remote.entry(METADATA_ENTRY))])[0]
-        metadata: Metadata = pickle.loads(raw.numpy().tobytes())
+        metadata = _metadata_of(self._archive())
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -282,7 +305,23 @@ class Reader(_Base, StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        # Every rank reads the archive the coordinator opened (an alias it resolved): see _agree.
+        return [dataclasses.replace(plan, storage_data=self._archive().name) for plan in plans]
+
+    def _agree(self, chosen: Any) -> None:
+        """Read archive ``chosen`` (the coordinator's) if this rank opened another: an alias moved
+        between the ranks' opens. This rank planned with its own metadata, so the two must lay
+        out the same items the same way; else the load is refused (loading again agrees)."""
+        mine = self._archive()
+        if not isinstance(chosen, str) or chosen == mine.name:
+            return
+        theirs = self.client.archive(chosen, progress=self.progress, lazy=False)
+        ours, other = _metadata_of(mine), _metadata_of(theirs)
+        if (other.state_dict_metadata, other.storage_data) != (ours.state_dict_metadata, ours.storage_data):
+            raise ValueError(f"tannery.dcp.Reader: {self.archive!r} moved during the load: this rank read "
+                             f"{mine.name!r}, the coordinator {chosen!r}, and the two checkpoints differ in layout: "
+                             "load again (every rank then reads the same one)")
+        self._remote = theirs
 
     def _ask(self, req: ReadItem) -> tuple[str, tuple[int, int] | None, int]:
         """(entry, rows or None for the whole entry, the row the fetched tensor starts at)."""
@@ -300,6 +339,7 @@ class Reader(_Base, StorageReader):
         return stored.entry, stored.rows, base
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        self._agree(plan.storage_data)
         remote = self._archive()
         asks = [self._ask(req) for req in plan.items]
         fetched: dict[tuple[str, tuple[int, int] | None], torch.Tensor] = {}
@@ -340,3 +380,9 @@ class Reader(_Base, StorageReader):
         future: Future = Future()
         future.set_result(None)
         return future
+
+
+def _metadata_of(remote: Any) -> Metadata:
+    """DCP's ``Metadata`` saved in a checkpoint (entry :data:`METADATA_ENTRY`)."""
+    raw = remote._transfer([entry_ask(remote.entry(METADATA_ENTRY))])[0]
+    return pickle.loads(raw.numpy().tobytes())
