@@ -270,3 +270,22 @@ def test_a_pull_to_a_file_survives_a_server_killed_inside_an_entry(server, tmp_p
     assert len(firsts) > len(tensors)  # an entry was cut off and came again from its start
     pulled = load_file(str(output))
     assert sorted(pulled) == sorted(tensors) and all(torch.equal(pulled[n], tensors[n]) for n in tensors)
+
+
+@pytest.mark.slow
+def test_a_fetch_of_an_alias_cut_off_midway_is_not_resumed_from_what_it_may_point_at_now(server):
+    """The alias may have moved while the server was down: the rest could come from another
+    version, so the Fetch stops with the reason and the remedy (the archive's own name resumes)."""
+    tensors = checkpoint()
+    with tannery.Client(server.target, transport="grpc") as client:
+        client.store("ckpt", tensors)
+        client.tag("prod", "ckpt")
+    restarter = Restarter(server, after=100 * MiB)
+    got = []
+    with tannery.Client(server.target, retries=6, transport="grpc") as client:
+        with pytest.raises(tannery.AliasError, match=r"'prod' is an alias \(of 'ckpt' now\).*fetch again"):
+            for name, _ in client.fetch_iter("prod", progress=restarter.progress):
+                got.append(name)
+        restarter.join()
+        assert restarter.killed.is_set() and got and len(got) < len(tensors)
+        assert same(tensors, client.fetch("ckpt"))  # by its own name it resumes, as before

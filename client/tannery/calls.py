@@ -220,12 +220,30 @@ class CallCore:
         """The Fetch of what ``request`` asks but the entries ``done``; a request by prefix
         learns the archive's names from one Describe, tried once (it is part of the Fetch's
         attempt: the Fetch's retries cover it)."""
+        yield from self._refuse_resuming_an_alias(request.archive, len(done))
         listed = None
         if not request.entries:
             described = yield from self._unary_once(self._methods.describe,
                                                     archives_pb2.DescribeRequest(archive=request.archive))
             listed = [entry.name for entry in described.entries]
         return resumed_request(request, done, listed)
+
+    def _refuse_resuming_an_alias(self, name: str, done: int) -> Steps[None]:
+        """AliasError when ``name`` is an alias: the Fetch cut off asked for what it pointed at
+        then, which the rest could no longer be taken from if it moved (one version, never a
+        mix). A server from before aliases has none."""
+        try:
+            target = (yield Rpc(self._methods.resolve, archives_pb2.ResolveRequest(name=name),
+                                **self._calls.options())).archive
+        except grpc.RpcError as error:
+            if error.code() is grpc.StatusCode.UNIMPLEMENTED:
+                return
+            raise rpc_error(error, self.target) from None
+        if target != name:
+            raise errors.AliasError(
+                f"Fetch of {name!r} was cut off after {done} whole entries, and {name!r} is an alias (of "
+                f"{target!r} now): the rest is not fetched, since the alias may have moved meanwhile and the "
+                f"entries would mix two versions; fetch again, or fetch the archive itself ({target!r})")
 
     def _fetched(self, request: archives_pb2.FetchRequest, progress: Progress) -> Steps[list[tuple[str, torch.Tensor]]]:
         return (yield from self._entries(request, _readers.EntryReader(progress), keep=True))
