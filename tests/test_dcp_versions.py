@@ -174,6 +174,13 @@ def test_a_rank_killed_during_async_save_leaves_the_alias_on_the_last_whole_chec
     assert [info.name for info in writer.pruned.deleted] == ["runs/8/step-1"]
     _assert_is(_loaded(client, "runs/8/latest"), step=4)
 
+    # Once every checkpoint kept is newer than the killed save's parts, they go with step-2.
+    parts = [info.name for info in client.list("runs/8/step-3")]
+    writer = tannery.dcp.Writer(client, "runs/8/step-5", alias="runs/8/latest", keep_last=2)
+    dcp.save({"model": _state(5), "step": 5}, storage_writer=writer)
+    assert sorted(info.name for info in writer.pruned.deleted) == sorted(["runs/8/step-2", *parts])
+    assert sorted(info.name for info in client.list("runs/8/")) == ["runs/8/step-4", "runs/8/step-5"]
+
 
 @pytest.mark.slow
 def test_every_rank_reads_the_archive_the_coordinator_resolved(server, client):

@@ -12,7 +12,8 @@ then the older checkpoints of its run are pruned, in that order.
 4. Then the run is pruned: the newest ``keep_last`` checkpoints under the prefix are kept, and
    every archive an alias points at. The prefix is ``prune_prefix``, else the checkpoint's name
    up to and including its last ``/`` (``runs/7/``). A DCP part left by a failed save
-   (``*.rank-N.<id>``, ``*.metadata.<id>``) is not a checkpoint: never counted, never deleted.
+   (``*.rank-N.<id>``, ``*.metadata.<id>``) is not a checkpoint: never counted, and deleted
+   once it is older than the oldest checkpoint kept (:mod:`tannery.retention`).
 
 A crash between any two steps leaves the alias on a whole checkpoint (the old one until step 3),
 and nothing newer than it is ever deleted (the checkpoint the alias points at is kept).
@@ -21,24 +22,19 @@ and nothing newer than it is ever deleted (the checkpoint the alias points at is
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from tannery_protocol.errors import AliasError, NotFound
 
 from .client import Client
 from .records import Pruned
-from .retention import plan_prune
+from .retention import is_save_part, plan_prune
 
 __all__ = ["Versions", "is_part", "prune_checkpoints"]
 
-#: The name of a part a save stores before its Union (``Writer``'s ``.rank-N.<id>`` and ``.metadata.<id>``).
-_PART = re.compile(r"\.(?:rank-\d+|metadata)\.[0-9a-f]{16}$")
-
-
 def is_part(name: str) -> bool:
-    """Whether ``name`` is a part of a DCP save (not a checkpoint)."""
-    return _PART.search(name) is not None
+    """Whether ``name`` is a part of a DCP save (not a checkpoint): :func:`tannery.retention.is_save_part`."""
+    return is_save_part(name)
 
 
 @dataclass(frozen=True)
@@ -120,9 +116,8 @@ class Versions:
 
 def prune_checkpoints(client: Client, prefix: str, keep_last: int) -> Pruned:
     """Delete all but the newest ``keep_last`` checkpoints under ``prefix`` (never an aliased one;
-    parts of failed saves are neither counted nor deleted)."""
-    archives = [info for info in client.list(prefix) if not is_part(info.name)]
-    plan = plan_prune(archives, client.aliases(), keep_last)
+    parts of failed saves are not counted, and go once older than the oldest checkpoint kept)."""
+    plan = plan_prune(list(client.list(prefix)), client.aliases(), keep_last)
     deleted, kept = [], list(plan.keep)
     for info in plan.delete:
         try:

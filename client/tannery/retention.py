@@ -5,14 +5,29 @@ as newer) are kept, and so is every archive an alias points at, whatever its age
 deleted by the call core (:meth:`tannery.calls.CallCore._prune`) one Delete each; the server
 refuses a Delete of an archive an alias points at, so one that an alias reached after the List
 is kept too.
+
+The parts a ``tannery.dcp`` save stores before its final Union (``NAME.rank-N.<id>``,
+``NAME.metadata.<id>``) are no checkpoints: they are not counted, so a part a killed save left
+behind never pushes a whole checkpoint out; those older than the oldest archive kept (their save
+began before it and never ended) are deleted with the rest.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from .records import Alias, ArchiveInfo
+
+
+#: The name of a part a ``tannery.dcp`` save stores before its Union (``.rank-N.<id>``, ``.metadata.<id>``).
+_PART = re.compile(r"\.(?:rank-\d+|metadata)\.[0-9a-f]{16}$")
+
+
+def is_save_part(name: str) -> bool:
+    """Whether ``name`` is a part of a ``tannery.dcp`` save (not a checkpoint)."""
+    return _PART.search(name) is not None
 
 
 def check_prune(prefix: str, keep_last: object) -> int:
@@ -43,10 +58,13 @@ def plan_prune(archives: Sequence[ArchiveInfo], aliases: Iterable[Alias], keep_l
     for alias in aliases:
         aliased[alias.archive] = (*aliased.get(alias.archive, ()), alias.alias)
     newest_first = sorted(archives, key=lambda info: (info.created, info.name), reverse=True)
-    keep = tuple(info for index, info in enumerate(newest_first) if index < keep_last or info.name in aliased)
+    whole = [info for info in newest_first if not is_save_part(info.name)]
+    keep = tuple(info for index, info in enumerate(whole) if index < keep_last or info.name in aliased)
     kept_names = {info.name for info in keep}
-    delete = tuple(info for info in newest_first if info.name not in kept_names)
+    oldest_kept = min((info.created for info in keep), default=None)
+    delete = tuple(info for info in newest_first if info.name not in kept_names and (
+        not is_save_part(info.name) or (oldest_kept is not None and info.created < oldest_kept)))
     return PrunePlan(delete, keep, {info.name: aliased[info.name] for info in keep if info.name in aliased})
 
 
-__all__ = ["PrunePlan", "check_prune", "plan_prune"]
+__all__ = ["PrunePlan", "check_prune", "is_save_part", "plan_prune"]
