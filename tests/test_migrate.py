@@ -177,3 +177,17 @@ def test_migrate_help_names_only_its_own_options(capsys):
     with pytest.raises(SystemExit):
         server_main(["scrub", "--help"])
     assert "--reserve-bytes" not in capsys.readouterr().out
+
+
+def test_migrate_run_again_never_moves_an_alias_back(source, target, tmp_path, capsys):
+    """An alias migrated, then moved on the shared store (the cut-over is done): running the
+    migration again to resume leaves it where it was moved, and says so."""
+    with running_server(tmp_path / "tagging", data_dir=source) as server:
+        server.archives().Tag(pb.TagRequest(alias="prod", archive="base"))
+    assert migrate(source, target, capsys)[0] == 0
+    with running_server(tmp_path / "replica", **target) as replica:
+        replica.archives().Tag(pb.TagRequest(alias="prod", archive="tuned"))
+    code, out = migrate(source, target, capsys)
+    assert "alias prod: CONFLICT" in out, out
+    with running_server(tmp_path / "replica", **target) as replica:
+        assert replica.archives().Resolve(pb.ResolveRequest(name="prod")).archive == "tuned"

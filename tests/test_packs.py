@@ -17,7 +17,7 @@ from tannery_server.storage import Storage
 from tannery_server.storage.packs import PACK_BLOCK_SIZE
 
 from .backends import SHARED_TIMINGS, shared_blobs_url
-from .server_harness import ServerProcess, collect_fetch, running_server, store_requests
+from .server_harness import ServerProcess, collect_fetch, running_server, store_requests, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -196,3 +196,57 @@ def test_same_host_small_payloads_go_on_the_connection_itself_only_with_a_server
     # The 2 MiB entry is one memory file, and one file passed, either way.
     assert len(sealed) == (1 if reads_inline else len(SMALL) + 1)
     assert len(mapped) == (1 if reads_inline else len(SMALL) + 1)
+
+
+def test_a_read_racing_a_delete_is_not_found_never_an_empty_archive(tmp_path, monkeypatch):
+    """The archive is found, then deleted before its entries are read (a prune right behind an
+    alias's move): the call answers NOT_FOUND saying so, not OK with no entries."""
+    with running_server(tmp_path) as server:
+        with tannery.Client(server.target, transport="grpc") as client:
+            client.store("model", SMALL)
+            client.tag("latest", "model")
+            catalog = server.storage.catalog
+            real = catalog.entries_under
+
+            def deleted_first(archive: str, prefix: str):
+                catalog.delete_archive(archive, force=True)  # fault injection: a Delete between the two reads
+                return real(archive, prefix)
+
+            monkeypatch.setattr(catalog, "entries_under", deleted_first)
+            with pytest.raises(tannery.NotFound, match=r"archive 'model' \(what 'latest' named\) was deleted while"):
+                client.fetch("latest")
+            monkeypatch.undo()
+            client.store("other", SMALL)
+            monkeypatch.setattr(catalog, "entries_under", deleted_first)
+            with pytest.raises(tannery.NotFound, match="archive 'other' was deleted while this call read it"):
+                client.describe("other")
+
+
+def test_a_store_that_finds_its_content_stored_meanwhile_leaves_no_pack(tmp_path):
+    """Two Stores of one name and the same small entries, in other orders, both begun before either
+    commits: the second finds the archive there (OK, already stored) and its own pack, which no
+    entry references, is collected at once (not left on disk until the next start)."""
+    from .server_harness import commit_request
+    from .store_checks import temporary_files
+
+    payloads = {name: tannery.torch.serialize(t) for name, t in list(SMALL.items())[:20]}
+    with running_server(tmp_path) as server:
+        stub = server.archives()
+        messages = list(store_requests("model", dict(reversed(list(payloads.items()))), commit=False))
+        release = threading.Event()
+
+        def held():
+            yield from messages
+            release.wait(30)
+            yield commit_request(len(payloads), sum(len(p) for p in payloads.values()))
+
+        future = stub.Store.future(held())
+        try:
+            # Its pack is begun (a temporary file): it found no archive of that name.
+            assert wait_for(lambda: temporary_files(server.data_dir))
+            assert not stub.Store(store_requests("model", payloads)).already_stored
+        finally:
+            release.set()
+        assert future.result(timeout=30).already_stored
+        [pack] = {e.blob for e in _entries(server.storage, "model").values()}
+        assert sorted(server.storage.blobs.digests()) == [pack] and not temporary_files(server.data_dir)

@@ -24,7 +24,7 @@ from .dataplane.fetch import serve_fetch
 from .dataplane import listeners
 from .dataplane.plane import DataPlane
 from .dataplane.store import SessionSteps, receive_store
-from .fetching import check_request
+from .fetching import check_request, gone_while_read
 from .handling import add_service, answering_failures
 from .storage import AliasRecord, ArchiveLimits, ArchiveRecord, Storage
 from .storage_failures import failure_of
@@ -163,7 +163,10 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
             if request.names:
                 found = catalog.entries(record.name, request.names)
                 return record, [found[name] for name in sorted(found)]
-            return record, catalog.entries_under(record.name, "")
+            entries = catalog.entries_under(record.name, "")
+            if not entries and record.entries:
+                raise gone_while_read(request.archive, record.name)
+            return record, entries
 
         record, entries = await self._run(read)
         current_call().note("described", len(entries))

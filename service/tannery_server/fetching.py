@@ -125,6 +125,8 @@ def resolve(storage: Storage, request: archives_pb2.FetchRequest) -> list[Plan]:
         archive = record.name
         if not request.entries:
             entries = catalog.entries_under(archive, request.prefix)
+            if not entries and record.entries and not request.prefix:
+                raise gone_while_read(request.archive, archive)
             if request.prefix and not entries:
                 raise Missing(f"archive {request.archive!r}: no entry under prefix {request.prefix!r}")
             blobs = _packs(catalog, entries)
@@ -141,6 +143,13 @@ def resolve(storage: Storage, request: archives_pb2.FetchRequest) -> list[Plan]:
         return plans
 
     return storage.pinned(lookup, digests)
+
+
+def gone_while_read(asked: str, archive: str) -> Missing:
+    """An archive found, then without its entries a moment later: deleted (or replaced) between
+    the two reads of the catalog; never an empty answer for an archive that had entries."""
+    named = f"archive {asked!r}" if asked == archive else f"archive {archive!r} (what {asked!r} named)"
+    return Missing(f"{named} was deleted while this call read it: ask again")
 
 
 def _packs(catalog, entries: Iterable[EntryRecord]) -> dict[str, BlobInfo]:

@@ -99,7 +99,7 @@ def _migrate_aliases(source: Storage, target: SharedStorage, done: Migrated, pro
     """Every alias of ``source`` in ``target``, pointing where it did, with when it last moved."""
     for alias in source.catalog.aliases():
         try:
-            target.catalog.tag(alias.alias, alias.archive, None, alias.moved_ns)
+            target.catalog.tag(alias.alias, alias.archive, "", alias.moved_ns)  # created, never moved back
             progress(f"alias {alias.alias} -> {alias.archive} migrated")
         except Refusal as exc:  # a missing target, a name the target uses for an archive
             done.conflicts.append(alias.alias)
@@ -107,7 +107,12 @@ def _migrate_aliases(source: Storage, target: SharedStorage, done: Migrated, pro
 
 
 def _same(ours: list[EntryRecord], theirs: list[EntryRecord]) -> bool:
-    return sorted(ours, key=lambda e: e.name) == sorted(theirs, key=lambda e: e.name)
+    """The same entries (names, dtypes, shapes, sizes and payload digests), wherever their bytes
+    are stored (a pack in one, a blob of its own in the other)."""
+    def content(entries: list[EntryRecord]) -> list[tuple]:
+        return sorted((e.name, e.dtype, e.shape, e.nbytes, e.payload_bytes, e.data_offset, e.digest) for e in entries)
+
+    return content(ours) == content(theirs)
 
 
 def _copy_blob(source: Storage, target: SharedStorage, archive: str, entry: EntryRecord, holder: str,

@@ -282,7 +282,9 @@ class StoreSession:
         record = self._commit_archive() if self.existing is None else self._already_there()
         self.stored = not record.already_stored
         self._closed = True
-        self.storage.release((b.digest for b in self._blobs), holder=self._holder)
+        # Found there already: what this call sealed may be referenced by nothing (a pack made in
+        # another order than the archive's), and goes now, not at the next start.
+        self.storage.release((b.digest for b in self._blobs), collect=record.already_stored, holder=self._holder)
         return record
 
     def _commit_archive(self) -> ArchiveRecord:
