@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 
 import tannery
 import tannery.dcp
-from tannery.dcp_versions import is_part
+from tannery.retention import is_save_part
 from tests.server_harness import running_server
 from tests.test_dcp import TIMEOUT, _full, _init, _sharded
 from tests.test_dcp_async import _run
@@ -27,7 +27,7 @@ def _state(step: int) -> dict[str, torch.Tensor]:
 
 def _checkpoints(client: tannery.Client, prefix: str) -> list[str]:
     """The whole checkpoints under ``prefix`` (not the parts of failed saves), by name."""
-    return sorted(info.name for info in client.list(prefix) if not is_part(info.name))
+    return sorted(info.name for info in client.list(prefix) if not is_save_part(info.name))
 
 
 def _loaded(client: tannery.Client, name: str) -> dict:

@@ -28,14 +28,9 @@ from tannery_protocol.errors import AliasError, NotFound
 
 from .client import Client
 from .records import Pruned
-from .retention import is_save_part, plan_prune
+from .retention import plan_prune
 
-__all__ = ["Versions", "is_part", "prune_checkpoints"]
-
-def is_part(name: str) -> bool:
-    """Whether ``name`` is a part of a DCP save (not a checkpoint): :func:`tannery.retention.is_save_part`."""
-    return is_save_part(name)
-
+__all__ = ["Versions", "prune_checkpoints"]
 
 @dataclass(frozen=True)
 class Versions:
