@@ -188,6 +188,40 @@ def test_a_watcher_on_one_replica_sees_a_move_made_on_the_other_within_a_second(
                 assert time.monotonic() - moved_at < 1.0
 
 
+def moves_heard_within(client_a: tannery.Client, client_b: tannery.Client, moves: int) -> list[float]:
+    """Tag "prod" on ``client_a`` ``moves`` times, watched on ``client_b``: the seconds each took to be heard."""
+    versions(client_a, "v1", "v2")
+    client_a.tag("prod", "v1")
+    delays = []
+    with client_b.watch("prod") as watch:
+        assert next(watch).archive == "v1"
+        for move in range(moves):
+            target = "v2" if move % 2 == 0 else "v1"
+            moved_at = time.monotonic()
+            client_a.tag("prod", target)
+            assert next(watch).archive == target
+            delays.append(time.monotonic() - moved_at)
+    return delays
+
+
+def test_a_move_is_heard_at_once_not_a_poll_later(srv):
+    # A Tag reads the alias again for its watchers: polling alone (every 0.25 s) would make
+    # the median delay about 0.12 s, and five moves all under 0.05 s a 1-in-3000 chance.
+    with tannery.Client(srv.target) as client:
+        delays = moves_heard_within(client, client, 5)
+    assert max(delays) < 0.05, delays
+
+
+def test_a_move_on_one_replica_is_announced_to_the_others_through_nats(tmp_path, postgres_url, s3_url, nats_url):
+    from .backends import SHARED_TIMINGS
+
+    shared = {"catalog": postgres_url, "blobs": s3_url, "nats": nats_url, **SHARED_TIMINGS}
+    with running_server(tmp_path / "a", **shared) as a, running_server(tmp_path / "b", **shared) as b:
+        with tannery.Client(a.target) as on_a, tannery.Client(b.target) as on_b:
+            delays = moves_heard_within(on_a, on_b, 5)
+    assert max(delays) < 0.1, delays
+
+
 def _watch_process(target: str, *args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "tannery.cli", "--target", target, "watch", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy())

@@ -216,6 +216,9 @@ async def start(config: Config) -> RunningServer:
         if channels_servicer is not None:
             await channels_servicer.start()  # with --nats: connected, or OSError naming NATS
             services.append(CHANNELS)
+            # Alias moves travel between replicas with the channels' fabric (a no-op without one).
+            archives_servicer.watches.announce = channels_servicer.fabric.announce
+            channels_servicer.fabric.alias_moved = archives_servicer.watches.poke
             if metrics is not None:
                 metrics.watch_hub(channels_servicer.hub)
                 metrics.watch_fabric(channels_servicer.fabric)

@@ -200,6 +200,8 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
                 raise Missing(f"archive {request.archive!r} not found: it is an alias (of {alias.archive!r}); "
                               f"remove the alias with tannery untag {request.archive}, or delete {alias.archive!r}")
             raise Missing(f"archive {request.archive!r} not found")
+        for alias in record.untagged:
+            self.watches.moved(alias)
         return archives_pb2.DeleteResponse(
             deleted=archive_info(record), blobs_removed=collected.blobs, bytes_freed=collected.bytes,
             aliases_removed=record.untagged,
@@ -216,6 +218,8 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
             check_archive_name(expect, self.config.max_name_bytes)
         record = await self._run(self.storage.tag, alias, archive, expect)
         current_call().note("tagged", record.archive if record.changed else "unchanged")
+        if record.changed:
+            self.watches.moved(alias)
         return archives_pb2.TagResponse(alias=alias_info(record), previous=record.previous, changed=record.changed)
 
     @answering_failures
@@ -226,6 +230,7 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
             there = await self._run(self.storage.catalog.archive, alias)
             hint = ": it is an archive (tannery rm deletes archives)" if there is not None else ""
             raise Missing(f"alias {alias!r} not found{hint}")
+        self.watches.moved(alias)
         return archives_pb2.UntagResponse(removed=alias_info(record))
 
     @answering_failures

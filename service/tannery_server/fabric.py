@@ -7,7 +7,10 @@ A :class:`Fabric` is all the Channels servicer knows of other replicas:
 - :meth:`Fabric.check` before a publisher is attached (a Failure when the fabric is down);
 - :attr:`Fabric.exporter`, given to the hub, which hands every piece its publishers relay to
   the fabric (:class:`~.hub.Outbound`); payloads from other replicas come back through the
-  hub as relays of their own.
+  hub as relays of their own;
+- :meth:`Fabric.announce` of an alias moved here, and :attr:`Fabric.alias_moved`, called with
+  the aliases moved on other replicas (the Watch call hears of a move at once, not a poll later:
+  :mod:`.watching`).
 
 :func:`open_fabric` is the one place that reads ``Config.nats``: empty gives the
 :class:`LocalFabric` (channels in this server's memory, as without replicas; nats is never
@@ -27,6 +30,8 @@ class Fabric(Protocol):
 
     #: The hub's exporter (None: payloads stay on this server).
     exporter: Exporter | None
+    #: Called with each alias another replica announces (None: nobody listens here).
+    alias_moved: Callable[[str], None] | None
 
     async def start(self) -> None: ...
 
@@ -41,6 +46,9 @@ class Fabric(Protocol):
     def leave(self, channel: str) -> None:
         """One subscriber fewer of ``channel`` here (after a successful :meth:`join`)."""
 
+    def announce(self, alias: str) -> None:
+        """Tell the other replicas that ``alias`` moved (best effort: their poll is the fallback)."""
+
     def stats(self) -> dict[str, Any]:
         """Numbers for the metrics (empty for none)."""
 
@@ -49,6 +57,7 @@ class LocalFabric:
     """No other replicas: every call is a no-op and nothing is exported."""
 
     exporter = None
+    alias_moved = None
 
     async def start(self) -> None:
         pass
@@ -63,6 +72,9 @@ class LocalFabric:
         pass
 
     def leave(self, channel: str) -> None:
+        pass
+
+    def announce(self, alias: str) -> None:
         pass
 
     def stats(self) -> dict[str, Any]:

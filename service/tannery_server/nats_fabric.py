@@ -27,6 +27,10 @@ subscriber of the channel with it. Lost chunks (a gap in the indexes) end the ch
 local subscribers the same way. Losing NATS ends every subscription here with UNAVAILABLE
 (payloads would be missed silently otherwise) and publishes fail with UNAVAILABLE naming
 NATS until nats-py has reconnected by itself.
+
+Alias moves are announced on the subject :data:`ALIASES` (the alias's name, UTF-8), so the
+Watch calls of every replica hear of a move at once (:mod:`.watching`); an announcement
+lost with NATS costs only the poll interval.
 """
 
 from __future__ import annotations
@@ -63,6 +67,10 @@ RECONNECT_SECONDS = 0.5
 CONNECT_SECONDS = 10.0
 #: Seconds a Subscribe waits for NATS to confirm the replica's interest.
 FLUSH_SECONDS = 5.0
+
+
+#: The subject alias moves are announced on.
+ALIASES = "tannery.aliases"
 
 
 def subject_of(channel: str) -> str:
@@ -165,6 +173,7 @@ class NatsFabric:
         self._inboxes: dict[str, _Inbox] = {}
         self._tasks: set[asyncio.Task] = set()
         self._sweeper: asyncio.Task | None = None
+        self.alias_moved: Callable[[str], None] | None = None
 
     @property
     def exporter(self):
@@ -205,6 +214,7 @@ class NatsFabric:
             raise OSError(f"cannot reach {self.name} ({type(exc).__name__}: {exc}): start nats-server there, or "
                           "correct --nats / TANNERY_NATS") from None
         self.connected = True
+        await self.nc.subscribe(ALIASES, cb=self._on_alias)
         self._sweeper = asyncio.create_task(self._sweep())
         log.info("channels across replicas through %s (max_payload %d bytes)", self.name, self.nc.max_payload)
 
@@ -227,6 +237,14 @@ class NatsFabric:
         if not self.connected:
             raise Unavailable(f"{self.name} is unreachable: channels across replicas are down on this replica "
                               "(it reconnects by itself); try again shortly")
+
+    def announce(self, alias: str) -> None:
+        if self.connected and self.nc is not None:
+            self.spawn(self.nc.publish(ALIASES, alias.encode()))
+
+    async def _on_alias(self, msg: Any) -> None:
+        if self.alias_moved is not None:
+            self.alias_moved(msg.data.decode(errors="replace"))
 
     async def _on_error(self, exc: Exception) -> None:
         log.warning("%s: %s", self.name, exc or type(exc).__name__)

@@ -3,8 +3,12 @@
 Each server reads a watched alias from the catalog every :data:`POLL_SECONDS` (one
 :class:`_Poller` per alias, shared by all its watchers, gone with its last watcher), so a
 move made on any replica reaches every watcher without any channel between replicas, on
-both catalogs. A watcher is sent the latest target whenever it is ready for one: a slow
-watcher skips the moves in between instead of piling them up.
+both catalogs. A move is also *announced* (:meth:`AliasWatches.moved`): a Tag or Untag on
+this server reads the alias again at once, and :attr:`AliasWatches.announce` tells the
+other replicas (through NATS, :mod:`.nats_fabric`), which do the same, so watchers hear of
+a move in milliseconds, not a poll later; the poll remains for a lost announcement. A
+watcher is sent the latest target whenever it is ready for one: a slow watcher skips the
+moves in between instead of piling them up.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class _Poller:
         self.known = False
         self.watchers = 0
         self._changed = asyncio.Event()
+        self._poked = asyncio.Event()
         self._read, self._interval = read, interval
         self.task = asyncio.create_task(self._run(), name=f"tannery-watch-{alias}")
 
@@ -48,6 +53,10 @@ class _Poller:
         """Wake every watcher waiting in :meth:`changed`."""
         self._changed.set()
         self._changed = asyncio.Event()
+
+    def poke(self) -> None:
+        """Read the alias now rather than at the next poll (it has moved)."""
+        self._poked.set()
 
     def changed(self) -> asyncio.Event:
         """What the next change sets (taken before looking at :attr:`record`)."""
@@ -63,7 +72,11 @@ class _Poller:
             if not self.known or failure is not None or self.failure is not None or moved:
                 self.record, self.failure, self.known = (self.record if failure else record), failure, True
                 self.wake()
-            await asyncio.sleep(self._interval)
+            try:
+                await asyncio.wait_for(self._poked.wait(), self._interval)
+            except asyncio.TimeoutError:
+                pass
+            self._poked.clear()
 
 
 class AliasWatches:
@@ -73,6 +86,20 @@ class AliasWatches:
         self._read, self._interval = read, interval
         self._pollers: dict[str, _Poller] = {}
         self.closed = False
+        #: Tells the other replicas that an alias moved (set by the app when there are any).
+        self.announce: Callable[[str], None] | None = None
+
+    def moved(self, alias: str) -> None:
+        """``alias`` was tagged or untagged on this server: read it now, and tell the replicas."""
+        self.poke(alias)
+        if self.announce is not None:
+            self.announce(alias)
+
+    def poke(self, alias: str) -> None:
+        """``alias`` moved (here or on another replica): its watchers' poller reads it now."""
+        poller = self._pollers.get(alias)
+        if poller is not None:
+            poller.poke()
 
     def polled(self) -> list[str]:
         """The aliases read now (those somebody watches)."""
