@@ -47,7 +47,7 @@ _EXPORTS = {
 
 
 #: Submodules reachable as attributes without importing them first (``tannery.aio.Client``).
-_SUBMODULES = {"aio", "dcp"}
+_SUBMODULES = {"aio", "dcp", "weights"}
 
 
 def __getattr__(name: str) -> Any:

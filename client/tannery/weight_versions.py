@@ -1,0 +1,162 @@
+"""A weight version's steps, written once for both clients: pushed (stored whole, then the
+alias moved onto it) and applied (described, checked against the target, fetched, copied
+in place).
+
+A version ``N`` of weights ``name`` is the archive ``name/vN`` (:func:`version_archive`),
+with its number in its metadata (:data:`VERSION_KEY`); the alias ``name`` points at the
+newest. These are the call core's steps (:mod:`tannery.waits`): ``tannery.weights`` runs
+them blocking or awaiting, as the clients run their calls.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from tannery_protocol.errors import ArchiveError
+from .records import ArchiveDescription, ArchiveInfo
+from .state_dict import Rows, plan_targets, target_tensors
+from .waits import Steps
+
+if TYPE_CHECKING:
+    from .calls import CallCore
+
+#: The metadata key that holds a version's number.
+VERSION_KEY = "tannery.weights.version"
+#: The metadata key that holds the name of the weights a version belongs to.
+WEIGHTS_KEY = "tannery.weights.name"
+
+
+def version_archive(name: str, version: int) -> str:
+    """The archive that holds version ``version`` of weights ``name``."""
+    return f"{name}/v{version}"
+
+
+def check_version(version: Any, latest: int | None, where: str) -> int:
+    """``version`` as an int newer than ``latest`` (ValueError or TypeError naming both otherwise)."""
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise TypeError(f"{where}: a version is an int, not {type(version).__name__}")
+    if version < 0:
+        raise ValueError(f"{where}: version {version} is negative (versions count up from 0)")
+    if latest is not None and version <= latest:
+        raise ValueError(f"{where}: version {version} is not newer than version {latest}, the latest "
+                         "pushed: versions only go up (push the next number)")
+    return version
+
+
+def version_of(archive: str, metadata: dict[str, str] | None = None) -> int | None:
+    """The version number an archive holds: from its metadata, else from its name (``.../vN``)."""
+    if metadata and metadata.get(VERSION_KEY, "").isdigit():
+        return int(metadata[VERSION_KEY])
+    found = re.fullmatch(r".*/v(\d+)", archive)
+    return int(found.group(1)) if found else None
+
+
+def keep_last(keep: bool | int, where: str) -> int | None:
+    """How many versions a publisher keeps: None for every one (``True``), 1 for the latest
+    alone (``False``: a late joiner still starts from it), else ``keep`` itself."""
+    if keep is True:
+        return None
+    if keep is False:
+        return 1
+    if not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"{where}: keep is True (every version), False (the latest only) or a number of "
+                         f"versions to keep, at least 1; not {keep!r}")
+    return keep
+
+
+@dataclass(frozen=True)
+class Pushed:
+    """A version pushed: its number, its archive (as stored), and the older versions deleted."""
+
+    name: str
+    version: int
+    info: ArchiveInfo
+    seconds: float
+    pruned: tuple[str, ...] = ()
+
+    @property
+    def archive(self) -> str:
+        return self.info.name
+
+
+@dataclass(frozen=True)
+class Applied:
+    """A version applied to a follower's target: whole, in place. ``previous`` is the version
+    applied before (None for the first): a follower that fell behind skips the versions between."""
+
+    name: str
+    version: int
+    archive: str
+    entries: int
+    nbytes: int
+    seconds: float
+    previous: int | None = None
+
+
+def push_steps(core: CallCore, name: str, state: Any, version: int, current: str | None,
+               keep: int | None) -> Steps[Pushed]:
+    """Store ``state`` as version ``version`` (whole or not at all), move alias ``name`` onto it
+    if it still points at ``current`` (AliasError naming where it points otherwise: another
+    publisher), then delete all but the newest ``keep`` versions (None: keep every one)."""
+    started = time.perf_counter()
+    archive = version_archive(name, version)
+    metadata = {VERSION_KEY: str(version), WEIGHTS_KEY: name}
+    info = yield from core._store(archive, state, "", False, None, metadata, False, False)
+    yield from core._tag(name, info.name, current or "")
+    pruned: tuple[str, ...] = ()
+    if keep is not None:
+        result = yield from core._prune(name + "/v", keep, False)
+        pruned = tuple(deleted.name for deleted in result.deleted)
+    return Pushed(name, version, info, time.perf_counter() - started, pruned)
+
+
+@dataclass
+class Following:
+    """What a follower applies versions to, and how."""
+
+    name: str
+    target: Any
+    prefix: str = ""
+    strict: bool = True
+    rows: Rows | None = None
+    #: The version applied last (None: none yet).
+    version: int | None = None
+
+    @property
+    def where(self) -> str:
+        return f"Follower of {self.name!r}"
+
+    def check(self) -> None:
+        """Refuse a target that is not one now, before any call."""
+        target_tensors(self.target, self.where)
+
+
+def apply_steps(core: CallCore, following: Following, archive: str) -> Steps[Applied | None]:
+    """Apply the version in ``archive`` to the follower's target, whole: described, checked
+    (ArchiveError naming the entry, nothing applied), every entry fetched, then copied in place.
+    None when it is not newer than the version applied last."""
+    started = time.perf_counter()
+    description: ArchiveDescription = yield from core._describe(archive)
+    version = version_of(description.name, description.metadata)
+    if version is None:
+        raise ArchiveError(f"{following.where}: {description.name!r} holds no version number (metadata "
+                           f"{VERSION_KEY!r}, or a name ending /vN): point {following.name!r} at a pushed version")
+    if following.version is not None and version <= following.version:
+        return None
+    state = target_tensors(following.target, following.where)
+    noun = "state dict" if isinstance(following.target, dict) else "module"
+    where = f"{following.where} (version {version})"
+    plan = plan_targets(state, description, following.prefix, strict=following.strict, rows=following.rows,
+                        check_dtypes=True, where=where, noun=noun)
+    tensors = (yield from core._transferred(description.name, plan.asks, None)) if plan.asks else []
+    plan.apply(tensors)  # every byte is here and checked: the version goes in whole
+    previous, following.version = following.version, version
+    return Applied(following.name, version, description.name, len(plan.slots), plan.nbytes,
+                   time.perf_counter() - started, previous)
+
+
+__all__ = ["Applied", "Following", "Pushed", "VERSION_KEY", "WEIGHTS_KEY", "apply_steps", "check_version",
+           "keep_last", "push_steps", "version_archive", "version_of"]
