@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tannery_protocol.errors import ArchiveError
+from tannery_protocol.errors import AliasError, ArchiveError
 from .records import ArchiveDescription, ArchiveInfo
 from .state_dict import Rows, plan_targets, target_tensors
 from .waits import Steps
@@ -105,7 +105,12 @@ def push_steps(core: CallCore, name: str, state: Any, version: int, current: str
     archive = version_archive(name, version)
     metadata = {VERSION_KEY: str(version), WEIGHTS_KEY: name}
     info = yield from core._store(archive, state, "", False, None, metadata, False, False)
-    yield from core._tag(name, info.name, current or "")
+    try:
+        yield from core._tag(name, info.name, current or "")
+    except AliasError:
+        if not info.already_stored:  # another publisher moved the alias: leave no stray version
+            yield from core._delete(info.name)
+        raise
     pruned: tuple[str, ...] = ()
     if keep is not None:
         result = yield from core._prune(name + "/v", keep, False)

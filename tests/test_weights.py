@@ -1,0 +1,369 @@
+"""Weight sync (issue 30): a trainer pushes versions, followers apply each whole and in place,
+against the real server: worker processes, late joiners, slow workers, a trainer killed
+mid-push, a server restart, replicas through NATS, and every refusal naming the entry."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+import tannery
+import tannery.aio
+from tannery.weights import AsyncFollower, AsyncPublisher, Follower, Publisher
+from tannery_protocol.errors import AliasError, AlreadyExists, ArchiveError, NotFound
+
+from .server_harness import running_server
+from .weights_worker import digests, model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def srv(tmp_path):
+    with running_server(tmp_path) as server:
+        yield server
+
+
+def step(module: torch.nn.Module, by: float) -> dict[str, torch.Tensor]:
+    """A training step, as far as weights go: every parameter moves; the state dict after it."""
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.add_(torch.randn_like(parameter) * by)
+    return {key: t.clone() for key, t in module.state_dict().items()}
+
+
+def worker_process(target: str, name: str, until: int, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    process = subprocess.Popen([sys.executable, "-m", "tests.weights_worker", target, name, "--until", str(until),
+                                *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    assert json.loads(process.stdout.readline()) == {"ready": True}, process.stderr.read()
+    return process
+
+
+def lines(process: subprocess.Popen, timeout: float = 60) -> list[dict[str, Any]]:
+    out, err = process.communicate(timeout=timeout)
+    assert process.returncode == 0, err
+    return [json.loads(line) for line in out.splitlines()]
+
+
+class Following:
+    """A follower on a thread of this process: the versions it applied, as Applied records."""
+
+    def __init__(self, follower: Follower, pause: float = 0.0, until: int | None = None) -> None:
+        self.follower, self.pause, self.until = follower, pause, until
+        self.applied: list[Any] = []
+        self.errors: list[BaseException] = []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                applied = next(self.follower)
+            except StopIteration:
+                return
+            except ArchiveError as error:  # a refused version: the follower goes on
+                self.errors.append(error)
+                continue
+            self.applied.append(applied)
+            if self.until is not None and applied.version >= self.until:
+                return
+            time.sleep(self.pause)
+
+    def versions(self) -> list[int]:
+        return [applied.version for applied in self.applied]
+
+    def wait_for(self, version: int, timeout: float = 20) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.applied or self.applied[-1].version < version:
+            assert time.monotonic() < deadline, f"version {version} not applied; got {self.versions()}"
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.follower.close()
+        self.thread.join(10)
+
+
+def test_three_worker_processes_apply_every_version_whole_in_order_and_in_place(srv):
+    trainer = model(seed=0)
+    workers = [worker_process(srv.target, "policy", 4) for _ in range(3)]
+    pushed = {}
+    with tannery.Client(srv.target) as client:
+        publisher = Publisher(client, "policy")
+        for version in range(5):
+            pushed[version] = digests(step(trainer, 0.1))
+            result = publisher.push(trainer, version)
+            assert (result.version, result.archive) == (version, f"policy/v{version}")
+            time.sleep(0.3)  # each worker sees each version (a worker that is behind skips: tested below)
+        assert client.resolve("policy") == "policy/v4"
+        assert [info.name for info in client.list("policy/")] == [f"policy/v{v}" for v in range(5)]
+    for process in workers:
+        seen = lines(process)
+        assert [line["version"] for line in seen] == [0, 1, 2, 3, 4]
+        for line in seen:
+            assert line["digests"] == pushed[line["version"]], f"version {line['version']} is not bit-exact"
+            assert line["in_place"], "a parameter was reallocated"
+
+
+def test_a_bfloat16_worker_gets_each_version_cast_in_place(srv):
+    trainer = model(seed=0)
+    process = worker_process(srv.target, "policy", 1, "--dtype", "bfloat16")
+    expected = {}
+    with tannery.Client(srv.target) as client:
+        publisher = Publisher(client, "policy")
+        for version in range(2):
+            state = step(trainer, 0.1)
+            expected[version] = digests({key: t.to(torch.bfloat16) for key, t in state.items()})
+            publisher.push(state, version)
+            time.sleep(0.3)
+    seen = lines(process)
+    assert [line["version"] for line in seen] == [0, 1]
+    assert all(line["digests"] == expected[line["version"]] and line["in_place"] for line in seen)
+
+
+def test_a_row_shard_receives_only_its_rows(srv):
+    trainer = {"w": torch.randn(8, 16), "b": torch.randn(8)}
+    shard = {"w": torch.zeros(4, 16), "b": torch.zeros(8)}
+    where = shard["w"].data_ptr()
+    with tannery.Client(srv.target) as client:
+        Publisher(client, "tp").push(trainer, 0)
+        with Follower(client, "tp", shard, rows={"w": (4, 8)}) as follower:
+            applied = next(follower)
+    assert torch.equal(shard["w"], trainer["w"][4:8]) and torch.equal(shard["b"], trainer["b"])
+    assert shard["w"].data_ptr() == where
+    assert applied.nbytes == (4 * 16 + 8) * 4  # only the shard's rows came
+
+
+def test_a_late_joiner_starts_from_the_latest_version_then_follows(srv):
+    trainer = model(seed=0)
+    with tannery.Client(srv.target) as client:
+        publisher = Publisher(client, "policy", keep=2)
+        for version in range(3):
+            publisher.push(step(trainer, 0.1), version)
+        assert [info.name for info in client.list("policy/")] == ["policy/v1", "policy/v2"]  # keep=2
+        late = model(seed=1)
+        following = Following(Follower(client, "policy", late))
+        following.wait_for(2)
+        assert following.versions() == [2] and following.applied[0].previous is None
+        latest = step(trainer, 0.1)
+        publisher.push(latest, 3)
+        following.wait_for(3)
+        following.stop()
+        assert following.versions() == [2, 3]
+        assert digests(late.state_dict()) == digests(latest)
+
+
+def test_a_slow_worker_skips_to_the_newest_version(srv):
+    trainer = model(seed=0)
+    with tannery.Client(srv.target) as client:
+        publisher = Publisher(client, "policy")
+        publisher.push(step(trainer, 0.1), 0)
+        slow = model(seed=1)
+        following = Following(Follower(client, "policy", slow), pause=1.0)
+        following.wait_for(0)
+        for version in range(1, 6):
+            latest = step(trainer, 0.1)
+            publisher.push(latest, version)
+        following.wait_for(5)
+        following.stop()
+    versions = following.versions()
+    assert versions[0] == 0 and versions[-1] == 5 and len(versions) < 6, versions  # no backlog replayed
+    assert following.applied[-1].previous != 4 or len(versions) == 2, versions
+    assert digests(slow.state_dict()) == digests(latest)
+
+
+def test_a_follower_started_before_any_push_waits_for_the_first(srv):
+    worker = model(seed=1)
+    with tannery.Client(srv.target) as client:
+        following = Following(Follower(client, "later", worker), until=0)
+        time.sleep(0.5)
+        assert following.applied == []
+        trainer = model(seed=0)
+        Publisher(client, "later").push(trainer, 0)
+        following.wait_for(0)
+        following.stop()
+    assert digests(worker.state_dict()) == digests(trainer.state_dict())
+
+
+TRAINER = """
+import sys, time, torch, tannery
+from tannery.weights import Publisher
+with tannery.Client(sys.argv[1], transport="grpc") as client:
+    publisher = Publisher(client, "policy")
+    big = {f"layer{i}": torch.full((16, 1 << 20), float(i)) for i in range(8)}  # 512 MiB
+    print("pushing", flush=True)
+    publisher.push(big, 1)
+    print("pushed", flush=True)
+"""
+
+
+def test_a_trainer_killed_mid_push_leaves_the_workers_and_the_store_on_the_old_version(srv, tmp_path):
+    trainer = model(seed=0)
+    with tannery.Client(srv.target) as client:
+        first = step(trainer, 0.1)
+        Publisher(client, "policy").push(first, 0)
+        worker = model(seed=1)
+        following = Following(Follower(client, "policy", worker))
+        following.wait_for(0)
+        script = tmp_path / "trainer.py"
+        script.write_text(TRAINER)
+        process = subprocess.Popen([sys.executable, str(script), srv.target], stdout=subprocess.PIPE, text=True)
+        assert process.stdout.readline().strip() == "pushing"
+        time.sleep(0.3)
+        process.kill()
+        assert process.wait(10) == -9 and process.stdout.read() == "", "the push ended before the kill"
+        time.sleep(0.5)
+        assert client.resolve("policy") == "policy/v0"
+        with pytest.raises(NotFound):
+            client.describe("policy/v1")
+        assert following.versions() == [0] and following.errors == []
+        assert digests(worker.state_dict()) == digests(first)
+        Publisher(client, "policy").push(step(trainer, 0.1), 1)  # the next trainer goes on
+        following.wait_for(1)
+        following.stop()
+
+
+def test_followers_survive_a_server_restart_and_go_on_from_the_stored_latest(tmp_path):
+    trainer = model(seed=0)
+    worker = model(seed=1)
+    with running_server(tmp_path) as server:
+        port = int(server.target.rsplit(":", 1)[1])
+        with tannery.Client(server.target) as client:
+            Publisher(client, "policy").push(step(trainer, 0.1), 0)
+        follower_client = tannery.Client(server.target, retries=30)
+        following = Following(Follower(follower_client, "policy", worker))
+        following.wait_for(0)
+    with running_server(tmp_path, port=port) as server:
+        with tannery.Client(server.target) as client:
+            latest = step(trainer, 0.1)
+            Publisher(client, "policy").push(latest, 1)
+        following.wait_for(1, timeout=30)
+        following.stop()
+        follower_client.close()
+    assert following.versions() == [0, 1] and digests(worker.state_dict()) == digests(latest)
+
+
+def test_followers_on_replica_b_of_a_trainer_on_replica_a_through_nats(tmp_path, postgres_url, s3_url, nats_url):
+    from .backends import SHARED_TIMINGS
+
+    shared = {"catalog": postgres_url, "blobs": s3_url, "nats": nats_url, **SHARED_TIMINGS}
+    trainer = model(seed=0)
+    with running_server(tmp_path / "a", **shared) as a, running_server(tmp_path / "b", **shared) as b:
+        with tannery.Client(a.target) as on_a, tannery.Client(b.target) as on_b:
+            publisher = Publisher(on_a, "policy")
+            publisher.push(step(trainer, 0.1), 0)
+            workers = [model(seed=1), model(seed=2)]
+            followings = [Following(Follower(on_b, "policy", worker)) for worker in workers]
+            for version in range(1, 4):
+                latest = step(trainer, 0.1)
+                started = time.monotonic()
+                publisher.push(latest, version)
+                for following in followings:
+                    following.wait_for(version)
+                assert time.monotonic() - started < 5
+            for following in followings:
+                following.stop()
+    assert all(digests(worker.state_dict()) == digests(latest) for worker in workers)
+
+
+@pytest.mark.parametrize("wrong, named", [
+    (lambda s: {k: v for k, v in s.items() if k != "2.bias"}, r"no entries for the module's keys '2\.bias'"),
+    (lambda s: {**s, "extra": torch.zeros(3)}, r"entries the module has no key for: 'extra'"),
+    (lambda s: {**s, "0.weight": torch.zeros(48, 65)}, r"0\.weight: shape \[48, 65\] in the archive, \[48, 64\]"),
+    (lambda s: {**s, "1.bias": torch.zeros(48, dtype=torch.int64)},
+     r"1\.bias: dtype int64 in the archive cannot be cast to the module's float32"),
+])
+def test_a_version_that_does_not_fit_is_refused_naming_the_entry_and_changes_nothing(srv, wrong, named):
+    trainer = model(seed=0)
+    worker = model(seed=1)
+    with tannery.Client(srv.target) as client:
+        publisher = Publisher(client, "policy")
+        good = step(trainer, 0.1)
+        publisher.push(good, 0)
+        with Follower(client, "policy", worker) as follower:
+            assert next(follower).version == 0
+            publisher.push(wrong(step(trainer, 0.1)), 1)
+            with pytest.raises(ArchiveError, match=named) as refused:
+                next(follower)
+            assert "Follower of 'policy' (version 1)" in str(refused.value)
+            assert digests(worker.state_dict()) == digests(good) and follower.version == 0
+            fixed = step(trainer, 0.1)
+            publisher.push(fixed, 2)
+            assert next(follower).version == 2  # the follower goes on after a refusal
+    assert digests(worker.state_dict()) == digests(fixed)
+
+
+def test_the_publisher_refuses_a_version_that_does_not_go_up_and_a_second_trainer(srv):
+    with tannery.Client(srv.target) as client:
+        publisher = Publisher(client, "policy")
+        publisher.push({"w": torch.ones(2)}, 3)
+        with pytest.raises(ValueError, match="version 3 is not newer than version 3, the latest pushed"):
+            publisher.push({"w": torch.ones(2)}, 3)
+        assert Publisher(client, "policy").version == 3  # a new publisher learns where the alias is
+        rival = Publisher(client, "policy")
+        rival.push({"w": torch.zeros(2)}, 4)
+        with pytest.raises(AlreadyExists, match="archive 'policy/v4' already exists with other content"):
+            publisher.push({"w": torch.ones(2)}, 4)
+        with pytest.raises(AliasError, match="'policy'.*policy/v4"):
+            publisher.push({"w": torch.ones(2)}, 5)  # stored, then refused by the alias: deleted again
+        assert client.resolve("policy") == "policy/v4"
+        assert [info.name for info in client.list("policy/")] == ["policy/v3", "policy/v4"]
+        with pytest.raises(ValueError, match="keep is True"):
+            Publisher(client, "policy", keep=0)
+
+
+def test_the_asyncio_twins_push_and_follow(srv):
+    trainer = model(seed=0)
+    worker = model(seed=1)
+
+    async def scenario() -> list[int]:
+        async with tannery.aio.Client(srv.target) as client:
+            publisher = AsyncPublisher(client, "policy", keep=False)
+            await publisher.push(step(trainer, 0.1), 0)
+            seen = []
+            async with AsyncFollower(client, "policy", worker) as follower:
+                async for applied in follower:
+                    seen.append(applied.version)
+                    if applied.version == 2:
+                        break
+                    await publisher.push(step(trainer, 0.1), applied.version + 1)
+            assert [info.name for info in await client.list("policy/")] == ["policy/v2"]  # keep=False
+            return seen
+
+    assert asyncio.run(scenario()) == [0, 1, 2]
+    assert digests(worker.state_dict()) == digests(trainer.state_dict())
+
+
+def test_load_state_dict_of_a_gpt2_saved_by_save_pretrained_fills_its_tied_head(srv, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    import safetensors.torch
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=101, n_positions=64)
+    saved = transformers.GPT2LMHeadModel(config)
+    saved.save_pretrained(tmp_path / "gpt2")
+    weights = safetensors.torch.load_file(tmp_path / "gpt2" / "model.safetensors")
+    assert "lm_head.weight" not in weights  # stored once, under the embeddings' name
+    loaded = transformers.GPT2LMHeadModel(config)
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    with tannery.Client(srv.target) as client:
+        client.store("gpt2", weights)
+        missing, unexpected = client.load_state_dict(loaded, "gpt2")  # strict
+        assert (missing, unexpected) == ([], [])
+        assert torch.equal(loaded.lm_head.weight, saved.transformer.wte.weight)
+        Publisher(client, "gpt2-live").push(weights, 0)
+        with Follower(client, "gpt2-live", transformers.GPT2LMHeadModel(config)) as follower:
+            applied = next(follower)
+            assert applied.entries == len(weights)  # the tied head applied once, never missing
+        with pytest.raises(ArchiveError, match=r"no entries for the module's keys 'transformer\.h\.1\.attn"):
+            client.store("gpt2-short", {k: v for k, v in weights.items() if not k.startswith("transformer.h.1.attn")})
+            client.load_state_dict(transformers.GPT2LMHeadModel(config), "gpt2-short")
