@@ -110,6 +110,7 @@ def test_three_worker_processes_apply_every_version_whole_in_order_and_in_place(
     for process in workers:
         seen = lines(process)
         assert [line["version"] for line in seen] == [0, 1, 2, 3, 4]
+        assert [line["via"] for line in seen] == ["channel"] * 5  # streamed to the running workers
         for line in seen:
             assert line["digests"] == pushed[line["version"]], f"version {line['version']} is not bit-exact"
             assert line["in_place"], "a parameter was reallocated"
@@ -139,9 +140,45 @@ def test_a_row_shard_receives_only_its_rows(srv):
         Publisher(client, "tp").push(trainer, 0)
         with Follower(client, "tp", shard, rows={"w": (4, 8)}) as follower:
             applied = next(follower)
+            assert applied.via == "store" and applied.nbytes == (4 * 16 + 8) * 4  # only the shard's rows came
+            assert torch.equal(shard["w"], trainer["w"][4:8]) and torch.equal(shard["b"], trainer["b"])
+            trainer = {key: t + 1 for key, t in trainer.items()}
+            Publisher(client, "tp").push(trainer, 1)
+            assert next(follower).via == "channel"  # the whole tensor came: the shard took its rows
     assert torch.equal(shard["w"], trainer["w"][4:8]) and torch.equal(shard["b"], trainer["b"])
     assert shard["w"].data_ptr() == where
-    assert applied.nbytes == (4 * 16 + 8) * 4  # only the shard's rows came
+
+
+def test_a_follower_without_the_channel_takes_every_version_from_the_store(srv):
+    trainer = model(seed=0)
+    worker = model(seed=1)
+    with tannery.Client(srv.target) as client:
+        publisher = Publisher(client, "policy")
+        with Follower(client, "policy", worker, stream=False) as follower:
+            for version in range(3):
+                latest = step(trainer, 0.1)
+                assert publisher.push(latest, version).streamed
+                applied = next(follower)
+                assert (applied.version, applied.via) == (version, "store")
+    assert digests(worker.state_dict()) == digests(latest)
+
+
+def test_the_assembler_hands_out_only_whole_versions():
+    from tannery.weight_stream import Assembler, version_payloads
+
+    state = {"a": torch.ones(3), "b": torch.zeros(2, 2)}
+    assembler = Assembler("w")
+    payloads = list(version_payloads(7, state))
+    assert [assembler.add(p) for p in payloads[1:]] == [None, None]  # joined midway: the tail is ignored
+    assert [assembler.add(p) for p in payloads[:2]] == [None, None]
+    assert assembler.add(version_payloads(8, state).__next__()) is None  # v7 cut off by v8's manifest
+    assert assembler.dropped == 1
+    assert assembler.add(torch.ones(2, 2)) is None  # 'a' should be [3]: the version is dropped
+    assert assembler.dropped == 2
+    for payload in payloads[:-1]:
+        assert assembler.add(payload) is None
+    whole = assembler.add(payloads[-1])
+    assert whole.version == 7 and list(whole.tensors) == ["a", "b"] and torch.equal(whole.tensors["b"], state["b"])
 
 
 def test_a_late_joiner_starts_from_the_latest_version_then_follows(srv):
@@ -310,12 +347,14 @@ def test_the_publisher_refuses_a_version_that_does_not_go_up_and_a_second_traine
         with pytest.raises(ValueError, match="version 3 is not newer than version 3, the latest pushed"):
             publisher.push({"w": torch.ones(2)}, 3)
         assert Publisher(client, "policy").version == 3  # a new publisher learns where the alias is
+        quiet = Publisher(client, "policy", stream=False)  # learns v3 now
+        assert quiet.version == 3
         rival = Publisher(client, "policy")
         rival.push({"w": torch.zeros(2)}, 4)
-        with pytest.raises(AlreadyExists, match="archive 'policy/v4' already exists with other content"):
-            publisher.push({"w": torch.ones(2)}, 4)
+        with pytest.raises(AliasError, match="points at 'policy/v4', not at 'policy/v3'.*another publisher"):
+            publisher.push({"w": torch.ones(2)}, 5)  # refused before any follower sees it
         with pytest.raises(AliasError, match="'policy'.*policy/v4"):
-            publisher.push({"w": torch.ones(2)}, 5)  # stored, then refused by the alias: deleted again
+            quiet.push({"w": torch.ones(2)}, 5)  # not streamed: stored, refused by the alias, deleted again
         assert client.resolve("policy") == "policy/v4"
         assert [info.name for info in client.list("policy/")] == ["policy/v3", "policy/v4"]
         with pytest.raises(ValueError, match="keep is True"):

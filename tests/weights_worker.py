@@ -39,11 +39,12 @@ def main() -> None:
     args = parser.parse_args()
     worker = model(seed=1).to(getattr(torch, args.dtype))  # other weights than the trainer's
     where = {key: t.data_ptr() for key, t in worker.state_dict().items()}
-    print(json.dumps({"ready": True}), flush=True)
     with tannery.Client(args.target) as client, tannery.weights.Follower(client, args.name, worker) as follower:
+        print(json.dumps({"ready": True}), flush=True)  # subscribed: every version pushed from now on streams here
         for applied in follower:
             state = worker.state_dict()
-            print(json.dumps({"version": applied.version, "previous": applied.previous, "digests": digests(state),
+            print(json.dumps({"version": applied.version, "previous": applied.previous, "via": applied.via,
+                              "digests": digests(state),
                               "in_place": all(t.data_ptr() == where[key] for key, t in state.items())}),
                   flush=True)
             if applied.version >= args.until:

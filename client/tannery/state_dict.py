@@ -41,6 +41,8 @@ class Slot:
     tensor: Any  # torch.Tensor: the target's own (copied into in place)
     #: Keys tied to ``key`` (the same tensor), filled by the same copy.
     tied: list[str] = field(default_factory=list)
+    #: The rows of the entry the target holds (None: all of it).
+    rows: tuple[int, int] | None = None
 
 
 @dataclass
@@ -64,6 +66,11 @@ class TargetPlan:
         with torch.no_grad():
             for slot, tensor in zip(self.slots, tensors, strict=True):
                 slot.tensor.copy_(tensor)
+
+    def apply_whole(self, tensors: Mapping[str, Any]) -> None:
+        """:meth:`apply` of whole entries by name (a streamed version): a shard takes its rows."""
+        self.apply([tensors[slot.entry] if slot.rows is None else tensors[slot.entry][slot.rows[0]:slot.rows[1]]
+                    for slot in self.slots])
 
     def load(self, module: Any, tensors: Sequence[Any], strict: bool) -> Any:
         """``module.load_state_dict`` of the fetched tensors (tied keys given theirs, so none is
@@ -177,7 +184,7 @@ def plan_targets(state: Mapping[str, Any], description: ArchiveDescription, pref
         if problem is not None:
             problems.append(problem)
         else:
-            slots.append(Slot(entry.name, source, tensor, [k for k in group if k != source]))
+            slots.append(Slot(entry.name, source, tensor, [k for k in group if k != source], rows.get(source)))
     known = {join(prefix, key) for key in state}
     unexpected = [
         name[len(prefix) + 1 :] if prefix and name != prefix else name
@@ -193,7 +200,7 @@ def plan_targets(state: Mapping[str, Any], description: ArchiveDescription, pref
         if unexpected:
             found.append(f"entries the {noun} has no key for: {names_text(unexpected)}")
         raise ArchiveError(f"{where}: {under}: " + "; ".join(found) + " (strict=False to load the rest)")
-    asks = [entry_ask(entries[slot.entry], rows=rows.get(slot.key)) for slot in slots]
+    asks = [entry_ask(entries[slot.entry], rows=slot.rows) for slot in slots]
     return TargetPlan(slots, missing, unexpected, asks)
 
 

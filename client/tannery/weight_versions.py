@@ -15,13 +15,17 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tannery_protocol.errors import AliasError, ArchiveError
+from tannery_protocol.errors import AliasError, ArchiveError, NotFound, ResourceExhausted, Unavailable
 from .records import ArchiveDescription, ArchiveInfo
-from .state_dict import Rows, plan_targets, target_tensors
+from tannery_protocol._lazy import lazy_module
+from .state_dict import Rows, TargetPlan, plan_targets, target_tensors
+from .weight_stream import StreamedVersion, version_payloads
 from .waits import Steps
 
 if TYPE_CHECKING:
     from .calls import CallCore
+
+torch = lazy_module("torch")
 
 #: The metadata key that holds a version's number.
 VERSION_KEY = "tannery.weights.version"
@@ -76,6 +80,8 @@ class Pushed:
     info: ArchiveInfo
     seconds: float
     pruned: tuple[str, ...] = ()
+    #: Whether it went to the running followers on the channel too (not only through the store).
+    streamed: bool = False
 
     @property
     def archive(self) -> str:
@@ -94,17 +100,29 @@ class Applied:
     nbytes: int
     seconds: float
     previous: int | None = None
+    #: Where it came from: "channel" (streamed by the publisher) or "store" (fetched).
+    via: str = "store"
 
 
 def push_steps(core: CallCore, name: str, state: Any, version: int, current: str | None,
-               keep: int | None) -> Steps[Pushed]:
-    """Store ``state`` as version ``version`` (whole or not at all), move alias ``name`` onto it
-    if it still points at ``current`` (AliasError naming where it points otherwise: another
-    publisher), then delete all but the newest ``keep`` versions (None: keep every one)."""
+               keep: int | None, stream: bool) -> Steps[Pushed]:
+    """Push version ``version`` of ``state``: with ``stream``, first on the channel ``name`` to
+    the followers running now (whole or not at all: :mod:`.weight_stream`); then stored as an
+    archive (whole or not at all), the alias ``name`` moved onto it if it still points at
+    ``current`` (AliasError naming where it points otherwise: another publisher), and all but
+    the newest ``keep`` versions deleted (None: keep every one)."""
     started = time.perf_counter()
     archive = version_archive(name, version)
+    tensors = target_tensors(state, f"Publisher of {name!r}")
+    streamed = None
+    if stream:
+        yield from _check_alias(core, name, current or "")  # before any follower sees a byte of it
+        try:
+            streamed = yield from core._publish(name, version_payloads(version, tensors), None)
+        except (Unavailable, ResourceExhausted):
+            pass  # the channel cannot carry it now: the followers take it from the store, a moment later
     metadata = {VERSION_KEY: str(version), WEIGHTS_KEY: name}
-    info = yield from core._store(archive, state, "", False, None, metadata, False, False)
+    info = yield from core._store(archive, tensors, "", False, None, metadata, False, False)
     try:
         yield from core._tag(name, info.name, current or "")
     except AliasError:
@@ -115,7 +133,19 @@ def push_steps(core: CallCore, name: str, state: Any, version: int, current: str
     if keep is not None:
         result = yield from core._prune(name + "/v", keep, False)
         pruned = tuple(deleted.name for deleted in result.deleted)
-    return Pushed(name, version, info, time.perf_counter() - started, pruned)
+    return Pushed(name, version, info, time.perf_counter() - started, pruned, streamed is not None)
+
+
+def _check_alias(core: CallCore, name: str, current: str) -> Steps[None]:
+    """AliasError when alias ``name`` no longer points at ``current`` (another publisher moved it)."""
+    try:
+        now = yield from core._resolve(name)
+    except NotFound:
+        now = ""
+    if now != current:
+        raise AliasError(f"Publisher of {name!r}: the alias {name!r} points at {now or 'nothing'!r}, not at "
+                         f"{current or 'nothing'!r} as this publisher left it: another publisher pushes these "
+                         "weights (one publisher per name)")
 
 
 @dataclass
@@ -151,17 +181,36 @@ def apply_steps(core: CallCore, following: Following, archive: str) -> Steps[App
                            f"{VERSION_KEY!r}, or a name ending /vN): point {following.name!r} at a pushed version")
     if following.version is not None and version <= following.version:
         return None
-    state = target_tensors(following.target, following.where)
-    noun = "state dict" if isinstance(following.target, dict) else "module"
-    where = f"{following.where} (version {version})"
-    plan = plan_targets(state, description, following.prefix, strict=following.strict, rows=following.rows,
-                        check_dtypes=True, where=where, noun=noun)
+    plan = _plan(following, description, version)
     tensors = (yield from core._transferred(description.name, plan.asks, None)) if plan.asks else []
     plan.apply(tensors)  # every byte is here and checked: the version goes in whole
+    return _applied(following, version, description.name, plan, started)
+
+
+def apply_streamed(following: Following, streamed: StreamedVersion) -> Applied | None:
+    """Apply a version that came whole on the channel (as :func:`apply_steps` does one stored)."""
+    started = time.perf_counter()
+    if following.version is not None and streamed.version <= following.version:
+        return None
+    plan = _plan(following, streamed.description(), streamed.version)
+    plan.apply_whole(streamed.tensors)
+    return _applied(following, streamed.version, version_archive(following.name, streamed.version), plan, started,
+                    "channel")
+
+
+def _plan(following: Following, description: ArchiveDescription, version: int) -> TargetPlan:
+    state = target_tensors(following.target, following.where)
+    noun = "module" if isinstance(following.target, torch.nn.Module) else "state dict"
+    return plan_targets(state, description, following.prefix, strict=following.strict, rows=following.rows,
+                        check_dtypes=True, where=f"{following.where} (version {version})", noun=noun)
+
+
+def _applied(following: Following, version: int, archive: str, plan: TargetPlan, started: float,
+             via: str = "store") -> Applied:
     previous, following.version = following.version, version
-    return Applied(following.name, version, description.name, len(plan.slots), plan.nbytes,
-                   time.perf_counter() - started, previous)
+    return Applied(following.name, version, archive, len(plan.slots), plan.nbytes, time.perf_counter() - started,
+                   previous, via)
 
 
-__all__ = ["Applied", "Following", "Pushed", "VERSION_KEY", "WEIGHTS_KEY", "apply_steps", "check_version",
+__all__ = ["Applied", "Following", "Pushed", "VERSION_KEY", "WEIGHTS_KEY", "apply_steps", "apply_streamed", "check_version",
            "keep_last", "push_steps", "version_archive", "version_of"]

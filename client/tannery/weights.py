@@ -30,12 +30,14 @@ Tied parameters (``lm_head.weight`` and the embeddings) are applied once. See
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from tannery_protocol.errors import NotFound
-from .weight_versions import (Applied, Following, Pushed, apply_steps, check_version, keep_last, push_steps,
-                              version_of)
+from tannery_protocol.errors import Cancelled, NotFound, ResourceExhausted, Unavailable
+from .weight_stream import Assembler, StreamedVersion
+from .weight_versions import (Applied, Following, Pushed, apply_steps, apply_streamed, check_version, keep_last,
+                              push_steps, version_of)
 
 if TYPE_CHECKING:
     from .aio import Client as AsyncClient
@@ -49,12 +51,13 @@ FIRST_VERSION_POLL_SECONDS = 0.2
 class _Pushing:
     """What both publishers hold: the weights' name, what to keep, the latest version."""
 
-    def __init__(self, name: str, keep: bool | int) -> None:
+    def __init__(self, name: str, keep: bool | int, stream: bool) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"Publisher: the weights' name is a non-empty str, not {name!r}")
         self.name = name
         self.where = f"Publisher of {name!r}"
         self.keep = keep_last(keep, self.where)
+        self.stream = stream
         #: The archive the alias points at (None: not known yet; "": no version pushed).
         self.current: str | None = None
         self.version: int | None = None
@@ -77,9 +80,9 @@ class Publisher:
     raises AliasError naming where it points, and stores nothing more.
     """
 
-    def __init__(self, client: Client, name: str, *, keep: bool | int = True) -> None:
+    def __init__(self, client: Client, name: str, *, keep: bool | int = True, stream: bool = True) -> None:
         self.client = client
-        self._state = _Pushing(name, keep)
+        self._state = _Pushing(name, keep, stream)
 
     @property
     def version(self) -> int | None:
@@ -101,16 +104,17 @@ class Publisher:
 
         self._know()
         version = check_version(version, self._state.version, self._state.where)
-        steps = push_steps(self.client, self._state.name, state, version, self._state.current, self._state.keep)
+        steps = push_steps(self.client, self._state.name, state, version, self._state.current, self._state.keep,
+                           self._state.stream)
         return self._state.pushed(_run(steps))
 
 
 class AsyncPublisher:
     """:class:`Publisher` for ``tannery.aio.Client``: ``await publisher.push(state, version)``."""
 
-    def __init__(self, client: AsyncClient, name: str, *, keep: bool | int = True) -> None:
+    def __init__(self, client: AsyncClient, name: str, *, keep: bool | int = True, stream: bool = True) -> None:
         self.client = client
-        self._state = _Pushing(name, keep)
+        self._state = _Pushing(name, keep, stream)
 
     async def _know(self) -> None:
         if self._state.current is None:
@@ -124,8 +128,38 @@ class AsyncPublisher:
 
         await self._know()
         version = check_version(version, self._state.version, self._state.where)
-        steps = push_steps(self.client, self._state.name, state, version, self._state.current, self._state.keep)
+        steps = push_steps(self.client, self._state.name, state, version, self._state.current, self._state.keep,
+                           self._state.stream)
         return self._state.pushed(await _run(steps))
+
+
+class _Newest:
+    """The newest version a follower has not applied yet, from either source: the archive the
+    alias moved to, and the newest version that came whole on the channel. Older ones are
+    dropped as newer arrive, so a slow follower skips to the newest."""
+
+    def __init__(self) -> None:
+        self.moved: str | None = None
+        self.streamed: StreamedVersion | None = None
+        self.failure: BaseException | None = None
+
+    def any(self) -> bool:
+        return self.moved is not None or self.streamed is not None or self.failure is not None
+
+    def take(self) -> tuple[str | None, StreamedVersion | None]:
+        """The newest candidate: (archive to fetch, None) or (None, version streamed); the failure
+        of a source that gave up is raised."""
+        moved, streamed, failure = self.moved, self.streamed, self.failure
+        self.moved = self.streamed = self.failure = None
+        if failure is not None:
+            raise failure
+        if streamed is not None and (moved is None or streamed.version >= (version_of(moved) or -1)):
+            return None, streamed
+        return moved, None
+
+
+#: Errors after which a follower subscribes to the channel again (the store covers the gap).
+_RESUBSCRIBE = (ResourceExhausted, Unavailable, Cancelled)
 
 
 class Follower:
@@ -134,23 +168,34 @@ class Follower:
 
     ``target`` is an ``nn.Module`` or a state dict; its tensors are written in place.
     The first version is the newest stored (waited for if none is pushed yet); then each
-    newer one, skipping to the newest when this worker is behind. ``prefix`` reads the
-    entries under it; ``strict=False`` applies a version that lacks some keys or has extra
-    entries; ``rows`` maps a key to the (start, stop) rows of the stored parameter this
-    target holds (a tensor-parallel shard: only those rows travel).
+    newer one, as it comes on the channel (``stream``, the default) or, when this follower
+    missed it there, from the store; a follower that is behind skips to the newest.
+    ``prefix`` reads the entries under it; ``strict=False`` applies a version that lacks some
+    keys or has extra entries; ``rows`` maps a key to the (start, stop) rows of the stored
+    parameter this target holds (a tensor-parallel shard: from the store only those rows
+    travel).
 
     A version that does not fit the target raises ArchiveError from ``next()`` naming the
     entry, with nothing applied; iterating again goes on with the next version. ``close()``
-    (or the ``with`` block) ends it.
+    (or the ``with`` block) ends it. The follower reads the alias and the channel on two
+    threads of its own; the versions are applied on the thread that iterates.
     """
 
     def __init__(self, client: Client, name: str, target: Any, *, prefix: str = "", strict: bool = True,
-                 rows: Rows | None = None) -> None:
+                 rows: Rows | None = None, stream: bool = True) -> None:
         self.client = client
         self.following = Following(name, target, prefix, strict, rows)
         self.following.check()
-        self._watch: Any = None
         self.closed = False
+        self._newest = _Newest()
+        self._ready = threading.Condition()
+        self._watch: Any = None
+        self._subscription: Any = None
+        self._subscribed = threading.Event()
+        threading.Thread(target=self._watching, daemon=True, name=f"tannery-follow-{name}").start()
+        if stream:
+            threading.Thread(target=self._streaming, daemon=True, name=f"tannery-stream-{name}").start()
+            self._subscribed.wait(10)  # versions pushed from now on come on the channel too
 
     @property
     def version(self) -> int | None:
@@ -164,33 +209,64 @@ class Follower:
         from .client import _run
 
         while True:
-            archive = self._next_target()
-            try:
-                applied = _run(apply_steps(self.client, self.following, archive))
-            except NotFound:
-                continue  # deleted (kept versions pruned) while fetched: a newer one is coming
+            with self._ready:
+                while not self._newest.any() and not self.closed:
+                    self._ready.wait()
+                if self.closed:
+                    raise StopIteration
+                archive, streamed = self._newest.take()
+            if streamed is not None:
+                applied = apply_streamed(self.following, streamed)
+            else:
+                try:
+                    applied = _run(apply_steps(self.client, self.following, archive))
+                except NotFound:
+                    continue  # deleted (kept versions pruned) while fetched: a newer one is coming
             if applied is not None:
                 return applied
 
-    def _next_target(self) -> str:
+    def _offer(self, **found: Any) -> None:
+        with self._ready:
+            for key, value in found.items():
+                setattr(self._newest, key, value)
+            self._ready.notify_all()
+
+    def _watching(self) -> None:
         while not self.closed:
-            if self._watch is None:
-                self._watch = self.client.watch(self.following.name)
             try:
-                return next(self._watch).archive
-            except (NotFound, StopIteration):
-                if self.closed:
-                    break
-                self._watch.close()  # no version pushed yet (or the alias removed): look again soon
-                self._watch = None
+                self._watch = self.client.watch(self.following.name)
+                for alias in self._watch:
+                    self._offer(moved=alias.archive)
+            except NotFound:  # nothing pushed yet (or the alias removed): look again soon
                 time.sleep(FIRST_VERSION_POLL_SECONDS)
-        raise StopIteration
+            except Exception as error:  # the server stayed away longer than the client retries
+                if not self.closed:
+                    self._offer(failure=error)
+                return
+
+    def _streaming(self) -> None:
+        while not self.closed:
+            assembler = Assembler(self.following.name)
+            try:
+                self._subscription = self.client.subscribe(self.following.name)
+                self._subscribed.set()
+                for tensor in self._subscription:
+                    if (streamed := assembler.add(tensor)) is not None:
+                        self._offer(streamed=streamed)
+            except _RESUBSCRIBE:  # dropped for falling behind, or the server went: the store covers the gap
+                time.sleep(FIRST_VERSION_POLL_SECONDS)
+            except Exception:  # no channels here (or not allowed): versions come from the store alone
+                self._subscribed.set()
+                return
 
     def close(self) -> None:
         """Stop following: iterating ends."""
         self.closed = True
-        if self._watch is not None:
-            self._watch.close()
+        for source in (self._watch, self._subscription):
+            if source is not None:
+                source.close()
+        with self._ready:
+            self._ready.notify_all()
 
     def __enter__(self) -> Follower:
         return self
@@ -200,15 +276,20 @@ class Follower:
 
 
 class AsyncFollower:
-    """:class:`Follower` for ``tannery.aio.Client``: ``async for applied in follower``."""
+    """:class:`Follower` for ``tannery.aio.Client``: ``async for applied in follower`` (the alias
+    and the channel are read by two tasks, started at the first step)."""
 
     def __init__(self, client: AsyncClient, name: str, target: Any, *, prefix: str = "", strict: bool = True,
-                 rows: Rows | None = None) -> None:
+                 rows: Rows | None = None, stream: bool = True) -> None:
         self.client = client
         self.following = Following(name, target, prefix, strict, rows)
         self.following.check()
-        self._watch: Any = None
         self.closed = False
+        self._stream = stream
+        self._newest = _Newest()
+        self._ready = asyncio.Event()
+        self._sources: list[Any] = []
+        self._tasks: list[asyncio.Task] = []
 
     @property
     def version(self) -> int | None:
@@ -217,37 +298,85 @@ class AsyncFollower:
     def __aiter__(self) -> AsyncFollower:
         return self
 
+    async def start(self) -> None:
+        """Start reading the alias and the channel (the first step does it): returns once the
+        subscription is registered, so versions pushed from then on come on the channel too."""
+        if self._tasks:
+            return
+        self._tasks.append(asyncio.create_task(self._watching()))
+        if self._stream:
+            subscribed = asyncio.Event()
+            self._tasks.append(asyncio.create_task(self._streaming(subscribed)))
+            await subscribed.wait()
+
     async def __anext__(self) -> Applied:
         from .aio import _run
 
+        await self.start()
         while True:
-            archive = await self._next_target()
-            try:
-                applied = await _run(apply_steps(self.client, self.following, archive))
-            except NotFound:
-                continue
+            while not self._newest.any() and not self.closed:
+                self._ready.clear()
+                await self._ready.wait()
+            if self.closed:
+                raise StopAsyncIteration
+            archive, streamed = self._newest.take()
+            if streamed is not None:
+                applied = apply_streamed(self.following, streamed)
+            else:
+                try:
+                    applied = await _run(apply_steps(self.client, self.following, archive))
+                except NotFound:
+                    continue
             if applied is not None:
                 return applied
 
-    async def _next_target(self) -> str:
+    def _offer(self, **found: Any) -> None:
+        for key, value in found.items():
+            setattr(self._newest, key, value)
+        self._ready.set()
+
+    async def _watching(self) -> None:
         while not self.closed:
-            if self._watch is None:
-                self._watch = self.client.watch(self.following.name)
+            watch = self.client.watch(self.following.name)
+            self._sources.append(watch)
             try:
-                return (await self._watch.__anext__()).archive
-            except (NotFound, StopAsyncIteration):
-                if self.closed:
-                    break
-                await self._watch.aclose()
-                self._watch = None
+                async for alias in watch:
+                    self._offer(moved=alias.archive)
+            except NotFound:
                 await asyncio.sleep(FIRST_VERSION_POLL_SECONDS)
-        raise StopAsyncIteration
+            except Exception as error:
+                if not self.closed:
+                    self._offer(failure=error)
+                return
+            finally:
+                await watch.aclose()
+                self._sources.remove(watch)
+
+    async def _streaming(self, subscribed: asyncio.Event) -> None:
+        while not self.closed:
+            assembler = Assembler(self.following.name)
+            try:
+                async with self.client.subscribe(self.following.name) as subscription:
+                    self._sources.append(subscription)
+                    subscribed.set()
+                    async for tensor in subscription:
+                        if (streamed := assembler.add(tensor)) is not None:
+                            self._offer(streamed=streamed)
+            except _RESUBSCRIBE:
+                await asyncio.sleep(FIRST_VERSION_POLL_SECONDS)
+            except Exception:
+                subscribed.set()
+                return
 
     async def aclose(self) -> None:
         """Stop following: iterating ends."""
         self.closed = True
-        if self._watch is not None:
-            await self._watch.aclose()
+        for source in list(self._sources):
+            source.close()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._ready.set()
 
     async def __aenter__(self) -> AsyncFollower:
         return self

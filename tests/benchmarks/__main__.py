@@ -36,6 +36,7 @@ CASES = {
     "replicas": "bench_replicas",
     "dcp": "bench_dcp",
     "small-entries": "bench_small_entries",
+    "weight-sync": "bench_weight_sync",
 }
 
 

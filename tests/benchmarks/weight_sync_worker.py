@@ -1,0 +1,91 @@
+"""A worker process of the ``weight-sync`` benchmark: holds a state dict of COUNT float32
+tensors (SIZE bytes in all) and receives new weights into it, one way or another, printing a
+JSON line per version received: its number, the wall time (``time.time()``, comparable across
+processes on one host) and this process's CPU seconds so far.
+
+    python -m tests.benchmarks.weight_sync_worker tannery SIZE COUNT TARGET NAME    (TANNERY_TRANSPORT)
+    python -m tests.benchmarks.weight_sync_worker safetensors SIZE COUNT            (a path per stdin line)
+    python -m tests.benchmarks.weight_sync_worker gloo SIZE COUNT RANK WORLD PORT   (rank 0 is the trainer:
+                                                                                     "round" per stdin line)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+
+
+def state_dict(size: int, count: int, fill: bool = False) -> dict[str, torch.Tensor]:
+    """COUNT float32 tensors of SIZE/COUNT bytes each, named like a model's layers."""
+    rows = size // count // 4 // 1024
+    make = (lambda: torch.empty(rows, 1024).uniform_()) if fill else (lambda: torch.zeros(rows, 1024))
+    return {f"layers.{i}.weight": make() for i in range(count)}
+
+
+def report(version: int, **more: float) -> None:
+    print(json.dumps({"version": version, "t": time.time(), "cpu": time.process_time(), **more}), flush=True)
+
+
+def tannery_worker(size: int, count: int, target: str, name: str) -> None:
+    import tannery
+
+    state = state_dict(size, count)
+    print(json.dumps({"ready": True}), flush=True)
+    with tannery.Client(target) as client, tannery.weights.Follower(client, name, state) as follower:
+        for applied in follower:
+            report(applied.version)
+
+
+def safetensors_worker(size: int, count: int) -> None:
+    import safetensors.torch
+
+    state = state_dict(size, count)
+    print(json.dumps({"ready": True}), flush=True)
+    for version, line in enumerate(sys.stdin):
+        loaded = safetensors.torch.load_file(line.strip())
+        with torch.no_grad():
+            for key, tensor in state.items():
+                tensor.copy_(loaded[key])
+        del loaded
+        report(version)
+
+
+def gloo_worker(size: int, count: int, rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+
+    state = state_dict(size, count, fill=rank == 0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    print(json.dumps({"ready": True}), flush=True)
+    go = torch.zeros(1)
+    version = 0
+    while True:
+        if rank == 0:
+            line = sys.stdin.readline().strip()
+            go.fill_(1.0 if line == "round" else 0.0)
+        dist.barrier()
+        started = time.time()
+        dist.broadcast(go, 0)
+        if not go.item():
+            break
+        for tensor in state.values():
+            dist.broadcast(tensor, 0)
+        report(version, started=started)
+        version += 1
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    mode, size, count, *rest = sys.argv[1:]
+    if mode == "tannery":
+        tannery_worker(int(size), int(count), rest[0], rest[1])
+    elif mode == "safetensors":
+        safetensors_worker(int(size), int(count))
+    else:
+        gloo_worker(int(size), int(count), int(rest[0]), int(rest[1]), int(rest[2]))
+
+
+if __name__ == "__main__":
+    main()
