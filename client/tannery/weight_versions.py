@@ -104,19 +104,45 @@ class Applied:
     via: str = "store"
 
 
-def push_steps(core: CallCore, name: str, state: Any, version: int, current: str | None,
-               keep: int | None, stream: bool) -> Steps[Pushed]:
-    """Push version ``version`` of ``state``: with ``stream``, first on the channel ``name`` to
-    the followers running now (whole or not at all: :mod:`.weight_stream`); then stored as an
-    archive (whole or not at all), the alias ``name`` moved onto it if it still points at
-    ``current`` (AliasError naming where it points otherwise: another publisher), and all but
-    the newest ``keep`` versions deleted (None: keep every one)."""
+class Pushing:
+    """What a publisher holds between pushes: the weights' name, what to keep, whether to
+    stream, and the alias's target as it left it (None: not asked yet; "": nothing pushed)."""
+
+    def __init__(self, name: str, keep: bool | int, stream: bool) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"Publisher: the weights' name is a non-empty str, not {name!r}")
+        self.name = name
+        self.where = f"Publisher of {name!r}"
+        self.keep = keep_last(keep, self.where)
+        self.stream = stream
+        self.current: str | None = None
+        self.version: int | None = None
+
+    def learn(self, core: CallCore) -> Steps[None]:
+        """Ask where the alias points, once (a publisher started again goes on from there)."""
+        if self.current is None:
+            try:
+                self.current = yield from core._resolve(self.name)
+            except NotFound:
+                self.current = ""
+            self.version = version_of(self.current) if self.current else None
+
+
+def push_steps(core: CallCore, pushing: Pushing, state: Any, version: int) -> Steps[Pushed]:
+    """Push version ``version`` of ``state``: with ``pushing.stream``, first on the channel of
+    the weights' name to the followers running now (whole or not at all: :mod:`.weight_stream`);
+    then stored as an archive (whole or not at all), the alias moved onto it if it still points
+    where this publisher left it (AliasError naming where it points otherwise: another
+    publisher), and all but the newest ``pushing.keep`` versions deleted (None: keep every one)."""
+    yield from pushing.learn(core)
+    version = check_version(version, pushing.version, pushing.where)
     started = time.perf_counter()
+    name, current = pushing.name, pushing.current or ""
     archive = version_archive(name, version)
-    tensors = target_tensors(state, f"Publisher of {name!r}")
+    tensors = target_tensors(state, pushing.where)
     streamed = None
-    if stream:
-        yield from _check_alias(core, name, current or "")  # before any follower sees a byte of it
+    if pushing.stream:
+        yield from _check_alias(core, name, current)  # before any follower sees a byte of it
         try:
             streamed = yield from core._publish(name, version_payloads(version, tensors), None)
         except (Unavailable, ResourceExhausted):
@@ -124,14 +150,15 @@ def push_steps(core: CallCore, name: str, state: Any, version: int, current: str
     metadata = {VERSION_KEY: str(version), WEIGHTS_KEY: name}
     info = yield from core._store(archive, tensors, "", False, None, metadata, False, False)
     try:
-        yield from core._tag(name, info.name, current or "")
+        yield from core._tag(name, info.name, current)
     except AliasError:
         if not info.already_stored:  # another publisher moved the alias: leave no stray version
             yield from core._delete(info.name)
         raise
+    pushing.current, pushing.version = info.name, version
     pruned: tuple[str, ...] = ()
-    if keep is not None:
-        result = yield from core._prune(name + "/v", keep, False)
+    if pushing.keep is not None:
+        result = yield from core._prune(name + "/v", pushing.keep, False)
         pruned = tuple(deleted.name for deleted in result.deleted)
     return Pushed(name, version, info, time.perf_counter() - started, pruned, streamed is not None)
 
@@ -212,5 +239,5 @@ def _applied(following: Following, version: int, archive: str, plan: TargetPlan,
                    previous, via)
 
 
-__all__ = ["Applied", "Following", "Pushed", "VERSION_KEY", "WEIGHTS_KEY", "apply_steps", "apply_streamed", "check_version",
+__all__ = ["Applied", "Following", "Pushed", "VERSION_KEY", "WEIGHTS_KEY", "Pushing", "apply_steps", "apply_streamed", "check_version",
            "keep_last", "push_steps", "version_archive", "version_of"]

@@ -5,23 +5,26 @@ whole and in place, while they run.
     pub = tannery.weights.Publisher(client, "policy")   for applied in tannery.weights.Follower(client, "policy", model):
     pub.push(model, version=step)                        print("now on version", applied.version)
 
-A version travels through the store: :meth:`Publisher.push` stores it as archive
-``policy/v{N}`` (whole or not at all) and then moves the alias ``policy`` onto it; a
-:class:`Follower` watches the alias (it hears of a move at once, on any replica) and applies
-the version it points at. That gives every guarantee a fleet needs from one mechanism:
+A version travels two ways at once. :meth:`Publisher.push` streams it on the channel
+``policy`` to the followers running now, then stores it as the archive ``policy/v{N}`` (whole
+or not at all) and moves the alias ``policy`` onto it. A :class:`Follower` reads the channel
+and watches the alias (a move is heard at once, on any replica), and applies the newest
+version either brings:
 
-- **whole versions**: a follower fetches every entry it needs of one immutable archive,
-  checks them all against its target, and only then copies them in (``copy_`` into the
-  target's own tensors: no new allocation, casting between float dtypes); a mismatch
-  (a missing or extra entry, a shape, a dtype that cannot be cast) refuses the version,
-  naming the entry, with nothing applied;
-- **late joiners and slow workers**: the alias always names the newest whole version, so a
-  follower starts from it at once, and one that falls behind skips to the newest;
-- **failures**: a trainer killed mid-push leaves no version and the alias where it was; a
-  server that restarts is watched again and the followers go on from the stored latest;
-- **fan-out**: the server sends each follower its entries from the one stored file of each
-  (mapped on the same host, ``sendfile`` over the TCP data path), never a copy per follower;
-  a follower holding a row shard (``rows``) receives only its rows.
+- **whole versions**: a follower applies a version only once every entry it needs is here
+  and checked against its target, then copies them in (``copy_`` into the target's own
+  tensors: no new allocation, casting between float dtypes); a mismatch (a missing or extra
+  entry, a shape, a dtype that cannot be cast) refuses the version, naming the entry, with
+  nothing applied;
+- **late joiners and slow workers**: the alias always names the newest stored version, so a
+  follower starts from it at once, and one that falls behind (or missed a version on the
+  channel) skips to the newest;
+- **failures**: a trainer killed mid-push leaves the followers and the store on the previous
+  version; a server that restarts is watched again and the followers go on from the stored
+  latest;
+- **fan-out**: the server hands every follower the same payloads (one sealed memory file
+  each on the same host; messages made once over gRPC), and serves the store from one file
+  per entry; a follower holding a row shard (``rows``) keeps only its rows.
 
 Tied parameters (``lm_head.weight`` and the embeddings) are applied once. See
 ``docs/weight-sync.md`` for how this scales past one server.
@@ -36,8 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from tannery_protocol.errors import Cancelled, NotFound, ResourceExhausted, Unavailable
 from .weight_stream import Assembler, StreamedVersion
-from .weight_versions import (Applied, Following, Pushed, apply_steps, apply_streamed, check_version, keep_last,
-                              push_steps, version_of)
+from .weight_versions import Applied, Following, Pushed, Pushing, apply_steps, apply_streamed, push_steps, version_of
 
 if TYPE_CHECKING:
     from .aio import Client as AsyncClient
@@ -48,65 +50,35 @@ if TYPE_CHECKING:
 FIRST_VERSION_POLL_SECONDS = 0.2
 
 
-class _Pushing:
-    """What both publishers hold: the weights' name, what to keep, the latest version."""
-
-    def __init__(self, name: str, keep: bool | int, stream: bool) -> None:
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"Publisher: the weights' name is a non-empty str, not {name!r}")
-        self.name = name
-        self.where = f"Publisher of {name!r}"
-        self.keep = keep_last(keep, self.where)
-        self.stream = stream
-        #: The archive the alias points at (None: not known yet; "": no version pushed).
-        self.current: str | None = None
-        self.version: int | None = None
-
-    def found(self, archive: str) -> None:
-        self.current = archive
-        self.version = version_of(archive) if archive else None
-
-    def pushed(self, result: Pushed) -> Pushed:
-        self.current, self.version = result.archive, result.version
-        return result
-
-
 class Publisher:
     """Pushes versions of weights ``name`` (the trainer's side).
 
     ``keep``: True keeps every version as an archive (``name/vN``); a number keeps the newest
-    that many; False keeps only the newest (a late joiner still starts from it). Versions
-    only go up. Only one publisher may move the alias: a push that finds it moved by another
-    raises AliasError naming where it points, and stores nothing more.
+    that many; False keeps only the newest (a late joiner still starts from it). ``stream``
+    (the default) sends each version to the followers running now on the channel ``name``
+    before storing it; ``stream=False`` only stores it (followers take it from the store,
+    after the commit: see docs/weight-sync.md). Versions only go up. One publisher per name:
+    a push that finds the alias moved by another raises AliasError naming where it points.
     """
 
     def __init__(self, client: Client, name: str, *, keep: bool | int = True, stream: bool = True) -> None:
         self.client = client
-        self._state = _Pushing(name, keep, stream)
+        self._pushing = Pushing(name, keep, stream)
 
     @property
     def version(self) -> int | None:
-        """The latest version pushed (by any publisher, as of the last push), None before any."""
-        self._know()
-        return self._state.version
+        """The latest version pushed (by this publisher, or before it started), None before any."""
+        from .client import _run
 
-    def _know(self) -> None:
-        if self._state.current is None:
-            try:
-                self._state.found(self.client.resolve(self._state.name))
-            except NotFound:
-                self._state.found("")
+        _run(self._pushing.learn(self.client))
+        return self._pushing.version
 
     def push(self, state: Any, version: int) -> Pushed:
         """Push ``state`` (an ``nn.Module`` or a state dict) as version ``version``: returns once
-        it is stored whole and every follower can apply it."""
+        it is stored whole and the alias points at it."""
         from .client import _run
 
-        self._know()
-        version = check_version(version, self._state.version, self._state.where)
-        steps = push_steps(self.client, self._state.name, state, version, self._state.current, self._state.keep,
-                           self._state.stream)
-        return self._state.pushed(_run(steps))
+        return _run(push_steps(self.client, self._pushing, state, version))
 
 
 class AsyncPublisher:
@@ -114,23 +86,12 @@ class AsyncPublisher:
 
     def __init__(self, client: AsyncClient, name: str, *, keep: bool | int = True, stream: bool = True) -> None:
         self.client = client
-        self._state = _Pushing(name, keep, stream)
-
-    async def _know(self) -> None:
-        if self._state.current is None:
-            try:
-                self._state.found(await self.client.resolve(self._state.name))
-            except NotFound:
-                self._state.found("")
+        self._pushing = Pushing(name, keep, stream)
 
     async def push(self, state: Any, version: int) -> Pushed:
         from .aio import _run
 
-        await self._know()
-        version = check_version(version, self._state.version, self._state.where)
-        steps = push_steps(self.client, self._state.name, state, version, self._state.current, self._state.keep,
-                           self._state.stream)
-        return self._state.pushed(await _run(steps))
+        return await _run(push_steps(self.client, self._pushing, state, version))
 
 
 class _Newest:
