@@ -116,6 +116,25 @@ def test_three_worker_processes_apply_every_version_whole_in_order_and_in_place(
             assert line["in_place"], "a parameter was reallocated"
 
 
+def test_a_worker_killed_disturbs_no_one_else(srv):
+    trainer = model(seed=0)
+    doomed, survivor = (worker_process(srv.target, "policy", 2) for _ in range(2))
+    with tannery.Client(srv.target) as client:
+        publisher = Publisher(client, "policy")
+        publisher.push(step(trainer, 0.1), 0)
+        assert json.loads(doomed.stdout.readline())["version"] == 0
+        doomed.kill()
+        doomed.wait(10)
+        for version in (1, 2):
+            started = time.monotonic()
+            latest = digests(step(trainer, 0.1))
+            publisher.push(trainer, version)
+            assert time.monotonic() - started < 5  # no wait on the dead one
+            time.sleep(0.3)
+    seen = lines(survivor)
+    assert [line["version"] for line in seen] == [0, 1, 2] and seen[-1]["digests"] == latest
+
+
 def test_a_bfloat16_worker_gets_each_version_cast_in_place(srv):
     trainer = model(seed=0)
     process = worker_process(srv.target, "policy", 1, "--dtype", "bfloat16")
