@@ -29,7 +29,7 @@ def query(params: MultiMapping[str], allowed: Mapping[str, int], page: str) -> d
             known = ", ".join(sorted(allowed)) or "none"
             raise PageProblem(400, "Bad Request", f"the {page} page takes no parameter {key[:80]!r}",
                               f"remove it from the address; this page's parameters: {known}")
-        if key in values:
+        if key in values or len(params.getall(key)) > 1:
             raise PageProblem(400, "Bad Request", f"parameter {key!r} is given more than once",
                               "give it once")
         value = params.getone(key)

@@ -5,6 +5,7 @@ is a 404 page naming it."""
 from __future__ import annotations
 
 import asyncio
+import json
 import shlex
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,8 @@ from .inputs import PageProblem, query, required
 from .templates import Renderer
 from .traffic import INTERVAL, KEPT, Traffic
 
+#: Where the application keeps the :class:`Site` its pages read.
+SITE: web.AppKey["Site"] = web.AppKey("site")
 #: Archives listed on one page of the list (a link leads to the next ones).
 LIST_PAGE = 500
 #: Seconds a health check of the catalog or the bucket may take before it counts as failed.
@@ -53,7 +56,7 @@ def _limit(site: Site) -> int:
 
 async def archives_page(request: web.Request) -> web.Response:
     """GET /archives?prefix=P&after=A: the archives whose names start with P, a page at a time."""
-    site: Site = request.app["site"]
+    site: Site = request.app[SITE]
     values = query(request.query, {"prefix": _limit(site), "after": _limit(site)}, "Archives")
     prefix, after = values.get("prefix", ""), values.get("after", "")
     catalog = site.storage.catalog
@@ -68,7 +71,7 @@ async def archives_page(request: web.Request) -> web.Response:
 
 async def archive_page(request: web.Request) -> web.Response:
     """GET /archive?name=N: one archive (or what alias N points at): its entries as a tree."""
-    site: Site = request.app["site"]
+    site: Site = request.app[SITE]
     values = query(request.query, {"name": _limit(site)}, "archive")
     name = required(values, "name", "archive", "/archive?name=resnet50")
     catalog = site.storage.catalog
@@ -100,8 +103,8 @@ def _python(site: Site, name: str) -> str:
     """The Python that fetches archive ``name``."""
     token = ', token="..."' if _has_tokens(site.config) else ""
     tls = ", tls=True" if site.config.tls_cert else ""
-    return (f"import tannery\n\nwith tannery.Client({site.target!r}{tls}{token}) as client:\n"
-            f"    archive = client.fetch({name!r})   # every entry, as a tannery.Archive\n"
+    return (f"import tannery\n\nwith tannery.Client({json.dumps(site.target)}{tls}{token}) as client:\n"
+            f"    archive = client.fetch({json.dumps(name)})   # every entry, as a tannery.Archive\n"
             f"    print(archive.names())")
 
 
@@ -111,7 +114,7 @@ def _has_tokens(config: Config) -> bool:
 
 async def entry_page(request: web.Request) -> web.Response:
     """GET /entry?archive=A&name=E: one entry and its statistics, computed now over its stored bytes."""
-    site: Site = request.app["site"]
+    site: Site = request.app[SITE]
     values = query(request.query, {"archive": _limit(site), "name": _limit(site)}, "entry")
     archive = required(values, "archive", "entry", "/entry?archive=resnet50&name=fc.weight")
     name = required(values, "name", "entry", "/entry?archive=resnet50&name=fc.weight")
@@ -138,7 +141,7 @@ async def entry_page(request: web.Request) -> web.Response:
 
 async def server_page(request: web.Request) -> web.Response:
     """GET /server: the health of the catalog, the blob store and NATS; traffic by RPC; channels."""
-    site: Site = request.app["site"]
+    site: Site = request.app[SITE]
     query(request.query, {}, "Server")
     health = [
         await _check("catalog", site.storage.catalog.check, _catalog_name(site.config)),

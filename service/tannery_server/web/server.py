@@ -86,7 +86,7 @@ class WebServer:
         self.ssl = ssl_ctx
         app = web.Application(middlewares=[_problems(site.renderer), access.middleware(tokens)],
                               client_max_size=MAX_BODY)
-        app["site"] = site
+        app[pages.SITE] = site
 
         async def sign_in(request: web.Request) -> web.StreamResponse:
             return await access.sign_in(request, tokens, ssl_ctx is not None)

@@ -137,7 +137,7 @@ ARCHIVE = """{% extends "base" %}{% block title %}{{ record.name }}{% endblock %
 <div class="tree" id="tree">
 {%- for row in rows -%}
 {%- if row.kind == "open" -%}
-<details data-path="{{ row.node.path }}"{% if row.depth < open_depth %} open{% endif %}><summary><b>{{ row.label }}</b><span class="n">{{ row.node.entry_count|count }} entries · {{ row.params|count }} params · {{ row.node.nbytes|size }}</span></summary>
+<details data-path="{{ row.node.path }}"{% if row.depth < open_depth %} open{% endif %}><summary><b>{{ row.label }}</b><span class="n">{{ row.node.entry_count|count }} {{ "entry" if row.node.entry_count == 1 else "entries" }} · {{ row.params|count }} params · {{ row.node.nbytes|size }}</span></summary>
 {%- elif row.kind == "close" -%}
 </details>
 {%- else -%}

@@ -1,0 +1,233 @@
+"""The web page (issue 31) over plain HTTP, against a real server on loopback: off unless asked,
+tokens and TLS honoured, bad input refused naming the problem, nothing written, an entry's
+statistics (whole and sampled) against numpy, a 10,000-entry archive's page in under a second.
+tests/test_web_browser.py drives the same pages in a real browser."""
+
+from __future__ import annotations
+
+import http.client
+import math
+import os
+import ssl
+import time
+import urllib.parse
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import tannery
+from tannery_server.cli import build_parser
+from tannery_server.config import Config
+from tannery_server.storage import EntryRecord
+from tannery_server.web import stats, tree
+
+from .server_harness import HOST, running_server
+from .test_security import pki  # noqa: F401  (the test CA and certificates)
+
+READ_TOKEN, WRITE_TOKEN = "web-read-token", "web-write-token"
+
+
+def get(port: int, path: str, *, method: str = "GET", headers: dict | None = None, body: bytes | None = None,
+        context: ssl.SSLContext | None = None) -> tuple[int, dict, str]:
+    """One request sent as written (no client-side normalising of ``path``): status, headers, body."""
+    conn = (http.client.HTTPSConnection(HOST, port, context=context, timeout=30) if context
+            else http.client.HTTPConnection(HOST, port, timeout=30))
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        response = conn.getresponse()
+        return response.status, dict(response.getheaders()), response.read().decode("utf-8", "replace")
+    finally:
+        conn.close()
+
+
+def web_port(server) -> int:
+    return server._running.web.port
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    """Every file under ``root``: its size and modification time (what a write would change)."""
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """A server with the web page on, tokens required, and a small archive with an alias."""
+    tmp = tmp_path_factory.mktemp("web")
+    with running_server(tmp, web_port=0, tokens=f"{READ_TOKEN}:read,{WRITE_TOKEN}:write") as server:
+        with tannery.Client(server.target, token=WRITE_TOKEN) as client:
+            torch.manual_seed(0)
+            weights = {"layers.0.w": torch.randn(32, 16), "layers.1.w": torch.randn(32, 16),
+                       "odd": torch.tensor([1.0, float("nan"), float("inf"), -2.0])}
+            client.store("small", weights)
+            client.tag("small-prod", "small")
+        yield server
+
+
+READ = {"Authorization": f"Bearer {READ_TOKEN}"}
+
+
+def test_the_page_is_off_unless_asked_and_its_flags(tmp_path):
+    assert Config().web_port is None and Config().web_host == "127.0.0.1"
+    args = build_parser().parse_args(["serve", "--web-port", "auto", "--web-host", "::1"])
+    assert (args.web_port, args.web_host) == ("auto", "::1")
+    assert Config(web_port="auto").web_port == 0 and Config(web_port="off").web_port is None
+    with running_server(tmp_path) as server:
+        assert server._running.web is None
+
+
+def test_a_page_asks_for_a_token_refuses_a_wrong_one_and_opens_with_a_read_token(store):
+    port = web_port(store)
+    status, _, body = get(port, "/archives")
+    assert status == 401 and 'id="login"' in body and "asks for a token" in body
+    status, headers, body = get(port, "/archives", headers={"Authorization": "Bearer not-a-token"})
+    assert status == 403 and "refused" in body and "TANNERY_TOKENS_FILE" in body
+    status, _, body = get(port, "/archives", headers={"Cookie": "tannery_token=not-a-token"})
+    assert status == 403
+    status, _, body = get(port, "/archives", headers=READ)
+    assert status == 200 and "small" in body
+    # The form: a known token is kept in a cookie; a wrong one is refused; the way back stays on this site.
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    status, headers, _ = get(port, "/login", method="POST", headers=form,
+                             body=urllib.parse.urlencode({"token": READ_TOKEN, "next": "/server"}).encode())
+    assert status == 303 and headers["Location"] == "/server"
+    assert "tannery_token=" in headers["Set-Cookie"] and "HttpOnly" in headers["Set-Cookie"]
+    status, headers, _ = get(port, "/login", method="POST", headers=form,
+                             body=urllib.parse.urlencode({"token": READ_TOKEN, "next": "//evil.example/"}).encode())
+    assert status == 303 and headers["Location"] == "/archives"
+    status, _, body = get(port, "/login", method="POST", headers=form,
+                          body=urllib.parse.urlencode({"token": "wrong", "next": "/server"}).encode())
+    assert status == 403 and "refused" in body
+
+
+def test_missing_archive_or_entry_is_a_404_page_naming_it(store):
+    port = web_port(store)
+    status, _, body = get(port, "/archive?name=no-such-archive", headers=READ)
+    assert status == 404 and "archive &#39;no-such-archive&#39; not found" in body
+    status, _, body = get(port, "/entry?archive=small&name=no.such.entry", headers=READ)
+    assert status == 404 and "archive &#39;small&#39; has no entry &#39;no.such.entry&#39;" in body
+    status, _, body = get(port, "/entry?archive=gone&name=x", headers=READ)
+    assert status == 404 and "archive &#39;gone&#39; not found" in body
+
+
+HOSTILE = [
+    ("/../../../../etc/passwd", 404),
+    ("/%2e%2e/%2e%2e/etc/passwd", 404),
+    ("/archive/..%2f..%2fetc%2fpasswd", 404),
+    ("/archive?name=..%2F..%2Fetc%2Fpasswd", 404),
+    ("/archive?name=a%00b", 400),
+    ("/archive?name=a%0d%0aSet-Cookie:%20x=1", 400),
+    ("/archive?name=" + "x" * 5000, 400),
+    ("/archive?name=small&name=other", 400),
+    ("/archive?name=small&debug=1", 400),
+    ("/archive", 400),
+    ("/entry?archive=small", 400),
+    ("/archives?prefix=%ff%fe", 200),  # undecodable bytes are replaced: a prefix no name has
+    ("/server?x=1", 400),
+]
+
+
+@pytest.mark.parametrize("path, status", HOSTILE)
+def test_hostile_paths_and_parameters_are_refused_and_nothing_is_written(store, path, status):
+    before = snapshot(store.data_dir)
+    got, headers, body = get(web_port(store), path, headers=READ)
+    assert got == status, body
+    assert "root:" not in body and "Set-Cookie" not in headers
+    if status != 200:
+        assert 'id="message"' in body and 'id="remedy"' in body  # what is wrong, and what to do
+    assert snapshot(store.data_dir) == before
+
+
+def test_names_are_escaped_and_writes_are_not_answered(store):
+    port = web_port(store)
+    status, _, body = get(port, "/archive?name=%3Cscript%3Ealert(1)%3C/script%3E", headers=READ)
+    assert status == 404 and "<script>alert" not in body and "&lt;script&gt;alert(1)" in body
+    for method in ("POST", "PUT", "DELETE"):
+        status, _, body = get(port, "/archive?name=small", method=method, headers=READ)
+        assert status == 405 and "read-only" in body
+    status, headers, _ = get(port, "/archives", headers=READ)
+    assert "default-src 'none'" in headers["Content-Security-Policy"]
+
+
+def test_pages_show_the_archive_its_alias_and_the_server(store):
+    port = web_port(store)
+    status, _, body = get(port, "/archive?name=small-prod", headers=READ)
+    assert status == 200 and 'id="archive-name">small<' in body and "small-prod" in body
+    assert 'data-value="1028"' in body  # 32*16*2 + 4 parameters
+    assert f"TANNERY_TARGET={store.target}" in body and "tannery pull small" in body
+    status, _, body = get(port, "/entry?archive=small&name=odd", headers=READ)
+    assert status == 200
+    assert 'data-key="nan" data-value="1"' in body and 'data-key="inf" data-value="1"' in body
+    assert 'data-key="min" data-value="-2.0"' in body and 'data-key="max" data-value="1.0"' in body
+    status, _, body = get(port, "/server", headers=READ)
+    assert status == 200 and 'data-part="catalog"' in body and "answers" in body
+
+
+def test_https_when_the_server_has_tls(tmp_path, pki):  # noqa: F811
+    with running_server(tmp_path, web_port=0, tls_cert=pki["server_cert"], tls_key=pki["server_key"]) as server:
+        context = ssl.create_default_context(cafile=str(pki["ca"]))
+        context.check_hostname = False
+        status, _, body = get(web_port(server), "/archives", context=context)
+        assert status == 200 and "Archives" in body
+        with pytest.raises((http.client.HTTPException, ConnectionError, OSError)):
+            get(web_port(server), "/archives")  # plain HTTP to the HTTPS port gets no page
+
+
+def test_tree_merges_single_child_chains_and_counts_parameters():
+    entries = [EntryRecord(name, dtype, shape, 4 * math.prod(shape), 0, 0, "0" * 64) for name, dtype, shape in [
+        ("model.layers.10.w", "float32", (2, 3)), ("model.layers.2.w", "float32", (4,)),
+        ("model.layers.2.b", "bfloat16", (5,)), ("head", "float32", ())]]
+    rows = list(tree.rows(tree.build(entries)))
+    shown = [(r.kind, r.depth, r.label) for r in rows]
+    assert shown == [("open", 0, "model.layers"), ("open", 1, "2"), ("leaf", 2, "b"), ("leaf", 2, "w"),
+                     ("close", 1, ""), ("open", 1, "10"), ("leaf", 2, "w"), ("close", 1, ""), ("close", 0, ""),
+                     ("leaf", 0, "head")]
+    assert tree.params_by_dtype(entries) == {"float32": (11, 44), "bfloat16": (5, 20)}
+
+
+def test_statistics_of_a_large_entry_are_a_sample_and_say_so(tmp_path, monkeypatch):
+    monkeypatch.setattr(stats, "FULL_BYTES", 1 << 20)
+    monkeypatch.setattr(stats, "WINDOWS", 4)
+    monkeypatch.setattr(stats, "WINDOW_BYTES", 64 << 10)
+    values = np.random.default_rng(1).standard_normal(1 << 20).astype(np.float32)  # 4 MiB
+    with running_server(tmp_path) as server:
+        with tannery.Client(server.target) as client:
+            client.store("big", {"w": torch.from_numpy(values)})
+        catalog = server.storage.catalog
+        entry = catalog.entries("big", ["w"])["w"]
+        result = stats.entry_stats(server.storage, "big", entry)
+        whole = stats.entry_stats(server.storage, "big", entry, seconds=60)
+    assert result.sampled and not result.cut_short and result.bytes_read == 4 * (64 << 10)
+    per = (64 << 10) // 4
+    stride = ((4 << 20) - (64 << 10)) / 3
+    starts = [int(i * stride) // 4 for i in range(4)]
+    sample = np.concatenate([values[s : s + per] for s in starts]).astype(np.float64)
+    assert result.summarised == sample.size and result.count == values.size
+    assert result.min == sample.min() and result.max == sample.max()
+    assert result.mean == pytest.approx(sample.mean(), rel=1e-9) and result.std == pytest.approx(sample.std(), rel=1e-9)
+    assert sum(result.counts) == result.histogram_values == sample.size
+    assert whole.sampled  # the size decides, not the time
+
+
+def test_statistics_of_a_small_entry_cover_every_element(store):
+    catalog = store.storage.catalog
+    entry = catalog.entries("small", ["layers.0.w"])["layers.0.w"]
+    result = stats.entry_stats(store.storage, "small", entry)
+    assert not result.sampled and result.summarised == result.count == 512 and result.bytes_read == 2048
+
+
+def test_a_10000_entry_archive_page_renders_in_under_a_second(tmp_path):
+    with running_server(tmp_path, web_port=0) as server:
+        weights = {f"model.layers.{i // 100}.block.{i % 100}.weight": torch.zeros(4) for i in range(10_000)}
+        with tannery.Client(server.target) as client:
+            client.store("ten-thousand", weights)
+        times = []
+        for _ in range(3):
+            started = time.perf_counter()
+            status, _, body = get(web_port(server), "/archive?name=ten-thousand")
+            times.append(time.perf_counter() - started)
+            assert status == 200 and body.count('class="leaf"') == 10_000
+        print(f"10,000-entry archive page: best {min(times) * 1000:.0f} ms of {[round(t * 1000) for t in times]} ms, "
+              f"{len(body) / 1024:.0f} KiB")
+        assert min(times) < 1.0
