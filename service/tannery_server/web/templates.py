@@ -68,7 +68,7 @@ pre{background:#fff;border:1px solid #e3e6ea;padding:.6em .8em;overflow-x:auto}
 .tag{display:inline-block;background:#e5eefb;color:#1f4d8f;border-radius:3px;padding:0 .4em;margin-right:.3em}
 .tree details{margin-left:1.1em}.tree>details{margin-left:0}
 .tree summary{cursor:pointer;padding:1px 0}.tree summary .n{color:#5b6570;margin-left:.6em}
-.tree .leaf{display:grid;grid-template-columns:minmax(14em,2fr) 7em 11em 7em 8em;margin-left:2.2em;padding:1px 0}
+.tree .leaf{display:grid;grid-template-columns:22em 7em 11em 7em 8em;margin-left:2.2em;padding:1px 0}
 .tree .leaf span{white-space:nowrap;overflow:hidden;text-overflow:ellipsis}
 .tree .leaf:hover{background:#eef3fa}
 form.inline{display:flex;gap:.5em;margin:.4em 0 1em}
@@ -155,7 +155,7 @@ ENTRY = """{% extends "base" %}{% block title %}{{ entry.name }} · {{ archive }
 <h2>Statistics</h2>
 <p id="coverage" class="note">{% if stats.sampled %}<span class="bad">Sampled:</span> {{ stats.bytes_read|size }} of {{ stats.data_bytes|size }} read
 ({{ stats.summarised|count }} of {{ stats.count|count }} elements{% if stats.cut_short %}, stopped at the time limit{% else %}, in evenly spread windows{% endif %}); every statistic below is of the sample.
-{% else %}Every element read ({{ stats.count|count }} elements, {{ stats.bytes_read|size }}).{% endif %}
+{% else %}Every element read ({{ stats.count|count }} elements, {{ stats.bytes_read|size }}).{% endif %}{{ " " }}
 Computed in {{ stats.seconds|seconds }} over the stored bytes, each block checked.</p>
 <div class="cols"><table id="stats" data-sampled="{{ 'true' if stats.sampled else 'false' }}"><tbody>
 {% for key in ["count", "min", "max", "mean", "std", "nan", "inf"] %}{% set value = stats[key] %}
