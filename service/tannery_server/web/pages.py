@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shlex
+import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,7 +89,8 @@ async def archive_page(request: web.Request) -> web.Response:
     return site.html(
         "archive", asked=name, record=record, aliases=aliases, total_params=root.params,
         by_dtype=tree.params_by_dtype(entries), rows=tree.rows(root), open_depth=1,
-        cli=_cli(site, record.name), python=_python(site, record.name))
+        cli=_cli(site, record.name), python=_python(site, record.name),
+        archive_query=urllib.parse.quote(record.name, safe=""))
 
 
 def _cli(site: Site, name: str) -> str:

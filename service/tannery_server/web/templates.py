@@ -7,7 +7,9 @@ Nothing is fetched at run time: the style, the script and the plots (inline SVG)
 from __future__ import annotations
 
 import datetime
+from html import escape
 from typing import Any
+from urllib.parse import quote
 
 from jinja2 import DictLoader, Environment, StrictUndefined, select_autoescape
 from markupsafe import Markup
@@ -141,7 +143,7 @@ ARCHIVE = """{% extends "base" %}{% block title %}{{ record.name }}{% endblock %
 {%- elif row.kind == "close" -%}
 </details>
 {%- else -%}
-<div class="leaf" data-entry="{{ row.entry.name }}" data-dtype="{{ row.entry.dtype }}" data-shape="{{ row.entry.shape|join(',') }}" data-nbytes="{{ row.entry.nbytes }}"><span><a href="/entry?archive={{ record.name|urlencode }}&amp;name={{ row.entry.name|urlencode }}">{{ row.label }}</a></span><span>{{ row.entry.dtype }}</span><span>[{{ row.entry.shape|join(', ') }}]</span><span>{{ row.entry.nbytes|size }}</span><span>{{ row.params|count }}</span></div>
+{{ row|leaf(archive_query) }}
 {%- endif -%}
 {%- endfor -%}
 </div><script>{{ script_tree }}</script>
@@ -198,6 +200,21 @@ PROBLEM = """{% extends "base" %}{% block title %}{{ status }} {{ title }}{% end
 {% endblock %}"""
 
 
+def leaf(row: Any, archive_query: str) -> Markup:
+    """One entry's row of the tree, every name escaped here (html.escape, in one f-string: the
+    page of a 10,000-entry archive is 10,000 of these, and a template's per-field escaping
+    made it three times slower). ``archive_query``: the archive's name, quoted for a URL."""
+    entry = row.entry
+    name = escape(entry.name)
+    dtype = escape(entry.dtype)
+    href = f"/entry?archive={archive_query}&amp;name={quote(entry.name, safe='')}"
+    return Markup(
+        f'<div class="leaf" data-entry="{name}" data-dtype="{dtype}" data-shape="{",".join(map(str, entry.shape))}" '
+        f'data-nbytes="{entry.nbytes}"><span><a href="{href}">{escape(row.label)}</a></span><span>{dtype}</span>'
+        f'<span>[{", ".join(map(str, entry.shape))}]</span><span>{size(entry.nbytes)}</span>'
+        f'<span>{row.params:,}</span></div>')
+
+
 def environment() -> Environment:
     """The template environment: autoescape on for every template, unknown names an error."""
     env = Environment(
@@ -208,7 +225,7 @@ def environment() -> Environment:
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    env.filters.update(size=size, number=number, count=count, when=when, seconds=seconds)
+    env.filters.update(size=size, number=number, count=count, when=when, seconds=seconds, leaf=leaf)
     env.globals.update(style=Markup(STYLE), script_tree=Markup(SCRIPT_TREE))  # our own text, no user data
     return env
 
