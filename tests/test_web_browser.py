@@ -88,7 +88,8 @@ def store(tmp_path_factory):
         cli(server.target, "tag", "prod", MODEL)
         mixed = {"bf16": torch.randn(300, 7).to(torch.bfloat16), "ids": torch.arange(-50, 150, dtype=torch.int64),
                  "mask": torch.arange(37) % 3 == 0,
-                 "odd": torch.tensor([1.5, float("nan"), float("inf"), float("-inf"), -2.5, 0.25])}
+                 "odd": torch.tensor([1.5, float("nan"), float("inf"), float("-inf"), -2.5, 0.25]),
+                 "wide": torch.randn(1 << 20)}
         with tannery.Client(server.target, token=WRITE_TOKEN) as client:
             client.store("mixed", mixed)
             client.store("runs/a", {"w": torch.ones(3)})
@@ -205,6 +206,19 @@ def test_entry_statistics_match_get(browser, site, store, shots, archive, entry)
     assert int(_by(browser, "#histogram")[0].get_attribute("data-bins")) == 48
     if entry == "transformer.h.0.attn.c_attn.weight":
         _shot(browser, shots, "entry")
+
+
+def test_a_large_entry_is_sampled_and_the_page_says_so(browser, site, shots, monkeypatch):
+    from tannery_server.web import stats
+
+    monkeypatch.setattr(stats, "FULL_BYTES", 1 << 20)  # the 4 MiB entry counts as large (64 MiB does by default)
+    monkeypatch.setattr(stats, "WINDOW_BYTES", 16 << 10)
+    browser.get(f"{site}/entry?archive=mixed&name=wide")
+    assert _by(browser, "#stats")[0].get_attribute("data-sampled") == "true"
+    coverage = _by(browser, "#coverage")[0].text
+    assert "Sampled: 1.0 MiB of 4.0 MiB read (262,144 of 1,048,576 elements" in coverage, coverage
+    assert "every statistic below is of the sample" in coverage
+    _shot(browser, shots, "entry-sampled")
 
 
 def test_the_server_page_shows_health_traffic_and_channels(browser, site, store, shots):

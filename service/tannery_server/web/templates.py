@@ -113,7 +113,7 @@ more after these: <a id="more" href="/archives?prefix={{ prefix|urlencode }}&amp
 {% endblock %}"""
 
 ARCHIVE = """{% extends "base" %}{% block title %}{{ record.name }}{% endblock %}{% block main %}
-<h1>Archive <code id="archive-name">{{ record.name }}</code>{% if asked != record.name %}
+<h1>Archive <code id="archive-name">{{ record.name }}</code>{% if asked != record.name %}{{ " " }}
 <span class="note">(what the alias <code>{{ asked }}</code> points at)</span>{% endif %}</h1>
 <div class="cols"><div>
 <table id="summary"><tbody>
