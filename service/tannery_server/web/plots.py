@@ -26,7 +26,7 @@ def histogram(edges: list[float], counts: list[int]) -> Markup:
     axis = (f'<line x1="{PAD}" y1="{PAD + inner_h}" x2="{PAD + inner_w}" y2="{PAD + inner_h}" stroke="#555"/>'
             f'<text x="{PAD}" y="{HEIGHT - 10}" font-size="11">{number(edges[0])}</text>'
             f'<text x="{PAD + inner_w}" y="{HEIGHT - 10}" font-size="11" text-anchor="end">{number(edges[-1])}</text>'
-            f'<text x="{PAD - 4}" y="{PAD + 4}" font-size="11" text-anchor="end">{top}</text>')
+            f'<text x="{PAD}" y="{PAD - 8}" font-size="11">{top} in the tallest bin</text>')
     return Markup(f'<svg id="histogram" data-bins="{len(counts)}" width="{WIDTH}" height="{HEIGHT}" '
                   f'viewBox="0 0 {WIDTH} {HEIGHT}" role="img" aria-label="histogram">{"".join(bars)}{axis}</svg>')
 
