@@ -231,3 +231,20 @@ def test_a_10000_entry_archive_page_renders_in_under_a_second(tmp_path):
         print(f"10,000-entry archive page: best {min(times) * 1000:.0f} ms of {[round(t * 1000) for t in times]} ms, "
               f"{len(body) / 1024:.0f} KiB")
         assert min(times) < 1.0
+
+
+def test_the_archive_pages_read_no_tensor_byte_and_a_damaged_entry_is_named(tmp_path):
+    with running_server(tmp_path, web_port=0) as server:
+        with tannery.Client(server.target) as client:
+            client.store("model", {"a.w": torch.randn(64, 64), "a.b": torch.randn(64), "c": torch.randn(300, 300)})
+        blobs = [p for p in (server.data_dir / "blobs").rglob("*") if p.is_file()]
+        assert blobs
+        for blob in blobs:  # every stored byte gone: the pages that show none of them still open
+            blob.unlink()
+        port = web_port(server)
+        status, _, body = get(port, "/archive?name=model")
+        assert status == 200 and body.count('class="leaf"') == 3
+        assert get(port, "/archives")[0] == 200 and get(port, "/server")[0] == 200
+        status, _, body = get(port, "/entry?archive=model&name=c")
+        assert status == 500 and "the stored bytes of entry &#39;c&#39;" in body and "is missing" in body
+        assert "tannery scrub" in body

@@ -8,7 +8,7 @@ import asyncio
 import json
 import shlex
 import urllib.parse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -26,6 +26,8 @@ from .traffic import INTERVAL, KEPT, Traffic
 SITE: web.AppKey["Site"] = web.AppKey("site")
 #: Archives listed on one page of the list (a link leads to the next ones).
 LIST_PAGE = 500
+#: Entry statistics computed at the same time, at most.
+STATISTICS_AT_ONCE = 2
 #: Seconds a health check of the catalog or the bucket may take before it counts as failed.
 HEALTH_SECONDS = 5.0
 
@@ -42,6 +44,9 @@ class Site:
     traffic: Traffic
     #: The Channels servicer (its ``hub`` and ``fabric``), None without the Channels service.
     channels: Any = None
+    #: Entry statistics computed at once, at most (each holds a few tens of MiB while it reads):
+    #: more pages asking wait their turn, so the page's memory stays bounded however many ask.
+    statistics: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(STATISTICS_AT_ONCE))
 
     async def run(self, call, *args):
         """A blocking storage call in a worker thread."""
@@ -131,7 +136,8 @@ async def entry_page(request: web.Request) -> web.Response:
         raise PageProblem(404, "Not Found", f"archive {record.name!r} has no entry {name!r}",
                           f"see its entries on /archive?name={record.name}")
     try:
-        result = await site.run(stats.entry_stats, site.storage, record.name, entry)
+        async with site.statistics:
+            result = await site.run(stats.entry_stats, site.storage, record.name, entry)
     except Missing as exc:
         raise PageProblem(404, "Not Found", str(exc), "reload the archive's page") from None
     except Damaged as exc:
