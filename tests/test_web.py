@@ -248,3 +248,38 @@ def test_the_archive_pages_read_no_tensor_byte_and_a_damaged_entry_is_named(tmp_
         status, _, body = get(port, "/entry?archive=model&name=c")
         assert status == 500 and "the stored bytes of entry &#39;c&#39;" in body and "is missing" in body
         assert "tannery scrub" in body
+
+
+def test_statistics_of_every_dtype_match_what_tannery_get_computes(tmp_path):
+    """The server's statistics (over stored bytes) against the client's (``tannery get --json``'s,
+    over the tensor fetched), for every dtype of the format."""
+    from tannery.cli.stats import statistics
+
+    rng = np.random.default_rng(7)
+    arrays = {
+        "f32": rng.standard_normal(1000).astype(np.float32), "f64": rng.standard_normal((10, 30)),
+        "f16": np.array([1.5, np.nan, np.inf, -np.inf, -2.0], np.float16),
+        "i8": rng.integers(-128, 127, 77).astype(np.int8), "u64": rng.integers(0, 2**40, 50).astype(np.uint64),
+        "i64": np.arange(-5, 500, dtype=np.int64), "b": rng.random(37) > 0.4,
+        "c64": (rng.standard_normal(20) + 1j * rng.standard_normal(20)).astype(np.complex64),
+        "empty": np.zeros((0, 4), np.float32), "scalar": np.array(3.25, np.float32),
+    }
+    import ml_dtypes
+
+    arrays["bf16"] = rng.standard_normal(99).astype(ml_dtypes.bfloat16)
+    arrays["f8"] = rng.standard_normal(64).astype(ml_dtypes.float8_e4m3fn)
+    with running_server(tmp_path) as server:
+        with tannery.Client(server.target) as client:
+            client.store("dtypes", arrays)
+        found = server.storage.catalog.entries("dtypes", list(arrays))
+        for name, array in arrays.items():
+            ours = stats.entry_stats(server.storage, "dtypes", found[name])
+            theirs = statistics(array).as_dict()
+            for key in ("count", "of", "nan", "inf"):
+                assert getattr(ours, key) == theirs[key], (name, key)
+            for key in ("min", "max", "mean", "std"):
+                if theirs[key] is None:
+                    assert getattr(ours, key) is None, (name, key)
+                else:
+                    assert getattr(ours, key) == pytest.approx(theirs[key], rel=1e-9, abs=1e-12), (name, key)
+            assert type(ours.min) is type(theirs["min"]), name

@@ -70,7 +70,8 @@ class _Summary:
     """Count, mean and squared deviations merged window by window (Chan et al.), min, max, NaN
     and Inf counts, and the values kept for the histogram."""
 
-    def __init__(self, floating: bool, keep_every: int) -> None:
+    def __init__(self, kind: str, floating: bool, keep_every: int) -> None:
+        self.kind = kind
         self.floating = floating
         self.keep_every = max(1, keep_every)
         self.count, self.mean, self.m2 = 0, 0.0, 0.0
@@ -80,10 +81,10 @@ class _Summary:
         self.kept: list[np.ndarray] = []
         self.seen = 0
 
-    def add(self, values: np.ndarray, kind: str) -> None:
+    def add(self, values: np.ndarray) -> None:
         """Summarise one window of elements (a flat array of the entry's numpy dtype)."""
         self.seen += values.size
-        if kind == "c":
+        if self.kind == "c":
             wide = values.astype(np.complex128)
             self.nan += int(np.count_nonzero(np.isnan(wide)))
             self.inf += int(np.count_nonzero(np.isinf(wide) & ~np.isnan(wide)))
@@ -98,7 +99,7 @@ class _Summary:
         if not finite.size:
             return
         lo, hi = finite.min(), finite.max()
-        lo, hi = (float(lo), float(hi)) if self.floating or kind == "c" else (int(lo), int(hi))
+        lo, hi = (float(lo), float(hi)) if self.floating or self.kind == "c" else (int(lo), int(hi))
         self.low = lo if self.low is None else min(self.low, lo)
         self.high = hi if self.high is None else max(self.high, hi)
         wide = finite.astype(np.float64)
@@ -113,7 +114,7 @@ class _Summary:
         self.kept.append(wide[:: self.keep_every].copy())
 
 
-def _elements(data: bytes | memoryview, dtype_name: str, first_element: int, limit: int) -> np.ndarray:
+def _elements(data: bytes, dtype_name: str, limit: int) -> np.ndarray:
     """The elements in ``data`` (bytes of tensor data), at most ``limit`` of them (a bool
     tensor's last byte holds padding bits)."""
     dtype = DTYPES[dtype_name]
@@ -158,8 +159,8 @@ def entry_stats(storage: Storage, archive: str, entry: EntryRecord, seconds: flo
         ranges, sampled = _windows(data_bytes, align)
         planned = sum(hi - lo for lo, hi in ranges) * (8 if dtype.is_bool else 1) // align
         kind = dtype.numpy.kind
-        floating = kind in "fc" or dtype.name in _ML_FLOATS
-        summary = _Summary(floating and kind != "c", max(1, planned // HISTOGRAM_VALUES))
+        floating = kind == "f" or dtype.name in _ML_FLOATS
+        summary = _Summary(kind, floating, max(1, planned // HISTOGRAM_VALUES))
         read, cut_short = 0, False
         with VerifiedBlob(storage, plan) as blob:
             for lo, hi in ranges:
@@ -168,8 +169,7 @@ def entry_stats(storage: Storage, archive: str, entry: EntryRecord, seconds: flo
                     break
                 data = b"".join(bytes(piece) for piece in blob.blocks(entry.data_offset + lo, entry.data_offset + hi))
                 first = lo * 8 if dtype.is_bool else lo // align
-                values = _elements(data, entry.dtype, first, total - first)
-                summary.add(values, kind)
+                summary.add(_elements(data, entry.dtype, total - first))
                 read += hi - lo
     finally:
         storage.release(digests(plans))
@@ -178,7 +178,7 @@ def entry_stats(storage: Storage, archive: str, entry: EntryRecord, seconds: flo
         count=total, of="abs" if kind == "c" else "values", min=summary.low, max=summary.high,
         mean=summary.mean if summary.count else None,
         std=math.sqrt(summary.m2 / summary.count) if summary.count else None,
-        nan=summary.nan if floating else None, inf=summary.inf if floating else None,
+        nan=summary.nan if floating or kind == "c" else None, inf=summary.inf if floating or kind == "c" else None,
         summarised=summary.seen, bytes_read=read, data_bytes=data_bytes, sampled=sampled or cut_short,
         cut_short=cut_short, seconds=time.monotonic() - started, edges=edges, counts=counts,
         histogram_values=kept_count)
