@@ -158,18 +158,29 @@ def test_the_archives_list_matches_ls_and_filters_by_prefix(browser, site, store
     assert [r.get_attribute("data-name") for r in _by(browser, "#archives tbody tr")] == ["runs/a", "runs/b"]
 
 
-def test_the_archive_tree_matches_show_and_a_node_expands(browser, site, store, shots):
+def _cells(browser) -> list[list[str]]:
+    """Each entry row of the tree, hidden ones too (textContent): its entry's name, then its
+    cells (name, dtype, shape, size, parameters), then the exact bytes (the size's title)."""
+    return browser.execute_script(
+        "return Array.from(document.querySelectorAll('#tree .leaf'), l => [l.dataset.entry,"
+        " ...Array.from(l.children, c => c.textContent), l.children[3].title])")
+
+
+def _check_rows(cells: list[list[str]], shown: dict) -> None:
+    by_name = {e["name"]: e for e in shown["entries"]}
+    for name, label, dtype, shape, _size, params, nbytes in cells:
+        entry = by_name[name]
+        assert name.endswith("." + label) and dtype == entry["dtype"]
+        assert shape == "[" + ", ".join(map(str, entry["shape"])) + "]"
+        assert nbytes == f"{entry['nbytes']} bytes" and params == f"{math.prod(entry['shape']):,}"
+
+
+def test_the_archive_page_matches_show(browser, site, store, shots):
     shown = cli(store.target, "show", "prod")
     browser.get(site + "/archive?name=prod")
-    leaves = {e.get_attribute("data-entry"): e for e in _by(browser, "#tree .leaf")}
-    assert set(leaves) == {e["name"] for e in shown["entries"]}
-    for entry in shown["entries"]:
-        leaf = leaves[entry["name"]]
-        assert leaf.get_attribute("data-dtype") == entry["dtype"]
-        assert leaf.get_attribute("data-shape") == ",".join(map(str, entry["shape"]))
-        assert int(leaf.get_attribute("data-nbytes")) == entry["nbytes"]
     _shot(browser, shots, "archive")
     params = sum(math.prod(e["shape"]) for e in shown["entries"])
+    assert int(_by(browser, "#entry-count")[0].text) == len(shown["entries"])
     assert int(_by(browser, "#param-total")[0].get_attribute("data-value")) == params
     assert {r.get_attribute("data-dtype"): int(r.get_attribute("data-params")) for r in _by(browser, "#dtypes tbody tr")} \
         == {"float32": params}
@@ -177,16 +188,35 @@ def test_the_archive_tree_matches_show_and_a_node_expands(browser, site, store, 
     assert "GPT2Config" in _by(browser, "#metadata")[0].text
     assert "tannery pull gpt2-tiny" in _by(browser, "#cli")[0].text
     assert 'client.fetch("gpt2-tiny")' in _by(browser, "#python")[0].text
-    # The top level starts open, the rest collapsed: transformer.h.2's entries are hidden until opened.
-    inner = leaves["transformer.h.2.attn.c_attn.weight"]
+    # Every node open (the expand-all link): every entry of show is a row, with its dtype, shape, size, parameters.
+    _by(browser, "#expand-all")[0].click()
+    _wait(browser, lambda b: b.current_url.endswith("&open=all"), "the page with every node open")
+    cells = _cells(browser)
+    assert sorted(c[0] for c in cells) == sorted(e["name"] for e in shown["entries"])
+    _check_rows(cells, shown)
+
+
+def test_a_node_of_the_tree_expands(browser, site, store, shots):
+    shown = cli(store.target, "show", "prod")
+    browser.get(site + "/archive?name=prod")
+    # The top level is open; the nodes under it come closed and without their content, which
+    # opening one fetches: transformer.h.2.attn.c_attn's entries appear once its path is opened.
     assert _by(browser, 'details[data-path="transformer"]')[0].get_attribute("open") is not None
-    assert not inner.is_displayed()
+    assert not _by(browser, '.leaf[data-entry="transformer.h.2.attn.c_attn.weight"]')
     for path in ("transformer.h", "transformer.h.2", "transformer.h.2.attn", "transformer.h.2.attn.c_attn"):
+        _wait(browser, lambda b: _by(b, f'details[data-path="{path}"]'), f"node {path}")
         node = _by(browser, f'details[data-path="{path}"]')[0]
         assert node.get_attribute("open") is None
         node.find_element("css selector", "summary").click()
-        assert node.get_attribute("open") is not None
+        _wait(browser, lambda b: node.get_attribute("data-loaded") == "1", f"the content of {path}")
+    inner = _by(browser, '.leaf[data-entry="transformer.h.2.attn.c_attn.weight"]')[0]
     assert inner.is_displayed()
+    cells = [c for c in _cells(browser) if c[0].startswith("transformer.h.2.attn.c_attn.")]
+    assert sorted(c[0] for c in cells) == ["transformer.h.2.attn.c_attn.bias", "transformer.h.2.attn.c_attn.weight"]
+    _check_rows(cells, shown)
+    summary = _by(browser, 'details[data-path="transformer.h.2"] > summary')[0].text
+    h2 = [e for e in shown["entries"] if e["name"].startswith("transformer.h.2.")]
+    assert f"{len(h2)} entries · {sum(math.prod(e['shape']) for e in h2):,} params" in summary
     browser.execute_script("window.scrollTo(0, document.querySelector('#tree').offsetTop - 60)")
     _shot(browser, shots, "archive-tree")
 

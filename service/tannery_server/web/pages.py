@@ -76,10 +76,16 @@ async def archives_page(request: web.Request) -> web.Response:
 
 
 async def archive_page(request: web.Request) -> web.Response:
-    """GET /archive?name=N: one archive (or what alias N points at): its entries as a tree."""
+    """GET /archive?name=N[&open=all]: one archive (or what alias N points at): its entries as a
+    tree, the top level open; deeper nodes come without their content, fetched from /tree when
+    opened (a 10,000-entry archive's page stays small), or every node with it (open=all)."""
     site: Site = request.app[SITE]
-    values = query(request.query, {"name": _limit(site)}, "archive")
+    values = query(request.query, {"name": _limit(site), "open": 3}, "archive")
     name = required(values, "name", "archive", "/archive?name=resnet50")
+    all_open = values.get("open", "") == "all"
+    if values.get("open", "all") != "all":
+        raise PageProblem(400, "Bad Request", f"parameter 'open' is {values['open']!r}",
+                          "give open=all for every node opened, or leave it out")
     catalog = site.storage.catalog
     record = await site.run(catalog.lookup, name)
     if record is None:
@@ -93,9 +99,30 @@ async def archive_page(request: web.Request) -> web.Response:
     root = tree.build(entries)
     return site.html(
         "archive", asked=name, record=record, aliases=aliases, total_params=root.params,
-        by_dtype=tree.params_by_dtype(entries), rows=tree.rows(root), open_depth=1,
+        by_dtype=tree.params_by_dtype(entries), rows=tree.rows(root, None if all_open else 1),
+        open_depth=1_000_000 if all_open else 1, all_open=all_open,
         cli=_cli(site, record.name), python=_python(site, record.name),
         archive_query=urllib.parse.quote(record.name, safe=""))
+
+
+async def tree_part(request: web.Request) -> web.Response:
+    """GET /tree?name=N&node=P: the content of node P of archive N's tree (its nodes, without
+    their content, and its entries): what the archive page fetches when a node is opened."""
+    site: Site = request.app[SITE]
+    values = query(request.query, {"name": _limit(site), "node": _limit(site)}, "tree")
+    name = required(values, "name", "tree", "/tree?name=resnet50&node=layer1")
+    path = required(values, "node", "tree", "/tree?name=resnet50&node=layer1")
+    catalog = site.storage.catalog
+    record = await site.run(catalog.lookup, name)
+    if record is None:
+        raise PageProblem(404, "Not Found", f"archive {name!r} not found", "reload the Archives page")
+    node = tree.find(tree.build(await site.run(catalog.entries_under, record.name, path)), path)
+    if node is None:
+        raise PageProblem(404, "Not Found", f"archive {record.name!r} has no entry under {path!r}",
+                          f"see its entries on /archive?name={record.name}")
+    html = site.renderer.page("tree_rows", rows=tree.rows(node, 0), open_depth=0,
+                              archive_query=urllib.parse.quote(record.name, safe=""))
+    return web.Response(text=html, content_type="text/html")
 
 
 def _cli(site: Site, name: str) -> str:
@@ -210,4 +237,4 @@ def _nats(site: Site) -> _Part:
                  f"{found['payloads_in']} in")
 
 
-__all__ = ["Site", "archive_page", "archives_page", "entry_page", "server_page"]
+__all__ = ["Site", "archive_page", "archives_page", "entry_page", "server_page", "tree_part"]

@@ -22,7 +22,7 @@ log = logging.getLogger("tannery_server.web")
 #: The policy of every page: its own inline style and script, inline SVG, nothing from elsewhere.
 SECURITY_HEADERS = {
     "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; "
-                               "img-src data:; form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+                               "img-src data:; connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
     "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-store",
@@ -98,6 +98,7 @@ class WebServer:
         app.router.add_get("/archives", pages.archives_page)
         app.router.add_get("/archive", pages.archive_page)
         app.router.add_get("/entry", pages.entry_page)
+        app.router.add_get("/tree", pages.tree_part)
         app.router.add_get("/server", pages.server_page)
         app.router.add_post("/login", sign_in)
         self.runner = web.AppRunner(app, access_log=None, handle_signals=False)

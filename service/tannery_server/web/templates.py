@@ -71,7 +71,7 @@ pre{background:#fff;border:1px solid #e3e6ea;padding:.6em .8em;overflow-x:auto}
 .tree details{margin-left:1.1em}.tree>details{margin-left:0}
 .tree summary{cursor:pointer;padding:1px 0}.tree summary .n{color:#5b6570;margin-left:.6em}
 .tree .leaf{display:grid;grid-template-columns:22em 7em 11em 7em 8em;margin-left:2.2em;padding:1px 0}
-.tree .leaf span{white-space:nowrap;overflow:hidden;text-overflow:ellipsis}
+.tree .leaf>*{white-space:nowrap;overflow:hidden;text-overflow:ellipsis}
 .tree .leaf:hover{background:#eef3fa}
 form.inline{display:flex;gap:.5em;margin:.4em 0 1em}
 input[type=text],input[type=password]{padding:.3em .5em;min-width:22em}
@@ -81,6 +81,20 @@ input[type=text],input[type=password]{padding:.3em .5em;min-width:22em}
 
 SCRIPT_TREE = """
 function setAll(open){document.querySelectorAll('.tree details').forEach(function(d){d.open=open;});}
+// A node drawn without its content (data-lazy) fetches it from /tree when first opened.
+document.addEventListener('toggle', function (event) {
+  var node = event.target;
+  if (!node.open || !node.dataset || !node.dataset.lazy) return;
+  delete node.dataset.lazy;
+  var more = node.querySelector(':scope > .more');
+  var tree = document.getElementById('tree');
+  more.textContent = 'loading...';
+  fetch('/tree?name=' + encodeURIComponent(tree.dataset.archive) + '&node=' + encodeURIComponent(node.dataset.path),
+        {credentials: 'same-origin'})
+    .then(function (r) { if (!r.ok) throw new Error(r.status + ' ' + r.statusText); return r.text(); })
+    .then(function (html) { more.innerHTML = html; node.dataset.loaded = '1'; })
+    .catch(function (e) { node.dataset.lazy = '1'; more.textContent = 'could not load this node: ' + e.message + ' (reload the page)'; });
+}, true);
 """
 
 BASE = """<!doctype html>
@@ -133,20 +147,12 @@ ARCHIVE = """{% extends "base" %}{% block title %}{{ record.name }}{% endblock %
 <h2>Fetch it</h2>
 <pre id="cli">{{ cli }}</pre><pre id="python">{{ python }}</pre>
 <h2>Entries</h2>
-<p><button type="button" id="expand-all" onclick="setAll(true)">expand all</button>
+<p>{% if all_open %}<button type="button" id="expand-all" onclick="setAll(true)">expand all</button>
+{% else %}<a id="expand-all" href="/archive?name={{ archive_query }}&amp;open=all">expand all</a>{% endif %}
 <button type="button" id="collapse-all" onclick="setAll(false)">collapse all</button>
 <span class="note">name · dtype · shape · size · parameters; a name opens its statistics</span></p>
-<div class="tree" id="tree">
-{%- for row in rows -%}
-{%- if row.kind == "open" -%}
-<details data-path="{{ row.node.path }}"{% if row.depth < open_depth %} open{% endif %}><summary><b>{{ row.label }}</b><span class="n">{{ row.node.entry_count|count }} {{ "entry" if row.node.entry_count == 1 else "entries" }} · {{ row.params|count }} params · {{ row.node.nbytes|size }}</span></summary>
-{%- elif row.kind == "close" -%}
-</details>
-{%- else -%}
-{{ row|leaf(archive_query) }}
-{%- endif -%}
-{%- endfor -%}
-</div><script>{{ script_tree }}</script>
+<div class="tree" id="tree" data-archive="{{ record.name }}">{% include "tree_rows" %}</div>
+<script>{{ script_tree }}</script>
 {% endblock %}"""
 
 ENTRY = """{% extends "base" %}{% block title %}{{ entry.name }} · {{ archive }}{% endblock %}{% block main %}
@@ -166,6 +172,18 @@ Computed in {{ stats.seconds|seconds }} over the stored bytes, each block checke
 <figure style="margin:0">{{ histogram }}<figcaption class="note">Histogram of {{ stats.histogram_values|count }} values
 {% if stats.of == "abs" %}(magnitudes) {% endif %}in {{ stats.counts|length }} bins from {{ stats.min|number }} to {{ stats.max|number }}.</figcaption></figure></div>
 {% endblock %}"""
+
+TREE_ROWS = """
+{%- for row in rows -%}
+{%- if row.kind == "open" -%}
+<details data-path="{{ row.node.path }}"{% if row.lazy %} data-lazy="1"{% elif row.depth < open_depth %} open{% endif %}><summary><b>{{ row.label }}</b><span class="n">{{ row.node.entry_count|count }} {{ "entry" if row.node.entry_count == 1 else "entries" }} · {{ row.params|count }} params · {{ row.node.nbytes|size }}</span></summary>
+{%- if row.lazy %}<div class="more"></div>{% endif -%}
+{%- elif row.kind == "close" -%}
+</details>
+{%- else -%}
+{{ row|leaf(archive_query) }}
+{%- endif -%}
+{%- endfor -%}"""
 
 SERVER = """{% extends "base" %}{% block title %}Server{% endblock %}{% block main %}
 <h1>Server <code>{{ target }}</code></h1>
@@ -209,9 +227,8 @@ def leaf(row: Any, archive_query: str) -> Markup:
     dtype = escape(entry.dtype)
     href = f"/entry?archive={archive_query}&amp;name={quote(entry.name, safe='')}"
     return Markup(
-        f'<div class="leaf" data-entry="{name}" data-dtype="{dtype}" data-shape="{",".join(map(str, entry.shape))}" '
-        f'data-nbytes="{entry.nbytes}"><span><a href="{href}">{escape(row.label)}</a></span><span>{dtype}</span>'
-        f'<span>[{", ".join(map(str, entry.shape))}]</span><span>{size(entry.nbytes)}</span>'
+        f'<div class="leaf" data-entry="{name}"><a href="{href}">{escape(row.label)}</a><span>{dtype}</span>'
+        f'<span>[{", ".join(map(str, entry.shape))}]</span><span title="{entry.nbytes} bytes">{size(entry.nbytes)}</span>'
         f'<span>{row.params:,}</span></div>')
 
 
@@ -219,7 +236,7 @@ def environment() -> Environment:
     """The template environment: autoescape on for every template, unknown names an error."""
     env = Environment(
         loader=DictLoader({"base": BASE, "archives": ARCHIVES, "archive": ARCHIVE, "entry": ENTRY,
-                           "server": SERVER, "problem": PROBLEM}),
+                           "server": SERVER, "problem": PROBLEM, "tree_rows": TREE_ROWS}),
         autoescape=select_autoescape(default=True, default_for_string=True),
         undefined=StrictUndefined,
         trim_blocks=True,

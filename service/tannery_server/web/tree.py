@@ -43,6 +43,8 @@ class Row:
     entry: EntryRecord | None = None
     label: str = ""
     params: int = 0
+    #: An ``open`` row whose content is not in the page: it is fetched when the node is opened.
+    lazy: bool = False
 
 
 def build(entries: Iterable[EntryRecord]) -> Node:
@@ -67,9 +69,11 @@ def build(entries: Iterable[EntryRecord]) -> Node:
     return root
 
 
-def rows(root: Node) -> Iterator[Row]:
+def rows(root: Node, lazy_from: int | None = None) -> Iterator[Row]:
     """The rows of the tree under ``root`` in name order, nodes before entries at each level;
-    a node whose only content is one node is merged with it (``a.b`` rather than ``a`` > ``b``)."""
+    a node whose only content is one node is merged with it (``a.b`` rather than ``a`` > ``b``).
+    ``lazy_from``: nodes this deep or deeper come without their content (``lazy`` rows, closed
+    at once), which the page fetches when one is opened (None: every node with its content)."""
     stack: list[Iterator[Row]] = [_level(root, 0)]
     while stack:
         row = next(stack[-1], None)
@@ -78,6 +82,10 @@ def rows(root: Node) -> Iterator[Row]:
             if stack:
                 yield Row("close", len(stack) - 1)
             continue
+        if row.kind == "open" and lazy_from is not None and row.depth >= lazy_from:
+            yield Row("open", row.depth, row.node, label=row.label, params=row.params, lazy=True)
+            yield Row("close", row.depth)
+            continue
         yield row
         if row.kind == "open":
             assert row.node is not None
@@ -85,16 +93,29 @@ def rows(root: Node) -> Iterator[Row]:
 
 
 def _level(node: Node, depth: int) -> Iterator[Row]:
-    """The rows of one level: its nodes (each opened, merged down single-node chains), then its entries."""
+    """The rows of one level: its nodes (each opened, merged down single-node chains), then its
+    entries, with those of nodes that hold one entry and nothing else (``3.weight``, not ``3`` > ``weight``)."""
+    leaves = list(node.entries)
     for child in sorted(node.children.values(), key=lambda n: _order(n.name)):
         label = child.name
         while len(child.children) == 1 and not child.entries:
             child = next(iter(child.children.values()))
             label += "." + child.name
+        if not child.children and len(child.entries) == 1:
+            leaves.append(child.entries[0])
+            continue
         yield Row("open", depth, child, label=label, params=child.params)
-    for entry in sorted(node.entries, key=lambda e: _order(e.name)):
+    for entry in sorted(leaves, key=lambda e: _order(e.name)):
         label = entry.name[len(node.path) + 1:] if node.path else entry.name
         yield Row("leaf", depth, entry=entry, label=label, params=numel(entry))
+
+
+def find(root: Node, path: str) -> Node | None:
+    """The node of dotted ``path`` in the tree (None when no entry is under it)."""
+    node: Node | None = root
+    for part in path.split("."):
+        node = node.children.get(part) if node is not None else None
+    return node
 
 
 def _order(name: str) -> tuple:
