@@ -148,7 +148,7 @@ ARCHIVE = """{% extends "base" %}{% block title %}{{ record.name }}{% endblock %
 <pre id="cli">{{ cli }}</pre><pre id="python">{{ python }}</pre>
 <h2>Entries</h2>
 <p>{% if all_open %}<button type="button" id="expand-all" onclick="setAll(true)">expand all</button>
-{% else %}<a id="expand-all" href="/archive?name={{ archive_query }}&amp;open=all">expand all</a>{% endif %}
+{% else %}<a id="expand-all" href="/archive?name={{ archive_query }}&amp;open=all">expand all</a>{{ " " }}{% endif %}
 <button type="button" id="collapse-all" onclick="setAll(false)">collapse all</button>
 <span class="note">name · dtype · shape · size · parameters; a name opens its statistics</span></p>
 <div class="tree" id="tree" data-archive="{{ record.name }}">{% include "tree_rows" %}</div>
