@@ -8,6 +8,9 @@ from __future__ import annotations
 import http.client
 import math
 import os
+import re
+import subprocess
+import sys
 import ssl
 import time
 import urllib.parse
@@ -23,7 +26,7 @@ from tannery_server.config import Config
 from tannery_server.storage import EntryRecord
 from tannery_server.web import stats, tree
 
-from .server_harness import HOST, running_server
+from .server_harness import HOST, ServerProcess, running_server
 from .test_security import pki  # noqa: F401  (the test CA and certificates)
 
 READ_TOKEN, WRITE_TOKEN = "web-read-token", "web-write-token"
@@ -296,3 +299,34 @@ def test_statistics_of_every_dtype_match_what_tannery_get_computes(tmp_path):
                 else:
                     assert getattr(ours, key) == pytest.approx(theirs[key], rel=1e-9, abs=1e-12), (name, key)
             assert type(ours.min) is type(theirs["min"]), name
+
+
+def test_tannery_serve_web_port_auto_names_the_page_and_a_busy_port_stops_the_start(tmp_path):
+    with ServerProcess(tmp_path / "data", web_port="auto") as process:
+        found = [re.search(r"web page on http://127\.0\.0\.1:(\d+)/", line) for line in process.log_lines]
+        ports = [int(m.group(1)) for m in found if m]
+        assert len(ports) == 1, process.log_lines
+        status, _, body = get(ports[0], "/archives")
+        assert status == 200 and "No archive" in body
+        assert process.stop() == 0
+    with socket_held() as busy:
+        done = subprocess.run([sys.executable, "-m", "tannery_server", "serve", "--port", "0", "--data-dir",
+                               str(tmp_path / "other"), "--web-port", str(busy)], capture_output=True, text=True,
+                              timeout=60, env={**os.environ, "TANNERY_DATA_PORT": "auto", "TANNERY_METRICS_PORT": "auto"})
+    assert done.returncode == 1
+    assert f"cannot serve the web page on 127.0.0.1:{busy}" in done.stderr and "--web-port" in done.stderr
+
+
+class socket_held:
+    """A port of 127.0.0.1 held by a listening socket while the ``with`` body runs."""
+
+    def __enter__(self) -> int:
+        import socket
+
+        self.sock = socket.socket()
+        self.sock.bind((HOST, 0))
+        self.sock.listen()
+        return self.sock.getsockname()[1]
+
+    def __exit__(self, *exc) -> None:
+        self.sock.close()
