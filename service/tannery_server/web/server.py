@@ -12,7 +12,7 @@ from aiohttp import web
 
 from ..auth import Tokens
 from ..config import Config
-from ..storage import Storage
+from ..storage import Storage, StorageUnavailable
 from . import access, pages
 from .inputs import PageProblem
 from .templates import Renderer
@@ -61,6 +61,17 @@ def _problems(renderer: Renderer) -> Any:
             response = _problem_page(renderer, PageProblem(
                 405, "Method Not Allowed", f"{request.method[:20]} is not answered: these pages are read-only",
                 "open the page with GET (follow a link or type its address)"))
+        except web.HTTPException:
+            raise  # redirects (the sign-in's) and aiohttp's own answers
+        except StorageUnavailable as exc:
+            response = _problem_page(renderer, PageProblem(
+                503, "Service Unavailable", f"the storage does not answer: {exc}",
+                "the Server page says which part; try again once it answers"))
+        except Exception as exc:
+            log.exception("web page %s failed", request.path)
+            response = _problem_page(renderer, PageProblem(
+                500, "Internal Server Error", f"this page failed: {type(exc).__name__}: {exc}",
+                "the server's log has the details; report it with the page's address"))
         for key, value in SECURITY_HEADERS.items():
             response.headers.setdefault(key, value)
         return response
