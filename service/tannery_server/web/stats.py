@@ -30,7 +30,7 @@ FULL_BYTES = 64 << 20
 WINDOWS = 64
 WINDOW_BYTES = 1 << 20
 #: Bytes summarised at a time (a window of a whole read).
-STEP_BYTES = 4 << 20
+STEP_BYTES = 1 << 20
 #: Values the histogram is drawn from, at most, and its bins.
 HISTOGRAM_VALUES = 1 << 20
 BINS = 48
@@ -167,7 +167,7 @@ def entry_stats(storage: Storage, archive: str, entry: EntryRecord, seconds: flo
                 if time.monotonic() - started > seconds:
                     cut_short = True
                     break
-                data = b"".join(bytes(piece) for piece in blob.blocks(entry.data_offset + lo, entry.data_offset + hi))
+                data = b"".join(blob.blocks(entry.data_offset + lo, entry.data_offset + hi))
                 first = lo * 8 if dtype.is_bool else lo // align
                 summary.add(_elements(data, entry.dtype, total - first))
                 read += hi - lo
