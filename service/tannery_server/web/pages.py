@@ -15,7 +15,7 @@ from aiohttp import web
 
 from ..config import Config
 from ..failures import Missing
-from ..storage import Damaged, Storage
+from ..storage import ArchiveRecord, Damaged, Storage
 from ..storage.factory import describe
 from . import plots, stats, tree
 from .inputs import PageProblem, query, required
@@ -87,10 +87,7 @@ async def archive_page(request: web.Request) -> web.Response:
         raise PageProblem(400, "Bad Request", f"parameter 'open' is {values['open']!r}",
                           "give open=all for every node opened, or leave it out")
     catalog = site.storage.catalog
-    record = await site.run(catalog.lookup, name)
-    if record is None:
-        raise PageProblem(404, "Not Found", f"archive {name!r} not found",
-                          "check the name on the Archives page (names and aliases are case-sensitive)")
+    record = await _archive(site, name)
     entries = await site.run(catalog.entries_under, record.name, "")
     if not entries and record.entries:
         raise PageProblem(404, "Not Found", f"archive {record.name!r} was deleted while this page read it",
@@ -113,9 +110,7 @@ async def tree_part(request: web.Request) -> web.Response:
     name = required(values, "name", "tree", "/tree?name=resnet50&node=layer1")
     path = required(values, "node", "tree", "/tree?name=resnet50&node=layer1")
     catalog = site.storage.catalog
-    record = await site.run(catalog.lookup, name)
-    if record is None:
-        raise PageProblem(404, "Not Found", f"archive {name!r} not found", "reload the Archives page")
+    record = await _archive(site, name)
     node = tree.find(tree.build(await site.run(catalog.entries_under, record.name, path)), path)
     if node is None:
         raise PageProblem(404, "Not Found", f"archive {record.name!r} has no entry under {path!r}",
@@ -123,6 +118,15 @@ async def tree_part(request: web.Request) -> web.Response:
     html = site.renderer.page("tree_rows", rows=tree.rows(node, 0), open_depth=0,
                               archive_query=urllib.parse.quote(record.name, safe=""))
     return web.Response(text=html, content_type="text/html")
+
+
+async def _archive(site: Site, name: str) -> ArchiveRecord:
+    """The archive ``name`` denotes now (an archive, or what an alias points at), or a 404 page naming it."""
+    record = await site.run(site.storage.catalog.lookup, name)
+    if record is None:
+        raise PageProblem(404, "Not Found", f"archive {name!r} not found",
+                          "check the name on the Archives page (names and aliases are case-sensitive)")
+    return record
 
 
 def _cli(site: Site, name: str) -> str:
@@ -153,10 +157,7 @@ async def entry_page(request: web.Request) -> web.Response:
     archive = required(values, "archive", "entry", "/entry?archive=resnet50&name=fc.weight")
     name = required(values, "name", "entry", "/entry?archive=resnet50&name=fc.weight")
     catalog = site.storage.catalog
-    record = await site.run(catalog.lookup, archive)
-    if record is None:
-        raise PageProblem(404, "Not Found", f"archive {archive!r} not found",
-                          "check the name on the Archives page (names and aliases are case-sensitive)")
+    record = await _archive(site, archive)
     found = await site.run(catalog.entries, record.name, [name])
     entry = found.get(name)
     if entry is None:
