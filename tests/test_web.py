@@ -159,6 +159,7 @@ def test_names_are_escaped_and_writes_are_not_answered(store):
 
 def test_pages_show_the_archive_its_alias_and_the_server(store):
     port = web_port(store)
+    before = snapshot(store.data_dir)
     status, _, body = get(port, "/archive?name=small-prod", headers=READ)
     assert status == 200 and 'id="archive-name">small<' in body and "small-prod" in body
     assert 'data-value="1028"' in body  # 32*16*2 + 4 parameters
@@ -171,6 +172,7 @@ def test_pages_show_the_archive_its_alias_and_the_server(store):
     assert 'data-key="min" data-value="-2.0"' in body and 'data-key="max" data-value="1.0"' in body
     status, _, body = get(port, "/server", headers=READ)
     assert status == 200 and 'data-part="catalog"' in body and "answers" in body
+    assert snapshot(store.data_dir) == before  # every page read, nothing written
 
 
 def test_https_when_the_server_has_tls(tmp_path, pki):  # noqa: F811
@@ -181,6 +183,18 @@ def test_https_when_the_server_has_tls(tmp_path, pki):  # noqa: F811
         assert status == 200 and "Archives" in body
         with pytest.raises((http.client.HTTPException, ConnectionError, OSError)):
             get(web_port(server), "/archives")  # plain HTTP to the HTTPS port gets no page
+
+
+def test_mutual_tls_asks_the_browser_for_a_client_certificate(tmp_path, pki):  # noqa: F811
+    with running_server(tmp_path, web_port=0, tls_cert=pki["server_cert"], tls_key=pki["server_key"],
+                        tls_client_ca=pki["ca"]) as server:
+        context = ssl.create_default_context(cafile=str(pki["ca"]))
+        context.check_hostname = False
+        with pytest.raises((ssl.SSLError, ConnectionError, OSError)):
+            get(web_port(server), "/archives", context=context)  # no client certificate
+        context.load_cert_chain(str(pki["client_cert"]), str(pki["client_key"]))
+        status, _, _ = get(web_port(server), "/archives", context=context)
+        assert status == 200
 
 
 def test_tree_merges_single_child_chains_and_counts_parameters():
