@@ -98,8 +98,18 @@ def store(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def site(store) -> str:
+def origin(store) -> str:
     return store._running.web.url.rstrip("/")
+
+
+@pytest.fixture
+def site(origin: str, browser) -> str:
+    """The page's address, the browser holding the read token's cookie (as the sign-in form
+    leaves it: test_a_page_asks_for_a_token... goes through the form itself)."""
+    if browser.get_cookie("tannery_token") is None:
+        browser.get(origin + "/server")  # asks for the token: a page of the site, where its cookie may be set
+        browser.add_cookie({"name": "tannery_token", "value": READ_TOKEN, "path": "/"})
+    return origin
 
 
 def _shot(browser, shots: Path, name: str) -> None:
@@ -127,7 +137,10 @@ def _status(browser) -> str:
     return found[0].get_attribute("data-status") if found else ""
 
 
-def test_a_page_asks_for_a_token_refuses_a_wrong_one_then_opens(browser, site, shots):
+def test_a_page_asks_for_a_token_refuses_a_wrong_one_then_opens(browser, origin, shots):
+    site = origin
+    browser.get(site + "/server")
+    browser.delete_all_cookies()
     browser.get(site + "/archive?name=prod")
     assert _by(browser, "#problem")[0].get_attribute("data-status") == "401"
     assert "asks for a token" in _by(browser, "#message")[0].text

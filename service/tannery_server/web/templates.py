@@ -70,7 +70,7 @@ pre{background:#fff;border:1px solid #e3e6ea;padding:.6em .8em;overflow-x:auto}
 .tag{display:inline-block;background:#e5eefb;color:#1f4d8f;border-radius:3px;padding:0 .4em;margin-right:.3em}
 .tree details{margin-left:1.1em}.tree>details{margin-left:0}
 .tree summary{cursor:pointer;padding:1px 0}.tree summary .n{color:#5b6570;margin-left:.6em}
-.tree .leaf{display:grid;grid-template-columns:22em 7em 11em 7em 8em;margin-left:2.2em;padding:1px 0}
+.tree{max-width:62em}.tree .leaf{display:grid;grid-template-columns:minmax(8em,1fr) 7em 10em 7em 7em;margin-left:2.2em;padding:1px 0}
 .tree .leaf>*{white-space:nowrap;overflow:hidden;text-overflow:ellipsis}
 .tree .leaf:hover{background:#eef3fa}
 form.inline{display:flex;gap:.5em;margin:.4em 0 1em}
