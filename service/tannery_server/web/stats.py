@@ -5,7 +5,8 @@ every Fetch reads through): a damaged block is never summarised. The work is bou
 size: an entry of at most :data:`FULL_BYTES` of tensor data is read whole; a larger one is
 sampled, :data:`WINDOWS` windows of :data:`WINDOW_BYTES` spread evenly over it, and the result
 says so. Elements are summarised a window at a time (at most a window's worth of float64
-memory) and the histogram is drawn from at most :data:`HISTOGRAM_VALUES` of them, evenly spaced.
+memory: :class:`tannery_protocol.summary.Summary`, what ``tannery get`` computes its statistics
+with) and the histogram is drawn from at most :data:`HISTOGRAM_VALUES` of them, evenly spaced.
 A deadline (:data:`SECONDS`) stops the reading early, also said in the result.
 """
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tannery_protocol.codec import DTYPES
+from tannery_protocol.summary import Summary
 from tannery_protocol.v1 import archives_pb2
 
 from ..dataplane.blocks import VerifiedBlob
@@ -36,7 +38,6 @@ HISTOGRAM_VALUES = 1 << 20
 BINS = 48
 #: Seconds the reading may take; past them the statistics cover what was read.
 SECONDS = 10.0
-_ML_FLOATS = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
 
 
 @dataclass
@@ -64,54 +65,6 @@ class EntryStats:
     counts: list[int] = field(default_factory=list)
     #: Elements the histogram was drawn from.
     histogram_values: int = 0
-
-
-class _Summary:
-    """Count, mean and squared deviations merged window by window (Chan et al.), min, max, NaN
-    and Inf counts, and the values kept for the histogram."""
-
-    def __init__(self, kind: str, floating: bool, keep_every: int) -> None:
-        self.kind = kind
-        self.floating = floating
-        self.keep_every = max(1, keep_every)
-        self.count, self.mean, self.m2 = 0, 0.0, 0.0
-        self.low: float | int | None = None
-        self.high: float | int | None = None
-        self.nan = self.inf = 0
-        self.kept: list[np.ndarray] = []
-        self.seen = 0
-
-    def add(self, values: np.ndarray) -> None:
-        """Summarise one window of elements (a flat array of the entry's numpy dtype)."""
-        self.seen += values.size
-        if self.kind == "c":
-            wide = values.astype(np.complex128)
-            self.nan += int(np.count_nonzero(np.isnan(wide)))
-            self.inf += int(np.count_nonzero(np.isinf(wide) & ~np.isnan(wide)))
-            finite = np.abs(wide[np.isfinite(wide)])
-        elif self.floating:
-            wide = values.astype(np.float64)
-            self.nan += int(np.count_nonzero(np.isnan(wide)))
-            self.inf += int(np.count_nonzero(np.isinf(wide)))
-            finite = wide[np.isfinite(wide)]
-        else:
-            finite = values
-        if not finite.size:
-            return
-        lo, hi = finite.min(), finite.max()
-        lo, hi = (float(lo), float(hi)) if self.floating or self.kind == "c" else (int(lo), int(hi))
-        self.low = lo if self.low is None else min(self.low, lo)
-        self.high = hi if self.high is None else max(self.high, hi)
-        wide = finite.astype(np.float64)
-        n = wide.size
-        mean = float(wide.mean())
-        m2 = float(((wide - mean) ** 2).sum())
-        total = self.count + n
-        delta = mean - self.mean
-        self.mean += delta * n / total
-        self.m2 += m2 + delta * delta * self.count * n / total
-        self.count = total
-        self.kept.append(wide[:: self.keep_every].copy())
 
 
 def _elements(data: bytes, dtype_name: str, limit: int) -> np.ndarray:
@@ -158,10 +111,11 @@ def entry_stats(storage: Storage, archive: str, entry: EntryRecord, seconds: flo
         align = 1 if dtype.is_bool else dtype.itemsize
         ranges, sampled = _windows(data_bytes, align)
         planned = sum(hi - lo for lo, hi in ranges) * (8 if dtype.is_bool else 1) // align
-        kind = dtype.numpy.kind
-        floating = kind == "f" or dtype.name in _ML_FLOATS
-        summary = _Summary(kind, floating, max(1, planned // HISTOGRAM_VALUES))
-        read, cut_short = 0, False
+        summary = Summary(dtype.numpy if not dtype.is_bool else np.uint8)
+        keep_every = max(1, planned // HISTOGRAM_VALUES)
+        kept: list[np.ndarray] = []
+        seen = read = 0
+        cut_short = False
         with VerifiedBlob(storage, plan) as blob:
             for lo, hi in ranges:
                 if time.monotonic() - started > seconds:
@@ -169,31 +123,31 @@ def entry_stats(storage: Storage, archive: str, entry: EntryRecord, seconds: flo
                     break
                 data = b"".join(blob.blocks(entry.data_offset + lo, entry.data_offset + hi))
                 first = lo * 8 if dtype.is_bool else lo // align
-                summary.add(_elements(data, entry.dtype, total - first))
+                values = _elements(data, entry.dtype, total - first)
+                seen += values.size
+                kept.append(summary.add(values)[::keep_every].astype(np.float64))
                 read += hi - lo
     finally:
         storage.release(digests(plans))
-    edges, counts, kept_count = _histogram(summary)
+    found = summary.result()
+    edges, counts, kept_count = _histogram(kept, found["min"], found["max"])
     return EntryStats(
-        count=total, of="abs" if kind == "c" else "values", min=summary.low, max=summary.high,
-        mean=summary.mean if summary.count else None,
-        std=math.sqrt(summary.m2 / summary.count) if summary.count else None,
-        nan=summary.nan if floating or kind == "c" else None, inf=summary.inf if floating or kind == "c" else None,
-        summarised=summary.seen, bytes_read=read, data_bytes=data_bytes, sampled=sampled or cut_short,
+        count=total, **found, summarised=seen, bytes_read=read, data_bytes=data_bytes, sampled=sampled or cut_short,
         cut_short=cut_short, seconds=time.monotonic() - started, edges=edges, counts=counts,
         histogram_values=kept_count)
 
 
-def _histogram(summary: _Summary) -> tuple[list[float], list[int], int]:
-    """Bin edges and counts over [min, max] of the values kept (none when there are none)."""
-    if not summary.kept or summary.low is None or summary.high is None:
+def _histogram(kept: list[np.ndarray], low: float | int | None,
+               high: float | int | None) -> tuple[list[float], list[int], int]:
+    """Bin edges and counts over [low, high] (the min and max) of the values kept (none when there are none)."""
+    if low is None or high is None or not kept:
         return [], [], 0
-    kept = np.concatenate(summary.kept)
-    low, high = float(summary.low), float(summary.high)
+    values = np.concatenate(kept)
+    low, high = float(low), float(high)
     if low == high:
         high = low + 1.0
-    counts, edges = np.histogram(kept, bins=BINS, range=(low, high))
-    return [float(e) for e in edges], [int(c) for c in counts], int(kept.size)
+    counts, edges = np.histogram(values, bins=BINS, range=(low, high))
+    return [float(e) for e in edges], [int(c) for c in counts], int(values.size)
 
 
 __all__ = ["EntryStats", "entry_stats"]
