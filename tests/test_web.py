@@ -5,6 +5,7 @@ tests/test_web_browser.py drives the same pages in a real browser."""
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import math
 import os
@@ -173,6 +174,21 @@ def test_pages_show_the_archive_its_alias_and_the_server(store):
     status, _, body = get(port, "/server", headers=READ)
     assert status == 200 and 'data-part="catalog"' in body and "answers" in body
     assert snapshot(store.data_dir) == before  # every page read, nothing written
+
+
+def test_a_server_on_every_interface_names_the_host_the_page_was_opened_at(store):
+    """The commands the archive page shows name where the reader reaches the server (no server
+    here listens beyond loopback: the address is given as a server on every interface has it)."""
+    from aiohttp.test_utils import make_mocked_request
+
+    from tannery_server.web import pages
+
+    site = store._running.web.site
+    opened_at = make_mocked_request("GET", "/archive?name=m", headers={"Host": "store.example:8080"})
+    assert pages._target(site, opened_at) == store.target  # a server on one address names it
+    everywhere = dataclasses.replace(site, target="0.0.0.0:50051")
+    assert pages._target(everywhere, opened_at) == "store.example:50051"
+    assert pages._target(dataclasses.replace(site, target="[::]:50051"), opened_at) == "store.example:50051"
 
 
 def test_https_when_the_server_has_tls(tmp_path, pki):  # noqa: F811

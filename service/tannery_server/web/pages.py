@@ -98,7 +98,7 @@ async def archive_page(request: web.Request) -> web.Response:
         "archive", asked=name, record=record, aliases=aliases, total_params=root.params,
         by_dtype=tree.params_by_dtype(entries), rows=tree.rows(root, None if all_open else 1),
         open_depth=1_000_000 if all_open else 1, all_open=all_open,
-        cli=_cli(site, record.name), python=_python(site, record.name),
+        cli=_cli(site, _target(site, request), record.name), python=_python(site, _target(site, request), record.name),
         archive_query=urllib.parse.quote(record.name, safe=""))
 
 
@@ -129,19 +129,29 @@ async def _archive(site: Site, name: str) -> ArchiveRecord:
     return record
 
 
-def _cli(site: Site, name: str) -> str:
+def _target(site: Site, request: web.Request) -> str:
+    """The gRPC address a reader of the page reaches the server at: the server's own, or, when it
+    listens on every interface (0.0.0.0, ::), the host the page was opened at, with gRPC's port."""
+    host, _, port = site.target.rpartition(":")
+    if host.strip("[]") not in ("0.0.0.0", "::", ""):
+        return site.target
+    seen = request.url.host or "localhost"
+    return f"[{seen}]:{port}" if ":" in seen else f"{seen}:{port}"
+
+
+def _cli(site: Site, target: str, name: str) -> str:
     """The command that fetches archive ``name`` into a safetensors file."""
     token = " TANNERY_TOKEN=..." if _has_tokens(site.config) else ""
     tls = " TANNERY_TLS=1" if site.config.tls_cert else ""
     out = shlex.quote(name.replace("/", "_") + ".safetensors")
-    return f"TANNERY_TARGET={site.target}{tls}{token} tannery pull {shlex.quote(name)} -o {out}"
+    return f"TANNERY_TARGET={target}{tls}{token} tannery pull {shlex.quote(name)} -o {out}"
 
 
-def _python(site: Site, name: str) -> str:
+def _python(site: Site, target: str, name: str) -> str:
     """The Python that fetches archive ``name``."""
     token = ', token="..."' if _has_tokens(site.config) else ""
     tls = ", tls=True" if site.config.tls_cert else ""
-    return (f"import tannery\n\nwith tannery.Client({json.dumps(site.target)}{tls}{token}) as client:\n"
+    return (f"import tannery\n\nwith tannery.Client({json.dumps(target)}{tls}{token}) as client:\n"
             f"    archive = client.fetch({json.dumps(name)})   # every entry, as a tannery.Archive\n"
             f"    print(archive.names())")
 
