@@ -12,7 +12,7 @@ SERVER_STAMP := $(VENV)/.server-stamp
 STAMP := $(VENV)/.dev-stamp
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: setup serve test test-quick postgresql nats-server bench bench-docs fuzz proto clean
+.PHONY: setup serve test test-quick postgresql nats-server chromium bench bench-docs fuzz proto clean
 
 setup: $(STAMP)
 
@@ -60,7 +60,7 @@ serve: $(SERVER_STAMP)
 	$(VENV)/bin/tannery serve
 
 # The whole suite (what CI runs: .ci/run).
-test: $(STAMP) postgresql nats-server
+test: $(STAMP) postgresql nats-server chromium
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The quick run, for between edits: all but the tests marked slow and those of servers outside
@@ -90,6 +90,17 @@ nats-server:
 	  $$sudo apt-get update -qq && \
 	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nats-server >/dev/null \
 	  || echo "could not install nats-server: the NATS tests will skip (and fail under CI)"; \
+	fi
+
+# The web page's tests (tests/test_web_browser.py) drive a headless Chromium through chromedriver,
+# both from Debian's packages: installed here when absent, left alone when present.
+chromium:
+	@if ! command -v chromedriver >/dev/null 2>&1 || ! { command -v chromium >/dev/null 2>&1 || [ -x /usr/bin/chromium ]; }; then \
+	  echo "installing Debian's chromium and chromium-driver packages (the web page's tests run a headless browser)"; \
+	  sudo=; [ "$$(id -u)" -eq 0 ] || sudo=sudo; \
+	  $$sudo apt-get update -qq && \
+	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null \
+	  || echo "could not install chromium: the browser tests will skip (and fail under CI)"; \
 	fi
 
 # The benchmarks (docs/benchmarks.md): tables and plots go to a new folder bench-results/<UTC time>/

@@ -118,6 +118,8 @@ class RunningServer:
     channels: Any = None
     #: The aliases watched (:class:`~.watching.AliasWatches`).
     watches: Any = None
+    #: The read-only web page (:class:`~.web.server.WebServer`), None when off.
+    web: Any = None
     _closers: list[Callable[[], Awaitable[Any] | Any]] = field(default_factory=list)
     #: Run while calls drain: they end calls that would otherwise never finish (subscriptions).
     _enders: list[Callable[[], Awaitable[Any]]] = field(default_factory=list)
@@ -193,7 +195,7 @@ async def start(config: Config) -> RunningServer:
     try:
         metrics = None
         observers = []
-        if config.serves_metrics:
+        if config.serves_metrics or config.web_port is not None:  # the web page shows them too
             from .metrics import ServerMetrics  # prometheus_client is loaded only when asked for
 
             metrics = ServerMetrics()
@@ -230,7 +232,7 @@ async def start(config: Config) -> RunningServer:
                 server,
             )
         port = bind(server, config.host, config.port, credentials)
-        if metrics is not None:
+        if config.serves_metrics:
             metrics_host = config.metrics_host or config.host
             try:
                 metrics_port = metrics.serve(metrics_host, config.metrics_port)
@@ -239,6 +241,12 @@ async def start(config: Config) -> RunningServer:
                               f"{exc.strerror or exc} (choose another port with --metrics-port or "
                               "TANNERY_METRICS_PORT: auto for a free one, or off for none)") from None
             log.info("metrics on %s", metrics_url(metrics_host, metrics_port))
+        web_server = None
+        if config.web_port is not None:
+            from .web.server import start_web  # aiohttp and jinja2 are loaded only when asked for
+
+            web_server = await start_web(config, storage, tokens, f"{config.host}:{port}", metrics, channels_servicer)
+            closers.append(web_server.close)
         await server.start()
     except BaseException:
         for close in [*enders, *reversed(closers)]:
@@ -253,7 +261,7 @@ async def start(config: Config) -> RunningServer:
     watcher.start()
     closers.append(watcher.close)  # closers run in reverse: the watcher stops first
     running = RunningServer(server, port, config, storage, health_servicer, metrics_port, channels_servicer,
-                            archives_servicer.watches, closers, enders)
+                            archives_servicer.watches, web_server, closers, enders)
     security = _security_summary(config, tokens, running.target)
     metrics_at = metrics_url(config.metrics_host or config.host, metrics_port) if metrics_port else "off"
     log.info("serving on %s (gRPC), %s, metrics %s; %s; %s", running.target, data_paths.describe(), metrics_at,

@@ -79,6 +79,11 @@ _FLAGS = [
                      "names; a number is that port (a port in use stops the start; the container image uses "
                      f"{IMAGE_METRICS_PORT}, not 9090, Prometheus's own, nor an exporter's 9091..9999); 'off' "
                      "(or empty) for no endpoint, as --metrics off"),
+    ("web_port", "port of the read-only web page onto the store (archives, entries and their statistics, the "
+                 "server's health and traffic; docs/web.md): off (the default) for none, auto (or 0) for a free "
+                 "port, which the start line names, or a number. It asks for a token when the server has tokens "
+                 "(a read token suffices) and serves HTTPS when the server has TLS"),
+    ("web_host", "address of the web page; loopback unless told otherwise (0.0.0.0 for every interface)"),
 ]
 #: Settings whose values are never shown (as defaults or anywhere else).
 _SECRET = {"tokens"}

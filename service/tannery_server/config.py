@@ -107,6 +107,11 @@ class Config:
     #: start line says which), None for none (``off``, as ``metrics`` off). Text as for
     #: ``data_port``. The container image sets 20051 (:data:`IMAGE_METRICS_PORT`).
     metrics_port: int | None = 0
+    #: Port of the read-only web page (:mod:`.web`): None for none (``off``, the default), 0 for
+    #: a free one the OS picks (``auto``: the start line says which), else that port.
+    web_port: int | None = None
+    #: Address of the web page: loopback unless told otherwise (the page shows what the store holds).
+    web_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir))
@@ -204,7 +209,7 @@ def without_password(url: str) -> str:
 
 
 #: The ports of the listeners beside gRPC: a number, a free one (``auto`` or 0) or none (``off``).
-SIDE_PORTS = ("data_port", "metrics_port")
+SIDE_PORTS = ("data_port", "metrics_port", "web_port")
 #: How a side port may be written, for help texts and error messages.
 PORT_FORMS = "a port 1..65535, auto (or 0) for a free one the OS picks, or off (or empty) for none"
 #: The metrics port of the container image (docker/Dockerfile sets it): no common service's
