@@ -86,6 +86,11 @@ class Assembler:
         #: Versions begun and never completed (cut off, or joined midway), and payloads ignored.
         self.dropped = 0
 
+    @property
+    def pending(self) -> int | None:
+        """The version being put together now (its manifest came, not all its tensors), if any."""
+        return None if self._manifest is None else self._manifest["version"]
+
     def add(self, tensor: Any) -> StreamedVersion | None:
         """Take the next payload; the version it completes, if it does."""
         found = read_manifest(tensor)

@@ -48,6 +48,9 @@ if TYPE_CHECKING:
 
 #: How long a follower waits before it looks again for weights not pushed yet.
 FIRST_VERSION_POLL_SECONDS = 0.2
+#: How long a follower waits for the channel to go on bringing a version the alias has moved
+#: onto, before it fetches that version from the store instead.
+STREAM_GRACE_SECONDS = 2.0
 
 
 class Publisher:
@@ -97,15 +100,31 @@ class AsyncPublisher:
 class _Newest:
     """The newest version a follower has not applied yet, from either source: the archive the
     alias moved to, and the newest version that came whole on the channel. Older ones are
-    dropped as newer arrive, so a slow follower skips to the newest."""
+    dropped as newer arrive, so a slow follower skips to the newest.
+
+    A version the channel is bringing right now is not fetched from the store as well when the
+    alias moves onto it (that would send it twice): the follower waits for the channel while
+    its payloads keep coming, and goes to the store after :data:`STREAM_GRACE_SECONDS` without one.
+    """
 
     def __init__(self) -> None:
         self.moved: str | None = None
         self.streamed: StreamedVersion | None = None
         self.failure: BaseException | None = None
+        #: The version the channel is bringing now (None: none), and when its last payload came.
+        self.streaming: int | None = None
+        self.progress = 0.0
 
-    def any(self) -> bool:
-        return self.moved is not None or self.streamed is not None or self.failure is not None
+    def wait(self, now: float) -> float | None:
+        """How long to wait before :meth:`take` (0: take now; None: until something arrives)."""
+        if self.failure is not None or self.streamed is not None:
+            return 0.0
+        if self.moved is None:
+            return None
+        moved = version_of(self.moved)
+        if self.streaming is None or moved is None or moved > self.streaming:
+            return 0.0
+        return max(0.0, self.progress + STREAM_GRACE_SECONDS - now)  # the channel brings it (or newer)
 
     def take(self) -> tuple[str | None, StreamedVersion | None]:
         """The newest candidate: (archive to fetch, None) or (None, version streamed); the failure
@@ -171,8 +190,8 @@ class Follower:
 
         while True:
             with self._ready:
-                while not self._newest.any() and not self.closed:
-                    self._ready.wait()
+                while not self.closed and (pause := self._newest.wait(time.monotonic())) != 0.0:
+                    self._ready.wait(pause)
                 if self.closed:
                     raise StopIteration
                 archive, streamed = self._newest.take()
@@ -212,11 +231,14 @@ class Follower:
                 self._subscription = self.client.subscribe(self.following.name)
                 self._subscribed.set()
                 for tensor in self._subscription:
-                    if (streamed := assembler.add(tensor)) is not None:
-                        self._offer(streamed=streamed)
+                    streamed = assembler.add(tensor)
+                    self._offer(streaming=assembler.pending, progress=time.monotonic(),
+                                **({"streamed": streamed} if streamed is not None else {}))
             except _RESUBSCRIBE:  # dropped for falling behind, or the server went: the store covers the gap
+                self._offer(streaming=None)
                 time.sleep(FIRST_VERSION_POLL_SECONDS)
             except Exception:  # no channels here (or not allowed): versions come from the store alone
+                self._offer(streaming=None)
                 self._subscribed.set()
                 return
 
@@ -275,9 +297,12 @@ class AsyncFollower:
 
         await self.start()
         while True:
-            while not self._newest.any() and not self.closed:
+            while not self.closed and (pause := self._newest.wait(time.monotonic())) != 0.0:
                 self._ready.clear()
-                await self._ready.wait()
+                try:
+                    await asyncio.wait_for(self._ready.wait(), pause)
+                except asyncio.TimeoutError:
+                    pass
             if self.closed:
                 raise StopAsyncIteration
             archive, streamed = self._newest.take()
@@ -321,11 +346,14 @@ class AsyncFollower:
                     self._sources.append(subscription)
                     subscribed.set()
                     async for tensor in subscription:
-                        if (streamed := assembler.add(tensor)) is not None:
-                            self._offer(streamed=streamed)
+                        streamed = assembler.add(tensor)
+                        self._offer(streaming=assembler.pending, progress=time.monotonic(),
+                                    **({"streamed": streamed} if streamed is not None else {}))
             except _RESUBSCRIBE:
+                self._offer(streaming=None)
                 await asyncio.sleep(FIRST_VERSION_POLL_SECONDS)
             except Exception:
+                self._offer(streaming=None)
                 subscribed.set()
                 return
 
