@@ -87,10 +87,14 @@ async def serve_subscriber(link: Link, subscription: Subscription, workers: Work
     Same host: shared payloads are acknowledged (``taken``) once mapped; at most ``window``
     bytes of them stay unacknowledged. Over TCP the socket's buffers are all that is not
     yet read. A subscriber that neither takes its payloads nor reads its bytes for
-    ``timeout`` seconds is ended as fallen behind.
+    ``timeout`` seconds (twice that over TCP) is ended as fallen behind.
     """
     unacknowledged: deque[int] = deque()  # sizes of the shared payloads passed, not yet taken
-    link.sock.settimeout(timeout)  # a send to a subscriber that reads nothing gives up
+    # A send to a subscriber that reads nothing gives up. Over TCP the socket's buffers hold
+    # megabytes: the send waits twice the timeout, so that a publisher waiting on this
+    # subscriber's full buffer drops it first (and counts it), as it would a gRPC one.
+    send_timeout = timeout if link.local else 2 * timeout
+    link.sock.settimeout(send_timeout)
     while True:
         message = await subscription.next_piece()
         while link.local and unacknowledged and sum(unacknowledged) + _size(message) > window:
@@ -103,9 +107,11 @@ async def serve_subscriber(link: Link, subscription: Subscription, workers: Work
         try:
             await workers.run(_send_piece, link, message)
         except socket.timeout:
+            if subscription.ended:  # dropped by a publisher meanwhile: its reason
+                await subscription.next_piece()
             kind = "same-host" if link.local else "TCP"
             raise FellBehind(f"a {kind} subscriber of channel {subscription.channel.name!r} read nothing for "
-                             f"{timeout:g} s and was dropped") from None
+                             f"{send_timeout:g} s and was dropped") from None
         if link.local and isinstance(message, SharedPayload):
             unacknowledged.append(message.size)
 
