@@ -162,6 +162,23 @@ def test_auto_takes_tcp_where_the_socket_is_not_reachable(tmp_path):
         assert_same(got, tensors()[:2])
 
 
+def test_a_tcp_publisher_on_one_replica_reaches_tcp_subscribers_on_another_through_nats(tmp_path, nats_url):
+    """Payloads over NATS's 256 KiB message limit too: each crosses in chunks and arrives whole."""
+    with (running_server(tmp_path / "a", nats=nats_url) as a, running_server(tmp_path / "b", nats=nats_url) as b,
+          tannery.Client(a.target, transport="tcp") as writer, tannery.Client(b.target, transport="tcp") as reader,
+          tannery.Client(a.target, transport="tcp") as near):
+        with reader.subscribe("across") as far, near.subscribe("across") as here:
+            got_far: list = []
+            got_here: list = []
+            sent = tensors()
+            threads = [receive(far, len(sent), got_far), receive(here, len(sent), got_here)]
+            writer.publish("across", sent)
+            for thread in threads:
+                thread.join(60)
+    assert_same(got_far, sent)
+    assert_same(got_here, sent)
+
+
 # -- falling behind, cut-off payloads ---------------------------------------------------------------
 
 
