@@ -276,6 +276,18 @@ def test_a_payload_whose_header_disagrees_with_its_entry_frame_is_refused(server
     assert "payload 1 of this call is malformed" in raised.value.details()
 
 
+def test_an_entry_frame_of_no_bytes_is_refused(server):
+    publisher = RawPublisher(server.target, "empty")
+    try:
+        publisher.link.send(frame(entry=EntryBytes(payload_bytes=0)))
+        with pytest.raises(grpc.RpcError) as raised:
+            publisher.call.result(timeout=30)
+    finally:
+        publisher.close()
+    assert raised.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "payload 1 of this call is malformed: an entry frame of 0 bytes" in raised.value.details()
+
+
 # -- tickets, tokens, TLS ---------------------------------------------------------------------------
 
 

@@ -45,6 +45,8 @@ async def receive_published(link: Link, channel: Channel, limits: Limits, chunk_
                                 f"{received.end.payload_bytes} bytes, {payloads} of {total} arrived")
             await workers.run(link.send, frame(end=DataEnd(entries=payloads, payload_bytes=total)))
             return payloads, total, dropped
+        if not received.entry.payload_bytes:
+            raise BadPayload(f"payload {payloads + 1} of this call is malformed: an entry frame of 0 bytes")
         link.sock.settimeout(timeout)
         payload = _Payload(link, channel, received.entry.payload_bytes, payloads + 1, chunk_size, timeout, workers)
         dropped += await payload.relay_all(limits, relay_last)
