@@ -276,6 +276,19 @@ def test_a_payload_whose_header_disagrees_with_its_entry_frame_is_refused(server
     assert "payload 1 of this call is malformed" in raised.value.details()
 
 
+def test_a_data_connection_closed_mid_payload_ends_the_publish_unavailable_naming_it(server):
+    publisher = RawPublisher(server.target, "closed")
+    try:
+        publisher.send_payload(4 * MiB, stop_after=MiB)
+        publisher.link.close()
+        with pytest.raises(grpc.RpcError) as raised:
+            publisher.call.result(timeout=30)
+    finally:
+        publisher.close()
+    assert raised.value.code() is grpc.StatusCode.UNAVAILABLE
+    assert f"closed by the publisher after 1048576 of {4 * MiB} bytes of payload 1" in raised.value.details()
+
+
 def test_an_entry_frame_of_no_bytes_is_refused(server):
     publisher = RawPublisher(server.target, "empty")
     try:

@@ -54,7 +54,7 @@ from .failures import BadPayload, Failure, LimitExceeded, Malformed, Unavailable
 from .handling import Undecodable, add_service, answering_failures
 from .dataplane.channel_links import relay_publisher, serve_subscriber
 from .dataplane.channel_pieces import Chunk, data_of, grpc_messages
-from .dataplane.links import fail
+from .dataplane.links import LINK_ERRORS, fail, link_failure
 from .dataplane.listeners import DataPaths
 from .dataplane.plane import DataPlane
 from .fabric import open_fabric
@@ -216,6 +216,10 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
             try:
                 payloads, nbytes, dropped = await relay_publisher(link, channel, self.limits, self.chunk_size,
                                                                   self.timeout, self._links, _relay_last)
+            except LINK_ERRORS as exc:  # the connection's, not a bug: UNAVAILABLE or INVALID_ARGUMENT naming it
+                failure = link_failure(transport, exc)
+                fail(link, failure)
+                raise failure from None
             except BaseException as exc:
                 fail(link, exc)
                 raise

@@ -24,27 +24,32 @@ from .links import sealed_map
 
 
 class Chunk:
-    """Bytes of a payload, relayed as one piece (at most the server's chunk size)."""
+    """Bytes of a payload, relayed as one piece (the server's chunk size at most, or
+    :data:`~.channel_tcp.TCP_PIECE` from a TCP publisher)."""
 
-    __slots__ = ("data", "_message")
+    __slots__ = ("data", "_messages")
 
     def __init__(self, data: bytes | bytearray) -> None:
         #: The bytes, never written once relayed (data connections send them from worker threads).
         self.data = data
-        self._message: channels_pb2.SubscribeResponse | None = None
+        self._messages: list[channels_pb2.SubscribeResponse] | None = None
 
     @property
     def nbytes(self) -> int:
         return len(self.data)
 
-    @property
-    def message(self) -> channels_pb2.SubscribeResponse:
-        """The gRPC subscribers' message, made at the first use and shared by all of them
-        (protobuf takes ``bytes`` only: a received bytearray is copied to make it, once)."""
-        if self._message is None:
-            data = self.data if isinstance(self.data, bytes) else bytes(self.data)
-            self._message = channels_pb2.SubscribeResponse(chunk=data)
-        return self._message
+    def messages(self, chunk_size: int) -> list[channels_pb2.SubscribeResponse]:
+        """The gRPC subscribers' messages of at most ``chunk_size`` bytes, made at the first use
+        and shared by all of them (protobuf takes ``bytes`` only: received bytes are copied to
+        make them, once)."""
+        if self._messages is None:
+            if isinstance(self.data, bytes) and len(self.data) <= chunk_size:
+                self._messages = [channels_pb2.SubscribeResponse(chunk=self.data)]
+            else:
+                view = memoryview(self.data)
+                self._messages = [channels_pb2.SubscribeResponse(chunk=bytes(view[start : start + chunk_size]))
+                                  for start in range(0, len(view), chunk_size)]
+        return self._messages
 
 
 class SharedPayload:
@@ -65,10 +70,8 @@ class SharedPayload:
 
 def grpc_messages(piece: object, chunk_size: int) -> Iterator[object]:
     """What a gRPC subscriber writes for a relayed piece (the hub's *abandoned* marker as it is)."""
-    if isinstance(piece, SharedPayload):
+    if isinstance(piece, (SharedPayload, Chunk)):
         yield from piece.messages(chunk_size)
-    elif isinstance(piece, Chunk):
-        yield piece.message
     else:
         yield piece
 

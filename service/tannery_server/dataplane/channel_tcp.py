@@ -2,7 +2,7 @@
 
 The publisher sends each payload as an ``entry`` frame (its size) and that many raw bytes,
 then ``end``. Each payload's header is checked against the limits (and against the size the
-frame announced) before the payload takes the channel; then every :data:`chunk_size` bytes
+frame announced) before the payload takes the channel; then every :data:`TCP_PIECE` bytes
 received become one :class:`~.channel_pieces.Chunk` relayed to every subscriber, so the
 server holds at most the subscribers' bounded buffers of a payload, whatever its size, and
 never one copy per subscriber.
@@ -22,13 +22,17 @@ import socket
 from typing import Any, Callable
 
 from tannery_protocol.codec import FormatError, Limits, read_info
-from tannery_protocol.datalink import Link, expect, frame
+from tannery_protocol.datalink import Link, LinkClosed, expect, frame
 from tannery_protocol.v1.data_pb2 import DataEnd
 
 from .channel_pieces import Chunk
 from ..failures import BadPayload, DeadlineExceeded, Malformed
 from ..hub import Channel, Relay
 from ..workers import Workers
+
+#: Bytes of a TCP publisher's piece (or the chunk size, if larger): one worker-thread step of
+#: each subscriber's sending; a gRPC subscriber gets it as messages of the chunk size.
+TCP_PIECE = 4 << 20
 
 
 async def receive_published(link: Link, channel: Channel, limits: Limits, chunk_size: int, timeout: float,
@@ -86,16 +90,26 @@ class _Payload:
     async def _piece(self) -> Chunk:
         """The next piece of the payload's bytes, received into memory of its own (shared by every
         subscriber once relayed); DeadlineExceeded when the publisher sends nothing for the timeout."""
-        data = bytearray(min(self.chunk_size, self.size - self.received))
+        data = bytearray(min(max(self.chunk_size, TCP_PIECE), self.size - self.received))
         try:
-            await self.workers.run(self.link.receive_into, memoryview(data))
+            await self.workers.run(self._receive, memoryview(data))
         except socket.timeout:
             raise DeadlineExceeded(
                 f"publisher stalled on channel {self.channel.name!r}: no bytes for {self.timeout:g} s in the middle "
                 f"of payload {self.number} of this call ({self.received} of {self.size} bytes sent); the payload is "
                 "abandoned") from None
-        self.received += len(data)
         return Chunk(data)
+
+    def _receive(self, view: memoryview) -> None:
+        """Fill ``view`` from the connection (a worker thread), counting the bytes in
+        :attr:`received` as they come: a stall's message says how many did."""
+        while view.nbytes:
+            got = self.link.sock.recv_into(view)
+            if not got:
+                raise LinkClosed(f"data connection closed by the publisher after {self.received} of {self.size} "
+                                 f"bytes of payload {self.number}")
+            self.received += got
+            view = view[got:]
 
     def _check(self, first: Chunk, limits: Limits) -> None:
         """BadPayload unless the payload's header (in its first piece) is valid, within the limits,
