@@ -301,6 +301,25 @@ def test_an_entry_frame_of_no_bytes_is_refused(server):
     assert "payload 1 of this call is malformed: an entry frame of 0 bytes" in raised.value.details()
 
 
+def test_a_closed_tcp_subscription_is_forgotten_by_the_server(tmp_path):
+    with running_server(tmp_path) as server, tannery.Client(server.target, transport="tcp") as client:
+        subscription = client.subscribe("leaving")
+        assert server.hub.subscribers == 1
+        subscription.close()
+        assert wait_for(lambda: server.hub.subscribers == 0)
+        published = client.publish("leaving", [torch.zeros(3)])  # nobody left to hold it up
+        assert published.payloads == 1 and published.dropped_subscribers == 0
+
+
+def test_a_tcp_subscriber_hears_that_the_server_shuts_down(tmp_path):
+    with running_server(tmp_path) as server, tannery.Client(server.target, transport="tcp", retries=0) as client:
+        subscription = client.subscribe("closing")
+        server.stop()
+        with pytest.raises(tannery.Unavailable, match="shutting down"):
+            next(subscription)
+        subscription.close()
+
+
 # -- tickets, tokens, TLS ---------------------------------------------------------------------------
 
 
