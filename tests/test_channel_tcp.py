@@ -28,7 +28,7 @@ import torch
 import tannery
 import tannery.aio
 from tannery.torch import serialize
-from tannery_protocol.datalink import TICKET_KEY, TRANSPORT_KEY, Link, expect, frame
+from tannery_protocol.datalink import TICKET_KEY, TRANSPORT_KEY, expect, frame
 from tannery_protocol.v1 import channels_pb2, channels_pb2_grpc
 from tannery_protocol.v1.data_pb2 import EntryBytes, Hello
 

@@ -20,8 +20,8 @@ whole for some subscribers and abandoned for others.
 The relayed pieces are the chunk objects received (a chunk holding the end of one payload
 and the start of the next is sliced), at most ``chunk_size`` bytes each, each a
 :class:`~.dataplane.channel_pieces.Chunk` that every subscriber shares: its
-``SubscribeResponse`` is made once, by the first gRPC subscriber, and every gRPC subscriber
-writes that same message (gRPC serializes it once per subscriber: pre-serializing it once
+``SubscribeResponse`` messages are made once, by the first gRPC subscriber, and every gRPC
+subscriber writes those same messages (gRPC serializes it once per subscriber: pre-serializing it once
 for all did not pay, see docs/benchmarks.md, "Channels" under "Why the code is like this");
 data-path subscribers send its bytes. The buffering and ordering rules live in
 :mod:`tannery_server.hub`; what joins the channels of several replicas (nothing, or NATS)
@@ -108,7 +108,7 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
     """
 
     def __init__(self, config: Config, data_paths: DataPaths | None = None) -> None:
-        #: The same-host socket's tickets (None: channels over gRPC only).
+        #: The data paths and their tickets (None: channels over gRPC only).
         self.data_paths = data_paths
         #: Each data-path subscriber holds one while a piece is being sent to it, each publisher one
         #: while its bytes are received.
@@ -130,7 +130,8 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
         await self.fabric.start()
 
     def pieces(self, data: Buffer) -> list[Piece]:
-        """The pieces relayed for ``data`` (:class:`~.dataplane.channel_pieces.Chunk`), with the payload bytes each carries."""
+        """The pieces relayed for ``data`` (each a :class:`~.dataplane.channel_pieces.Chunk`), with
+        the payload bytes each carries."""
         return [(Chunk(chunk), len(chunk)) for chunk in split_piece(data, self.chunk_size)]
 
     async def close(self) -> None:
