@@ -95,6 +95,25 @@ def test_payloads_reach_subscribers_whole_and_in_order_across_paths(server, publ
     assert_same(got, sent)
 
 
+def test_a_tcp_subscriber_gathers_payloads_published_in_chunks_of_any_size(server):
+    """A raw gRPC publisher cuts its stream anywhere (7 bytes, a header split in two, the end of
+    one payload and the start of the next in one chunk): the TCP subscriber's pieces start and
+    end where the server relays them, and each payload still comes whole."""
+    sent = [torch.arange(300, dtype=torch.int16), torch.randn(3 * MiB // 4 + 5), torch.tensor(True)]
+    stream = b"".join(serialize(t) for t in sent)
+    cuts = [0, 7, 20, 61, 600, 700 + MiB, 2 * MiB + 3, len(stream)]
+    chunks = [stream[a:b] for a, b in zip(cuts, cuts[1:])]
+    stub = channels_pb2_grpc.ChannelsStub(server.channel())
+    with tannery.Client(server.target, transport="tcp") as reader, reader.subscribe("cuts") as subscription:
+        got: list = []
+        thread = receive(subscription, len(sent), got)
+        requests = [channels_pb2.PublishRequest(channel="cuts", chunk=chunks[0])]
+        requests += [channels_pb2.PublishRequest(chunk=chunk) for chunk in chunks[1:]]
+        assert stub.Publish(iter(requests), timeout=30).payloads == len(sent)
+        thread.join(30)
+    assert_same(got, sent)
+
+
 def test_subscriber_processes_of_every_path_get_every_publishers_payloads_bit_exact_in_order(server):
     """Three subscriber processes (TCP, gRPC, same host) on one channel; TCP, gRPC and same-host
     publishers take turns on it. Each process reports the SHA-256 of every tensor it got."""
