@@ -87,14 +87,18 @@ async def serve_subscriber(link: Link, subscription: Subscription, workers: Work
     Same host: shared payloads are acknowledged (``taken``) once mapped; at most ``window``
     bytes of them stay unacknowledged. Over TCP the socket's buffers are all that is not
     yet read. A subscriber that neither takes its payloads nor reads its bytes for
-    ``timeout`` seconds (twice that over TCP) is ended as fallen behind.
+    ``timeout`` seconds (four times that over TCP, where a publisher waiting on it drops it
+    first) is ended as fallen behind.
     """
     unacknowledged: deque[int] = deque()  # sizes of the shared payloads passed, not yet taken
     # A send to a subscriber that reads nothing gives up. Over TCP the socket's buffers hold
-    # megabytes: the send waits twice the timeout, so that a publisher waiting on this
-    # subscriber's full buffer drops it first (and counts it), as it would a gRPC one.
-    send_timeout = timeout if link.local else 2 * timeout
+    # megabytes: the send waits four times the timeout, so that a publisher waiting on this
+    # subscriber's full buffer drops it first (and counts it), as it would a gRPC one; a
+    # subscriber dropped (or the server closing) in the middle of a send has its connection
+    # broken at once (what it has read stays whole or is discarded; its status says why).
+    send_timeout = timeout if link.local else 4 * timeout
     link.sock.settimeout(send_timeout)
+    subscription.on_end = lambda: link.abort() if link.in_payload else None
     while True:
         message = await subscription.next_piece()
         while link.local and unacknowledged and sum(unacknowledged) + _size(message) > window:
@@ -106,9 +110,11 @@ async def serve_subscriber(link: Link, subscription: Subscription, workers: Work
                 await subscription.next_piece()  # raises why it ended
         try:
             await workers.run(_send_piece, link, message)
-        except socket.timeout:
-            if subscription.ended:  # dropped by a publisher meanwhile: its reason
+        except OSError as error:
+            if subscription.ended:  # dropped by a publisher (or the server closing) meanwhile: why
                 await subscription.next_piece()
+            if not isinstance(error, socket.timeout):
+                raise
             kind = "same-host" if link.local else "TCP"
             raise FellBehind(f"a {kind} subscriber of channel {subscription.channel.name!r} read nothing for "
                              f"{send_timeout:g} s and was dropped") from None
