@@ -169,6 +169,8 @@ class Reframer:
         fills (a data connection's ``receive_into``): the bytes that continue a payload being
         gathered go straight into its buffer; a header, and a payload that fits in one piece,
         are read into memory of their own first and fed as a chunk."""
+        if not size:
+            return
         if self._gathering is None or not size <= self._deframer.remaining:
             head = min(size, RECEIVE_HEAD) if self._gathering is None else size
             chunk = memoryview(bytearray(head))
