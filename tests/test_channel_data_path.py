@@ -174,13 +174,15 @@ def test_a_piece_that_is_not_a_sealed_memory_file_is_refused(server):
     assert "not sealed" in raised.value.details()
 
 
-def test_channels_refuse_the_tcp_data_path_naming_the_ones_they_take(server):
+def test_channels_on_a_server_without_a_data_port_refuse_tcp_naming_the_setting(server):
+    """Channels take the TCP data path (tests/test_channel_tcp.py) where the server offers one;
+    this server's data port is off, and the refusal says so."""
     stub = channels_pb2_grpc.ChannelsStub(server.channel())
     with pytest.raises(Exception) as raised:
         next(iter(stub.Subscribe(channels_pb2.SubscribeRequest(channel="x"), metadata=((TRANSPORT_KEY, "tcp"),),
                                  timeout=10)))
     assert raised.value.code().name == "FAILED_PRECONDITION"
-    assert "local data path or gRPC" in raised.value.details()
+    assert "no tcp data path for channels (--data-port / TANNERY_DATA_PORT is off)" in raised.value.details()
 
 
 def test_a_closed_same_host_subscription_is_forgotten_by_the_server(tmp_path):

@@ -52,9 +52,9 @@ class Client(CallCore):
     is None (insecure unless ``TANNERY_TLS_*`` say otherwise), False (insecure), True
     (the system's roots) or a :class:`tannery.TLS`. ``chunk_size`` is the bytes of tensor
     data per message sent (1 MiB); ``timeout`` the seconds any one call may take (no limit
-    by default; subscriptions are never limited). ``transport`` is how Store and Fetch move
-    their bytes (``TANNERY_TRANSPORT``, else ``"auto"``): ``"local"`` (the server's Unix
-    socket: stored files mapped, no copy through a socket), ``"tcp"`` (its data port),
+    by default; subscriptions are never limited). ``transport`` is how Store, Fetch, Publish
+    and Subscribe move their bytes (``TANNERY_TRANSPORT``, else ``"auto"``): ``"local"`` (the
+    server's Unix socket: stored files mapped, no copy through a socket), ``"tcp"`` (its data port),
     ``"grpc"`` (the gRPC streams), or ``"auto"``, the first of these that reaches the server
     (see :mod:`tannery.transports`); it is settled at the first Store or Fetch, and again
     after a retry. ``retries`` is how many times a call that ended UNAVAILABLE (the server
@@ -289,8 +289,9 @@ class Subscription:
 
 
 class LinkSubscription(Subscription):
-    """A subscription whose payloads come on the same-host data path: each one published there
-    is a memory file mapped here (the tensor shares it, nothing is copied between processes)."""
+    """A subscription whose payloads come on a data path: on the same host, each one published
+    there is a memory file mapped here (the tensor shares it, nothing is copied between
+    processes); over TCP, bytes received straight into the tensors' buffers."""
 
     def close(self) -> None:
         """End the subscription (the server forgets it); iterating stops."""

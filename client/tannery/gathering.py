@@ -9,7 +9,7 @@ the same buffer for a payload received whole from a data connection.
 from __future__ import annotations
 
 import mmap
-from typing import Iterator
+from typing import Callable, Iterator
 
 from tannery_protocol._lazy import lazy_module
 from tannery_protocol.codec import ALIGNMENT, DEFAULT_LIMITS, Buffer, Limits, PayloadInfo
@@ -56,6 +56,9 @@ MAP_GATHER = 4 << 20
 #: A map is allocated whole up to this size: beyond, nothing more is reserved on the word of
 #: a header, and the map grows as the bytes arrive.
 EAGER_GATHER = 32 << 20
+#: Bytes of a piece read first, as a chunk, when no payload is being gathered: its header, or
+#: all of a small payload (the rest of a large one then goes straight into its buffer).
+RECEIVE_HEAD = 64 << 10
 #: Bytes of a gather map faulted in ahead of the data, in one call
 #: (:func:`~tannery.receive_memory.populate_write`).
 POPULATE_AHEAD = 8 << 20
@@ -98,6 +101,16 @@ class _Gathering:
             self._populate(self.filled + n + POPULATE_AHEAD)
         self.memory[self.filled : self.filled + n] = data
         self.filled += n
+
+    def fill(self, size: int, read_into: Callable[[memoryview], None]) -> None:
+        """The next ``size`` bytes, written by ``read_into`` straight into the buffer (no copy)."""
+        if self.filled + size > len(self.memory):
+            self._grow(min(self.end, max(self.filled + size, 2 * len(self.memory))))
+        if self.filled + size > self.populated:
+            self._populate(self.filled + size + POPULATE_AHEAD)
+        with memoryview(self.memory) as whole, whole[self.filled : self.filled + size] as part:
+            read_into(part)  # released after: a map is resized as it grows, which no live view allows
+        self.filled += size
 
     def _populate(self, end: int) -> None:
         """Fault in the map's pages from :attr:`populated` to ``end`` (or the map's end)."""
@@ -150,6 +163,32 @@ class Reframer:
             if fragment.last:
                 payload, self._gathering = self._gathering.payload(), None
                 yield payload
+
+    def receive(self, size: int, read_into: Callable[[memoryview], None]) -> Iterator[Buffer]:
+        """The payloads completed by the stream's next ``size`` bytes, which ``read_into(view)``
+        fills (a data connection's ``receive_into``): the bytes that continue a payload being
+        gathered go straight into its buffer; a header, and a payload that fits in one piece,
+        are read into memory of their own first and fed as a chunk."""
+        if not size:
+            return
+        if self._gathering is None or not size <= self._deframer.remaining:
+            head = min(size, RECEIVE_HEAD) if self._gathering is None else size
+            chunk = memoryview(bytearray(head))
+            read_into(chunk)
+            yield from self.feed(chunk)
+            size -= head
+            if not size:
+                return
+            if self._gathering is None or not size <= self._deframer.remaining:
+                chunk = memoryview(bytearray(size))
+                read_into(chunk)
+                yield from self.feed(chunk)
+                return
+        fragment = self._deframer.skip(size)
+        self._gathering.fill(size, read_into)
+        if fragment.last:
+            payload, self._gathering = self._gathering.payload(), None
+            yield payload
 
     def close(self) -> None:
         """Declare the stream over; FormatError if it stopped inside a payload."""

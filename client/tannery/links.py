@@ -4,8 +4,8 @@ A :class:`Route` says where the server's data path is ("local": its Unix socket;
 data port) and opens a connection the server has welcomed as itself; a call then presents
 its one-time ticket (:func:`connect_call`). The rest moves a call's bytes on that
 connection: the entries of a Fetch (:func:`receive_fetch`: mapped files, or received straight
-into the tensors' memory), the payloads of a Store (:func:`send_store`) and of a same-host
-Publish (:func:`publish_over`), and a same-host subscription's payloads
+into the tensors' memory), the payloads of a Store (:func:`send_store`) and of a
+Publish (:func:`publish_over`), and a subscription's payloads on a data path
 (:func:`next_published`). Every function here blocks: the asyncio client runs them on worker
 threads. Which transport a call takes is :mod:`tannery.transports`' choice.
 """
@@ -326,8 +326,9 @@ def _send_sealed(link: Link, views: list[memoryview], name: str, progress: "Prog
 
 
 def publish_over(link: Link, tensors: Iterable[object], progress: "Progress" = None) -> tuple[int, int]:
-    """Pass each tensor as one sealed memory file (its payload), then ``end``; wait for the
-    server's ``end``. Returns the payloads and bytes published."""
+    """Send each tensor's payload: one sealed memory file on the same host, an ``entry`` frame
+    and the payload's bytes (from the tensor's own memory) over TCP; then ``end``, and wait for
+    the server's ``end``. Returns the payloads and bytes published."""
     from . import torch as torch_codec
     from .values import as_tensor
 
@@ -335,8 +336,13 @@ def publish_over(link: Link, tensors: Iterable[object], progress: "Progress" = N
     for index, tensor in enumerate(tensors):
         tensor = as_tensor(tensor, f"tensor {index}", "Client.publish")
         views = [memoryview(part).cast("B") for part in torch_codec.serialize_parts(tensor)]
-        _send_sealed(link, views, "publish")
         size = sum(view.nbytes for view in views)
+        if link.local:
+            _send_sealed(link, views, "publish")
+        else:
+            link.send(frame(entry=EntryBytes(payload_bytes=size)))
+            for view in views:
+                link.send_bytes(view)
         count, total = count + 1, total + size
         if progress is not None:
             progress(size)
@@ -347,11 +353,12 @@ def publish_over(link: Link, tensors: Iterable[object], progress: "Progress" = N
 
 
 def next_published(link: Link, reader: object) -> list:
-    """The tensors the next frame of a same-host subscription completes (a mapped payload is
-    one, acknowledged at once; pieces of a payload published over gRPC are gathered by
-    ``reader``, a :class:`~tannery.readers.PayloadReader`)."""
-    received, fds = link.receive(expect_fds=1)
-    kind = expect(received, "mapped", "entry", "abandoned")
+    """The tensors the next frame of a data-path subscription completes (a mapped payload, on
+    the same host, is one, acknowledged at once; pieces that come as bytes are gathered by
+    ``reader``, a :class:`~tannery.readers.PayloadReader`, received straight into the payload's
+    buffer)."""
+    received, fds = link.receive(expect_fds=1 if link.local else 0)
+    kind = expect(received, "mapped", "entry", "abandoned") if link.local else expect(received, "entry", "abandoned")
     if kind == "mapped":
         if len(fds) != 1:
             raise LinkError("data connection: a published payload came without its memory file")
@@ -361,10 +368,12 @@ def next_published(link: Link, reader: object) -> list:
             os.close(fds[0])
         link.send(frame(taken=Taken(payloads=1)))
         return [reader.arrived(arrived)]
+    for fd in fds:  # an entry's bytes come on the connection: a file passed with it is not used
+        os.close(fd)
     if kind == "abandoned":
         reader.discard()
         return []
-    return reader.feed(memoryview(link.receive_exactly(received.entry.payload_bytes)))
+    return reader.receive(received.entry.payload_bytes, link.receive_into)
 
 
 def connect_call(route: Route, ticket: str) -> Link:

@@ -10,7 +10,7 @@ they are: one payload each, no gathering.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from tannery_protocol import wire
@@ -222,6 +222,14 @@ class PayloadReader:
         if self._progress is not None and chunk.nbytes:
             self._progress(chunk.nbytes)
         return [torch_codec.deserialize(payload) for payload in self._reframer.feed(chunk)]
+
+    def receive(self, size: int, read_into: Callable[[memoryview], None]) -> list[torch.Tensor]:
+        """The tensors completed by the next ``size`` bytes of the stream, which ``read_into``
+        writes (a data connection's bytes, received straight into the payload's buffer)."""
+        tensors = [torch_codec.deserialize(payload) for payload in self._reframer.receive(size, read_into)]
+        if self._progress is not None and size:
+            self._progress(size)
+        return tensors
 
     def arrived(self, item: Arrived) -> torch.Tensor:
         """The tensor of a payload passed whole on the same-host path, sharing its mapping."""

@@ -9,7 +9,9 @@ A ``tannery.Client`` moves the bytes of Store and Fetch one of four ways (``tran
   Subscribe pass their payloads as sealed memory files too.
 - ``"tcp"``: a direct TCP connection to the server's data port (TLS when gRPC is), the
   server sending from its files with ``sendfile``, the client receiving straight into the
-  tensors' memory. Publish and Subscribe take the gRPC streams.
+  tensors' memory. Publish sends each payload's bytes from the tensor's memory, and a
+  subscriber receives them straight into its tensors' buffers; the server relays each piece
+  to every subscriber from one shared buffer.
 - ``"grpc"``: the gRPC streams (every server offers them).
 - ``"auto"`` (the default): local when the server's socket is reachable from here and
   leads to the same server, else tcp when the server offers a data port that answers,
@@ -191,7 +193,7 @@ GRPC = GrpcTransport()
 
 class LinkTransport:
     """A data path (``route``: its kind, "tcp" here and "local" in :class:`LocalTransport`):
-    Store and Fetch move their bytes on a data connection, Publish and Subscribe on gRPC."""
+    Store, Fetch, Publish and Subscribe move their bytes on a data connection."""
 
     def __init__(self, route: Route) -> None:
         self.route = route
@@ -269,31 +271,22 @@ class LinkTransport:
             upload.close()
 
     def publish(self, calls: Calls, channel: str, tensors: Iterable[Any], progress: Progress) -> Steps[Any]:
-        return (yield from GRPC.publish(calls, channel, tensors, progress))
-
-    def subscribe(self, calls: Calls, channel: str, reader: PayloadReader) -> Steps[Feed]:
-        return (yield from GRPC.subscribe(calls, channel, reader))
-
-
-class LocalTransport(LinkTransport):
-    """The same-host data path: Publish and Subscribe pass their payloads as sealed memory files too."""
-
-    def publish(self, calls: Calls, channel: str, tensors: Iterable[Any], progress: Progress) -> Steps[Any]:
-        """A Publish whose call names the channel, its payloads passed as sealed memory files
-        (an async iterable of tensors is gathered first: the passing runs on a worker thread)."""
+        """A Publish whose call names the channel, its payloads sent on the data path: sealed
+        memory files on the same host, raw bytes over TCP (an async iterable of tensors is
+        gathered first: the sending runs on a worker thread)."""
         if isinstance(tensors, AsyncIterable):
             tensors = yield Rpc(_gathered, tensors)
         return (yield from self._upload(calls, calls.methods.publish, encode_publish_request(channel, []),
                                         lambda link: publish_over(link, tensors, progress)))
 
     def subscribe(self, calls: Calls, channel: str, reader: PayloadReader) -> Steps[Feed]:
-        """A subscription registered over gRPC whose payloads come on the same-host connection."""
+        """A subscription registered over gRPC whose payloads come on the data connection."""
         request = channels_pb2.SubscribeRequest(channel=channel)
         call = calls.methods.subscribe(request, **self._options(calls, timeout=False))
         try:
             ticket = ticket_of((yield from _registered(call, calls.target)))
             if ticket is None:
-                raise errors.ServiceError("the server answered a same-host Subscribe without a ticket")
+                raise errors.ServiceError(f"the server answered a {self.kind} Subscribe without a ticket")
             link = yield Blocking(connect_call, self.route, ticket)
         except BaseException:
             call.cancel()  # the server would wait for the connection until its ticket expires
@@ -301,9 +294,13 @@ class LocalTransport(LinkTransport):
         return Feed(call, reader, calls.target, link, self.route)
 
 
+class LocalTransport(LinkTransport):
+    """The same-host data path: Fetch maps the stored files, Store and Publish pass sealed memory files."""
+
+
 class Feed:
-    """A subscription, whichever client holds it: its call, the same-host connection its
-    payloads come on (None: they come in the call's messages), and the tensors ready."""
+    """A subscription, whichever client holds it: its call, the data connection its payloads
+    come on (None: they come in the call's messages), and the tensors ready."""
 
     def __init__(self, call: Any, reader: PayloadReader, target: str, link: Any = None,
                  route: Route | None = None) -> None:

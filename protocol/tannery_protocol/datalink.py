@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import array
 import os
+import select
 import socket
 import ssl
 import struct
@@ -22,7 +23,7 @@ from typing import Iterator, Sequence
 
 from .v1.data_pb2 import DataFrame
 
-#: Request metadata of a Store or Fetch call: the data path it asks for ("local" or "tcp").
+#: Request metadata of a Store, Fetch, Publish or Subscribe call: the data path it asks for ("local" or "tcp").
 TRANSPORT_KEY = "tannery-transport"
 #: Initial metadata of the server's answer: the hex ticket to present on the data connection.
 TICKET_KEY = "tannery-ticket"
@@ -132,7 +133,8 @@ class Link:
 
     def send_file(self, fd: int, offset: int, count: int) -> None:
         """Send bytes [offset, offset + count) of a file: ``sendfile`` on a plain socket (the
-        kernel moves them), reads and writes through TLS."""
+        kernel moves them), reads and writes through TLS. On a socket with a timeout, a peer
+        that takes nothing for that long raises ``socket.timeout``, as ``sendall`` does."""
         if isinstance(self.sock, ssl.SSLSocket):
             window = 4 << 20
             buffer = memoryview(bytearray(min(window, count)))
@@ -145,8 +147,14 @@ class Link:
                 offset, count = offset + got, count - got
             return
         out = self.sock.fileno()
+        timeout = self.sock.gettimeout()  # a socket with a timeout is non-blocking underneath
         while count:
-            sent = os.sendfile(out, fd, offset, count)
+            try:
+                sent = os.sendfile(out, fd, offset, count)
+            except BlockingIOError:
+                if not select.select([], [out], [], timeout)[1]:
+                    raise socket.timeout(f"sendfile: the peer took no byte for {timeout:g} s") from None
+                continue
             if not sent:
                 raise LinkError(f"file ended {count} bytes early")
             offset, count = offset + sent, count - sent

@@ -105,6 +105,25 @@ class Deframer:
             self.payloads += 1
         yield Fragment(info, piece, first=True, last=last)
 
+    @property
+    def remaining(self) -> int:
+        """Bytes still to come of the payload in progress once its header is read (0 otherwise)."""
+        return self._remaining if self._info is not None else 0
+
+    def skip(self, size: int) -> Fragment:
+        """Count ``size`` bytes of the payload in progress (at most :attr:`remaining`) as received
+        elsewhere, straight into where they go (a data connection's bytes into the payload's
+        memory): the fragment they are, with no data."""
+        info = self._info
+        if info is None or not 0 < size <= self._remaining:
+            raise ValueError(f"skip({size}) with {self.remaining} bytes of a payload to come")
+        self._remaining -= size
+        last = self._remaining == 0
+        if last:
+            self._info = None
+            self.payloads += 1
+        return Fragment(info, b"", first=False, last=last)
+
     def close(self) -> None:
         """Declare the stream over; FormatError if it stopped inside a payload."""
         if self._info is not None:

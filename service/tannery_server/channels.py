@@ -18,12 +18,18 @@ meanwhile (waiting at most the timeout for room, as any piece), so a payload is 
 whole for some subscribers and abandoned for others.
 
 The relayed pieces are the chunk objects received (a chunk holding the end of one payload
-and the start of the next is sliced), at most ``chunk_size`` bytes each. Each piece
-becomes a ``SubscribeResponse`` once, at the publisher, and every subscriber writes that
-same message (gRPC serializes it once per subscriber: pre-serializing it once for all did
-not pay, see docs/benchmarks.md, "Channels" under "Why the code is like this"). The buffering and
-ordering rules live in :mod:`tannery_server.hub`; what joins the channels of several
-replicas (nothing, or NATS) in :mod:`tannery_server.fabric`.
+and the start of the next is sliced), at most ``chunk_size`` bytes each, each a
+:class:`~.dataplane.channel_pieces.Chunk` that every subscriber shares: its
+``SubscribeResponse`` messages are made once, by the first gRPC subscriber, and every gRPC
+subscriber writes those same messages (gRPC serializes it once per subscriber: pre-serializing it once
+for all did not pay, see docs/benchmarks.md, "Channels" under "Why the code is like this");
+data-path subscribers send its bytes. The buffering and ordering rules live in
+:mod:`tannery_server.hub`; what joins the channels of several replicas (nothing, or NATS)
+in :mod:`tannery_server.fabric`.
+
+A call that asks for a data path (``tannery-transport``: the same-host socket or the TCP
+data port) names its channel over gRPC and moves its payloads on its data connection
+(:mod:`.dataplane.channel_links`); publishers and subscribers of every path share a channel.
 
 Every refusal is a :class:`~.failures.Failure`, turned into its status in one place
 (:func:`~.handling.answering_failures`). Requests are decoded by deserializers that never
@@ -46,8 +52,9 @@ from .calllog import current_call
 from .config import Config
 from .failures import BadPayload, Failure, LimitExceeded, Malformed, Unavailable
 from .handling import Undecodable, add_service, answering_failures
-from .dataplane.channel_links import SharedPayload, publish_over, serve_subscriber
-from .dataplane.links import fail
+from .dataplane.channel_links import relay_publisher, serve_subscriber
+from .dataplane.channel_pieces import Chunk, data_of, grpc_messages
+from .dataplane.links import LINK_ERRORS, fail, link_failure
 from .dataplane.listeners import DataPaths
 from .dataplane.plane import DataPlane
 from .fabric import open_fabric
@@ -101,11 +108,13 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
     """
 
     def __init__(self, config: Config, data_paths: DataPaths | None = None) -> None:
-        #: The same-host socket's tickets (None: channels over gRPC only).
+        #: The data paths and their tickets (None: channels over gRPC only).
         self.data_paths = data_paths
-        self._links = Workers(8, "tannery-channel-link")
-        #: Channels take the same-host data path, or gRPC.
-        self.plane = DataPlane(data_paths, self._links, "channels", ("local",))
+        #: Each data-path subscriber holds one while a piece is being sent to it, each publisher one
+        #: while its bytes are received.
+        self._links = Workers(32, "tannery-channel-link")
+        #: Channels take the same-host data path, the TCP data port, or gRPC.
+        self.plane = DataPlane(data_paths, self._links, "channels")
         self.chunk_size = config.chunk_size
         self.limits = Limits(max_payload=config.max_payload_bytes, max_rank=config.max_rank)
         self.timeout = config.channel_timeout_seconds
@@ -113,7 +122,7 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
             raise ValueError(f"chunk_size must be positive, not {self.chunk_size}")
         self.hub = Hub(buffer_bytes=config.channel_buffer_bytes, timeout=self.timeout, abandoned=ABANDONED)
         #: What joins this server's channels with other replicas' (:func:`~.fabric.open_fabric`).
-        self.fabric = open_fabric(config, self.hub, self.pieces, _data_of)
+        self.fabric = open_fabric(config, self.hub, self.pieces, data_of)
         self.hub.exporter = self.fabric.exporter
 
     async def start(self) -> None:
@@ -121,8 +130,9 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
         await self.fabric.start()
 
     def pieces(self, data: Buffer) -> list[Piece]:
-        """The messages a subscriber sends for ``data``, with the payload bytes each carries."""
-        return [(channels_pb2.SubscribeResponse(chunk=chunk), len(chunk)) for chunk in split_piece(data, self.chunk_size)]
+        """The pieces relayed for ``data`` (each a :class:`~.dataplane.channel_pieces.Chunk`), with
+        the payload bytes each carries."""
+        return [(Chunk(chunk), len(chunk)) for chunk in split_piece(data, self.chunk_size)]
 
     async def close(self) -> None:
         """End every subscription (UNAVAILABLE: shutting down) and refuse new calls."""
@@ -147,8 +157,9 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
         context: grpc.aio.ServicerContext,
     ) -> channels_pb2.PublishResponse:
         """Relay the payloads of the stream as they arrive; whatever ends the call frees what it held."""
-        if self.plane.transport(context) is not None:
-            return await self._publish_local(aiter(request_iterator), context)
+        transport = self.plane.transport(context)
+        if transport is not None:
+            return await self._publish_link(transport, aiter(request_iterator), context)
         publication = _Publication(self, aiter(request_iterator))
         try:
             await publication.run()
@@ -172,15 +183,15 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
             self.fabric.leave(request.channel)
             raise Unavailable(str(closed)) from None
         try:
-            if self.plane.transport(context) is not None:
-                await self._subscribe_local(subscription, context)
+            transport = self.plane.transport(context)
+            if transport is not None:
+                await self._subscribe_link(transport, subscription, context)
                 return
             # Registered: from here on every payload begun is queued for this subscriber.
             await context.send_initial_metadata(())
             while True:
                 message = await subscription.next_piece()
-                messages = message.messages(self.chunk_size) if isinstance(message, SharedPayload) else (message,)
-                for each in messages:
+                for each in grpc_messages(message, self.chunk_size):
                     try:
                         await context.write(each)
                     except grpc.aio.InternalError:
@@ -191,34 +202,40 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
             self.hub.unsubscribe(subscription)
             self.fabric.leave(request.channel)
 
-    # -- the same-host data path ----------------------------------------------------------
+    # -- the data paths: the same-host socket, the TCP data port ------------------------------
 
-    async def _publish_local(self, requests: AsyncIterator[Any], context) -> channels_pb2.PublishResponse:
-        """A Publish whose call names the channel and whose payloads come as sealed memory files."""
+    async def _publish_link(self, transport: str, requests: AsyncIterator[Any],
+                            context) -> channels_pb2.PublishResponse:
+        """A Publish whose call names the channel and whose payloads come on its data connection
+        (sealed memory files on the same host, raw bytes over TCP)."""
         first = await anext(requests, None)
         if first is None or isinstance(first, Undecodable):
-            raise Malformed("a same-host Publish names its channel in its first message")
+            raise Malformed(f"a {transport} Publish names its channel in its first message")
         channel = self.attach(first.channel)
         try:
-            link = await self.plane.link("local", context)
+            link = await self.plane.link(transport, context)
             try:
-                payloads, nbytes, dropped = await publish_over(link, channel, self.limits, self.timeout,
-                                                               self._links, _relay_last)
+                payloads, nbytes, dropped = await relay_publisher(link, channel, self.limits, self.chunk_size,
+                                                                  self.timeout, self._links, _relay_last)
+            except LINK_ERRORS as exc:  # the connection's, not a bug: UNAVAILABLE or INVALID_ARGUMENT naming it
+                failure = link_failure(transport, exc)
+                fail(link, failure)
+                raise failure from None
             except BaseException as exc:
                 fail(link, exc)
                 raise
             finally:
                 link.close()
             async for _ in requests:
-                raise Malformed("a same-host Publish sends its payloads on its data connection, not in messages")
+                raise Malformed(f"a {transport} Publish sends its payloads on its data connection, not in messages")
         finally:
             self.hub.detach_publisher(channel)
         current_call().note("data_bytes", nbytes)
         return channels_pb2.PublishResponse(payloads=payloads, bytes=nbytes, dropped_subscribers=dropped)
 
-    async def _subscribe_local(self, subscription, context) -> None:
-        """Pass the subscription's payloads on the same-host connection until it ends."""
-        link = await self.plane.link("local", context)
+    async def _subscribe_link(self, transport: str, subscription, context) -> None:
+        """Pass the subscription's payloads on its data connection until it ends."""
+        link = await self.plane.link(transport, context)
         try:
             await serve_subscriber(link, subscription, self._links, self.hub.buffer_bytes, self.timeout)
         except OSError:  # the subscriber closed its connection: as a cancelled gRPC subscriber
@@ -342,11 +359,6 @@ class _Publication:
             self.relay = None
         if self.channel is not None:
             self.servicer.hub.detach_publisher(self.channel)
-
-
-def _data_of(message: object) -> Buffer:
-    """The payload bytes a relayed message carries (a gRPC chunk, or a same-host payload's mapping)."""
-    return message.mapped if isinstance(message, SharedPayload) else message.chunk  # type: ignore[attr-defined]
 
 
 async def _relay_last(relay: Relay, piece: Piece, timeout: float) -> int:

@@ -76,6 +76,8 @@ class Subscription:
         self._ended: SubscriptionEnded | None = None
         self._readable = asyncio.Event()
         self._writable = asyncio.Event()
+        #: Called once when the subscription ends (a data-path subscriber's sending stops at once).
+        self.on_end: Callable[[], None] | None = None
 
     @property
     def ended(self) -> bool:
@@ -140,6 +142,8 @@ class Subscription:
             self._ended = reason
             self._queue.clear()
             self.buffered = 0
+            if self.on_end is not None:
+                self.on_end()
         self._readable.set()
         self._writable.set()
 

@@ -30,6 +30,7 @@ CASES = {
     "first-fetch": "bench_first_fetch",
     "fetch": "bench_fetch_by_name",
     "channels": "bench_channels",
+    "channel-fanout": "bench_channel_fanout",
     "memory": "bench_memory",
     "scale": "bench_scale",
     "latency": "bench_latency",
