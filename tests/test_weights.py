@@ -182,22 +182,72 @@ def test_a_follower_without_the_channel_takes_every_version_from_the_store(srv):
     assert digests(worker.state_dict()) == digests(latest)
 
 
-def test_the_assembler_hands_out_only_whole_versions():
+def test_the_assembler_hands_out_only_whole_versions_of_one_push():
     from tannery.weight_stream import Assembler, version_payloads
 
     state = {"a": torch.ones(3), "b": torch.zeros(2, 2)}
     assembler = Assembler("w")
-    payloads = list(version_payloads(7, state))
-    assert [assembler.add(p) for p in payloads[1:]] == [None, None]  # joined midway: the tail is ignored
+    payloads = list(version_payloads(7, "push-a", state))  # manifest, a, b, end
+    assert [assembler.add(p) for p in payloads[1:]] == [None, None, None]  # joined midway: nothing
     assert [assembler.add(p) for p in payloads[:2]] == [None, None]
-    assert assembler.add(version_payloads(8, state).__next__()) is None  # v7 cut off by v8's manifest
-    assert assembler.dropped == 1
+    assert assembler.pending == 7
+    assert assembler.add(next(version_payloads(8, "push-b", state))) is None  # v7 cut off by v8's manifest
+    assert assembler.dropped == 1 and assembler.pending == 8
     assert assembler.add(torch.ones(2, 2)) is None  # 'a' should be [3]: the version is dropped
-    assert assembler.dropped == 2
+    assert assembler.dropped == 2 and assembler.pending is None
+    # Two publishers interleaved: the end of one push after the other's manifest is refused.
+    other = list(version_payloads(9, "push-c", state))
+    for payload in [payloads[0], other[0], payloads[1], payloads[2], payloads[3]]:
+        assert assembler.add(payload) is None
+    assert [assembler.add(p) for p in other[1:]] == [None, None, None]  # its tensors came after a stranger's end
     for payload in payloads[:-1]:
         assert assembler.add(payload) is None
     whole = assembler.add(payloads[-1])
-    assert whole.version == 7 and list(whole.tensors) == ["a", "b"] and torch.equal(whole.tensors["b"], state["b"])
+    assert (whole.version, whole.push, list(whole.tensors)) == (7, "push-a", ["a", "b"])
+    assert torch.equal(whole.tensors["b"], state["b"])
+
+
+def test_a_trainer_started_again_that_pushes_a_number_once_more_brings_every_follower_to_it(srv):
+    # A trainer killed after streaming v1 but before storing it leaves the running followers on
+    # its v1; the trainer started again pushes its own v1: every follower applies that one.
+    trainer = model(seed=0)
+    worker = model(seed=1)
+    with tannery.Client(srv.target) as client:
+        Publisher(client, "policy").push(step(trainer, 0.1), 0)
+        with Follower(client, "policy", worker) as follower:
+            assert next(follower).version == 0
+            from tannery.weight_stream import version_payloads
+
+            lost = step(trainer, 0.1)
+            client.publish("policy", version_payloads(1, "the-killed-push", lost))  # streamed, never stored
+            applied = next(follower)
+            assert (applied.version, applied.via) == (1, "channel") and digests(worker.state_dict()) == digests(lost)
+            again = step(trainer, 0.1)
+            Publisher(client, "policy").push(again, 1)  # learns v0 from the alias: pushes 1 again
+            applied = next(follower)
+            assert applied.version == 1 and digests(worker.state_dict()) == digests(again)
+
+
+def test_keep_prunes_only_the_versions_of_these_weights(srv):
+    with tannery.Client(srv.target) as client:
+        client.store("policy/value-head", {"w": torch.ones(2)})
+        client.store("policy/v9-notes", {"w": torch.ones(2)})
+        publisher = Publisher(client, "policy", keep=1)
+        for version in range(3):
+            pushed = publisher.push({"w": torch.full((2,), float(version))}, version)
+        assert pushed.pruned == ("policy/v1",)
+        assert [info.name for info in client.list("policy/")] == ["policy/v2", "policy/v9-notes", "policy/value-head"]
+
+
+def test_one_push_at_a_time_per_publisher(srv):
+    with tannery.Client(srv.target) as client:
+        publisher = Publisher(client, "policy")
+        pushing = publisher._pushing
+        pushing.busy = True  # as while another thread's push is under way
+        with pytest.raises(RuntimeError, match="a push is under way; push one version at a time"):
+            publisher.push({"w": torch.ones(2)}, 0)
+        pushing.busy = False
+        assert publisher.push({"w": torch.ones(2)}, 0).version == 0
 
 
 def test_a_late_joiner_starts_from_the_latest_version_then_follows(srv):
@@ -234,7 +284,8 @@ def test_a_slow_worker_skips_to_the_newest_version(srv):
         following.stop()
     versions = following.versions()
     assert versions[0] == 0 and versions[-1] == 5 and len(versions) < 6, versions  # no backlog replayed
-    assert following.applied[-1].previous != 4 or len(versions) == 2, versions
+    assert versions == sorted(set(versions))
+    assert [applied.previous for applied in following.applied] == [None, *versions[:-1]]
     assert digests(slow.state_dict()) == digests(latest)
 
 
@@ -256,7 +307,7 @@ import sys, time, torch, tannery
 from tannery.weights import Publisher
 with tannery.Client(sys.argv[1], transport="grpc") as client:
     publisher = Publisher(client, "policy")
-    big = {f"layer{i}": torch.full((16, 1 << 20), float(i)) for i in range(8)}  # 512 MiB
+    big = {f"layer{i}": torch.full((16, 1 << 20), float(i)) for i in range(16)}  # 1 GiB: killed while it streams
     print("pushing", flush=True)
     publisher.push(big, 1)
     print("pushed", flush=True)

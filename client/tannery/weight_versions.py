@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import re
 import time
+import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tannery_protocol.errors import AliasError, ArchiveError, NotFound, ResourceExhausted, Unavailable
 from .records import ArchiveDescription, ArchiveInfo
+from .retention import plan_prune
 from tannery_protocol._lazy import lazy_module
 from .state_dict import Rows, TargetPlan, plan_targets, target_tensors
 from .weight_stream import StreamedVersion, version_payloads
@@ -31,6 +33,9 @@ torch = lazy_module("torch")
 VERSION_KEY = "tannery.weights.version"
 #: The metadata key that holds the name of the weights a version belongs to.
 WEIGHTS_KEY = "tannery.weights.name"
+#: The metadata key that holds the id of the push that made a version (one per push: a
+#: trainer started again that pushes a number once more makes another version of that number).
+PUSH_KEY = "tannery.weights.push"
 
 
 def version_archive(name: str, version: int) -> str:
@@ -117,6 +122,7 @@ class Pushing:
         self.stream = stream
         self.current: str | None = None
         self.version: int | None = None
+        self.busy = False
 
     def learn(self, core: CallCore) -> Steps[None]:
         """Ask where the alias points, once (a publisher started again goes on from there)."""
@@ -133,34 +139,60 @@ def push_steps(core: CallCore, pushing: Pushing, state: Any, version: int) -> St
     the weights' name to the followers running now (whole or not at all: :mod:`.weight_stream`);
     then stored as an archive (whole or not at all), the alias moved onto it if it still points
     where this publisher left it (AliasError naming where it points otherwise: another
-    publisher), and all but the newest ``pushing.keep`` versions deleted (None: keep every one)."""
+    publisher), and all but the newest ``pushing.keep`` versions deleted (None: keep every one).
+    One push at a time per publisher (RuntimeError for a second one meanwhile)."""
+    if pushing.busy:
+        raise RuntimeError(f"{pushing.where}: a push is under way; push one version at a time")
+    pushing.busy = True
+    try:
+        return (yield from _push(core, pushing, state, version))
+    finally:
+        pushing.busy = False
+
+
+def _push(core: CallCore, pushing: Pushing, state: Any, version: int) -> Steps[Pushed]:
     yield from pushing.learn(core)
     version = check_version(version, pushing.version, pushing.where)
     started = time.perf_counter()
-    name, current = pushing.name, pushing.current or ""
-    archive = version_archive(name, version)
+    name, current, push = pushing.name, pushing.current or "", uuid.uuid4().hex[:16]
     tensors = target_tensors(state, pushing.where)
     streamed = None
     if pushing.stream:
         yield from _check_alias(core, name, current)  # before any follower sees a byte of it
         try:
-            streamed = yield from core._publish(name, version_payloads(version, tensors), None)
+            streamed = yield from core._publish(name, version_payloads(version, push, tensors), None)
         except (Unavailable, ResourceExhausted):
             pass  # the channel cannot carry it now: the followers take it from the store, a moment later
-    metadata = {VERSION_KEY: str(version), WEIGHTS_KEY: name}
-    info = yield from core._store(archive, tensors, "", False, None, metadata, False, False)
+    metadata = {VERSION_KEY: str(version), WEIGHTS_KEY: name, PUSH_KEY: push}
+    info = yield from core._store(version_archive(name, version), tensors, "", False, None, metadata, False, False)
     try:
         yield from core._tag(name, info.name, current)
     except AliasError:
         if not info.already_stored:  # another publisher moved the alias: leave no stray version
             yield from core._delete(info.name)
         raise
+    except BaseException:
+        pushing.current = None  # the Tag's outcome is unknown: ask where the alias points next time
+        raise
     pushing.current, pushing.version = info.name, version
-    pruned: tuple[str, ...] = ()
-    if pushing.keep is not None:
-        result = yield from core._prune(name + "/v", pushing.keep, False)
-        pruned = tuple(deleted.name for deleted in result.deleted)
+    pruned = (yield from _prune_versions(core, name, pushing.keep)) if pushing.keep is not None else ()
     return Pushed(name, version, info, time.perf_counter() - started, pruned, streamed is not None)
+
+
+def _prune_versions(core: CallCore, name: str, keep: int) -> Steps[tuple[str, ...]]:
+    """Delete all but the newest ``keep`` versions of weights ``name`` (archives ``name/vN``
+    only: ``name/value-head`` is somebody else's), never one an alias points at."""
+    pattern = re.compile(re.escape(name) + r"/v\d+")
+    versions = [info for info in (yield from core._list(name + "/v")) if pattern.fullmatch(info.name)]
+    plan = plan_prune(versions, (yield from core._aliases("", None)), keep)
+    deleted = []
+    for info in plan.delete:
+        try:
+            yield from core._delete(info.name)
+        except NotFound:
+            continue  # deleted meanwhile (another publisher's prune)
+        deleted.append(info.name)
+    return tuple(deleted)
 
 
 def _check_alias(core: CallCore, name: str, current: str) -> Steps[None]:
@@ -184,16 +216,28 @@ class Following:
     prefix: str = ""
     strict: bool = True
     rows: Rows | None = None
-    #: The version applied last (None: none yet).
+    #: The version applied last (None: none yet), and the id of the push that made it.
     version: int | None = None
+    push: str = ""
+    #: The (version, push) refused last: not tried again from the other source.
+    refused: tuple[int, str] | None = None
+
+    def wants(self, version: int, push: str) -> bool:
+        """Whether to apply ``version`` of push ``push``: newer than the one applied, or the same
+        number from another push (a trainer started again that pushed that number once more)."""
+        if (version, push) == self.refused:
+            return False
+        return self.version is None or version > self.version or (version == self.version and push != self.push)
 
     @property
     def where(self) -> str:
         return f"Follower of {self.name!r}"
 
     def check(self) -> None:
-        """Refuse a target that is not one now, before any call."""
-        target_tensors(self.target, self.where)
+        """Refuse a target that is not one, or rows for keys it does not have, before any call."""
+        state = target_tensors(self.target, self.where)
+        if unknown := sorted(set(self.rows or ()) - set(state)):
+            raise KeyError(f"{self.where}: rows given for keys the target does not have: {', '.join(unknown)}")
 
 
 def apply_steps(core: CallCore, following: Following, archive: str) -> Steps[Applied | None]:
@@ -206,38 +250,43 @@ def apply_steps(core: CallCore, following: Following, archive: str) -> Steps[App
     if version is None:
         raise ArchiveError(f"{following.where}: {description.name!r} holds no version number (metadata "
                            f"{VERSION_KEY!r}, or a name ending /vN): point {following.name!r} at a pushed version")
-    if following.version is not None and version <= following.version:
+    push = description.metadata.get(PUSH_KEY, "")
+    if not following.wants(version, push):
         return None
-    plan = _plan(following, description, version)
+    plan = _plan(following, description, version, push)
     tensors = (yield from core._transferred(description.name, plan.asks, None)) if plan.asks else []
     plan.apply(tensors)  # every byte is here and checked: the version goes in whole
-    return _applied(following, version, description.name, plan, started)
+    return _applied(following, version, push, description.name, plan, started)
 
 
 def apply_streamed(following: Following, streamed: StreamedVersion) -> Applied | None:
     """Apply a version that came whole on the channel (as :func:`apply_steps` does one stored)."""
     started = time.perf_counter()
-    if following.version is not None and streamed.version <= following.version:
+    if not following.wants(streamed.version, streamed.push):
         return None
-    plan = _plan(following, streamed.description(), streamed.version)
+    plan = _plan(following, streamed.description(), streamed.version, streamed.push)
     plan.apply_whole(streamed.tensors)
-    return _applied(following, streamed.version, version_archive(following.name, streamed.version), plan, started,
-                    "channel")
+    return _applied(following, streamed.version, streamed.push, version_archive(following.name, streamed.version),
+                    plan, started, "channel")
 
 
-def _plan(following: Following, description: ArchiveDescription, version: int) -> TargetPlan:
+def _plan(following: Following, description: ArchiveDescription, version: int, push: str) -> TargetPlan:
     state = target_tensors(following.target, following.where)
     noun = "module" if isinstance(following.target, torch.nn.Module) else "state dict"
-    return plan_targets(state, description, following.prefix, strict=following.strict, rows=following.rows,
-                        check_dtypes=True, where=f"{following.where} (version {version})", noun=noun)
+    try:
+        return plan_targets(state, description, following.prefix, strict=following.strict, rows=following.rows,
+                            check_dtypes=True, where=f"{following.where} (version {version})", noun=noun)
+    except ArchiveError:
+        following.refused = (version, push)  # the other source's copy of it is not tried again
+        raise
 
 
-def _applied(following: Following, version: int, archive: str, plan: TargetPlan, started: float,
+def _applied(following: Following, version: int, push: str, archive: str, plan: TargetPlan, started: float,
              via: str = "store") -> Applied:
-    previous, following.version = following.version, version
+    previous, following.version, following.push = following.version, version, push
     return Applied(following.name, version, archive, len(plan.slots), plan.nbytes, time.perf_counter() - started,
                    previous, via)
 
 
-__all__ = ["Applied", "Following", "Pushed", "VERSION_KEY", "WEIGHTS_KEY", "Pushing", "apply_steps", "apply_streamed", "check_version",
+__all__ = ["Applied", "Following", "Pushed", "VERSION_KEY", "WEIGHTS_KEY", "PUSH_KEY", "Pushing", "apply_steps", "apply_streamed", "check_version",
            "keep_last", "push_steps", "version_archive", "version_of"]

@@ -19,9 +19,11 @@ version either brings:
 - **late joiners and slow workers**: the alias always names the newest stored version, so a
   follower starts from it at once, and one that falls behind (or missed a version on the
   channel) skips to the newest;
-- **failures**: a trainer killed mid-push leaves the followers and the store on the previous
-  version; a server that restarts is watched again and the followers go on from the stored
-  latest;
+- **failures**: a trainer killed while it streams leaves the followers and the store on the
+  previous version (killed between its stream and its store, the running followers keep the
+  version they got, and the trainer's next push, of the same number, brings everyone level:
+  docs/weight-sync.md); a server that restarts is read again and the followers go on from the
+  stored latest;
 - **fan-out**: the server hands every follower the same payloads (one sealed memory file
   each on the same host; messages made once over gRPC), and serves the store from one file
   per entry; a follower holding a row shard (``rows``) keeps only its rows.
@@ -33,11 +35,12 @@ Tied parameters (``lm_head.weight`` and the embeddings) are applied once. See
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from tannery_protocol.errors import Cancelled, NotFound, ResourceExhausted, Unavailable
+from tannery_protocol.errors import ArchiveError, Cancelled, NotFound, ResourceExhausted, Unavailable
 from .weight_stream import Assembler, StreamedVersion
 from .weight_versions import Applied, Following, Pushed, Pushing, apply_steps, apply_streamed, push_steps, version_of
 
@@ -126,6 +129,14 @@ class _Newest:
             return 0.0
         return max(0.0, self.progress + STREAM_GRACE_SECONDS - now)  # the channel brings it (or newer)
 
+    def restore(self, archive: str | None, streamed: StreamedVersion | None) -> None:
+        """Offer again what :meth:`take` gave, unless something newer came meanwhile (its apply
+        failed, or was cancelled: the version is not lost)."""
+        if archive is not None and self.moved is None:
+            self.moved = archive
+        if streamed is not None and self.streamed is None:
+            self.streamed = streamed
+
     def take(self) -> tuple[str | None, StreamedVersion | None]:
         """The newest candidate: (archive to fetch, None) or (None, version streamed); the failure
         of a source that gave up is raised."""
@@ -138,8 +149,28 @@ class _Newest:
         return moved, None
 
 
-#: Errors after which a follower subscribes to the channel again (the store covers the gap).
-_RESUBSCRIBE = (ResourceExhausted, Unavailable, Cancelled)
+#: Errors after which a follower reads its source again, after a pause (the other source,
+#: or the store, covers the gap); any other error of the alias's Watch ends the follower.
+_AGAIN = (ResourceExhausted, Unavailable, Cancelled)
+#: The longest pause between two attempts to read a source.
+MAX_PAUSE_SECONDS = 5.0
+
+log = logging.getLogger("tannery.weights")
+
+
+class _Pauses:
+    """Pauses between attempts that double up to :data:`MAX_PAUSE_SECONDS` (no retry storm from a
+    fleet against a server that is down), back to the first after a success."""
+
+    def __init__(self) -> None:
+        self.next = FIRST_VERSION_POLL_SECONDS
+
+    def take(self) -> float:
+        pause, self.next = self.next, min(self.next * 2, MAX_PAUSE_SECONDS)
+        return pause
+
+    def reset(self) -> None:
+        self.next = FIRST_VERSION_POLL_SECONDS
 
 
 class Follower:
@@ -156,9 +187,11 @@ class Follower:
     travel).
 
     A version that does not fit the target raises ArchiveError from ``next()`` naming the
-    entry, with nothing applied; iterating again goes on with the next version. ``close()``
-    (or the ``with`` block) ends it. The follower reads the alias and the channel on two
-    threads of its own; the versions are applied on the thread that iterates.
+    entry, with nothing applied; iterating again goes on with the next version. A server
+    away for a while is waited for (the alias and the channel are read again, with growing
+    pauses); an error no wait can mend (PermissionDenied, say) is raised from ``next()``.
+    ``close()`` (or the ``with`` block) ends it. The follower reads the alias and the
+    channel on two threads of its own; the versions are applied on the thread that iterates.
     """
 
     def __init__(self, client: Client, name: str, target: Any, *, prefix: str = "", strict: bool = True,
@@ -169,13 +202,17 @@ class Follower:
         self.closed = False
         self._newest = _Newest()
         self._ready = threading.Condition()
-        self._watch: Any = None
-        self._subscription: Any = None
+        self._sources: list[Any] = []  # the watch and the subscription open now
         self._subscribed = threading.Event()
-        threading.Thread(target=self._watching, daemon=True, name=f"tannery-follow-{name}").start()
+        self._stop = threading.Event()  # its pauses end at close()
+        self._threads = [threading.Thread(target=self._watching, daemon=True, name=f"tannery-follow-{name}")]
         if stream:
-            threading.Thread(target=self._streaming, daemon=True, name=f"tannery-stream-{name}").start()
-            self._subscribed.wait(10)  # versions pushed from now on come on the channel too
+            self._threads.append(threading.Thread(target=self._streaming, daemon=True, name=f"tannery-stream-{name}"))
+        else:
+            self._subscribed.set()
+        for thread in self._threads:
+            thread.start()
+        self._subscribed.wait(10)  # versions pushed from now on come on the channel too
 
     @property
     def version(self) -> int | None:
@@ -195,13 +232,19 @@ class Follower:
                 if self.closed:
                     raise StopIteration
                 archive, streamed = self._newest.take()
-            if streamed is not None:
-                applied = apply_streamed(self.following, streamed)
-            else:
-                try:
+            try:
+                if streamed is not None:
+                    applied = apply_streamed(self.following, streamed)
+                else:
                     applied = _run(apply_steps(self.client, self.following, archive))
-                except NotFound:
-                    continue  # deleted (kept versions pruned) while fetched: a newer one is coming
+            except NotFound:
+                continue  # deleted (kept versions pruned) while fetched: a newer one is coming
+            except ArchiveError:
+                raise  # refused: not tried again
+            except BaseException:
+                with self._ready:
+                    self._newest.restore(archive, streamed)  # not lost: the next call tries it again
+                raise
             if applied is not None:
                 return applied
 
@@ -211,45 +254,82 @@ class Follower:
                 setattr(self._newest, key, value)
             self._ready.notify_all()
 
+    def _opened(self, source: Any) -> bool:
+        """Keep ``source`` to close it; False (and closed) when the follower closed meanwhile."""
+        with self._ready:
+            if not self.closed:
+                self._sources.append(source)
+                return True
+        source.close()
+        return False
+
+    def _done(self, source: Any) -> None:
+        with self._ready:
+            if source in self._sources:
+                self._sources.remove(source)
+        source.close()
+
     def _watching(self) -> None:
+        pauses = _Pauses()
         while not self.closed:
             try:
-                self._watch = self.client.watch(self.following.name)
-                for alias in self._watch:
-                    self._offer(moved=alias.archive)
+                watch = self.client.watch(self.following.name)
+                if not self._opened(watch):
+                    return
+                try:
+                    for alias in watch:
+                        pauses.reset()
+                        self._offer(moved=alias.archive)
+                finally:
+                    self._done(watch)
             except NotFound:  # nothing pushed yet (or the alias removed): look again soon
-                time.sleep(FIRST_VERSION_POLL_SECONDS)
-            except Exception as error:  # the server stayed away longer than the client retries
+                self._stop.wait(FIRST_VERSION_POLL_SECONDS)
+            except _AGAIN:  # the server is away (longer than the client's retries): wait for it
+                self._stop.wait(pauses.take())
+            except Exception as error:  # no wait mends it (a token refused): next() raises it
                 if not self.closed:
                     self._offer(failure=error)
                 return
 
     def _streaming(self) -> None:
+        pauses = _Pauses()
         while not self.closed:
             assembler = Assembler(self.following.name)
             try:
-                self._subscription = self.client.subscribe(self.following.name)
+                subscription = self.client.subscribe(self.following.name)
+                if not self._opened(subscription):
+                    return
                 self._subscribed.set()
-                for tensor in self._subscription:
-                    streamed = assembler.add(tensor)
-                    self._offer(streaming=assembler.pending, progress=time.monotonic(),
-                                **({"streamed": streamed} if streamed is not None else {}))
-            except _RESUBSCRIBE:  # dropped for falling behind, or the server went: the store covers the gap
+                pauses.reset()
+                try:
+                    for tensor in subscription:
+                        streamed = assembler.add(tensor)
+                        self._offer(streaming=assembler.pending, progress=time.monotonic(),
+                                    **({"streamed": streamed} if streamed is not None else {}))
+                finally:
+                    self._done(subscription)
+            except _AGAIN:  # dropped for falling behind, or the server went: the store covers the gap
                 self._offer(streaming=None)
-                time.sleep(FIRST_VERSION_POLL_SECONDS)
-            except Exception:  # no channels here (or not allowed): versions come from the store alone
+                self._subscribed.set()
+                self._stop.wait(pauses.take())
+            except Exception as error:  # no channels here (or not allowed): versions come from the store
+                log.warning("%s: versions come from the store alone, not the channel: %s", self.following.where, error)
                 self._offer(streaming=None)
                 self._subscribed.set()
                 return
 
     def close(self) -> None:
-        """Stop following: iterating ends."""
-        self.closed = True
-        for source in (self._watch, self._subscription):
-            if source is not None:
-                source.close()
+        """Stop following: iterating ends, the watch and the subscription are closed."""
+        self._stop.set()
         with self._ready:
+            self.closed = True
+            sources, self._sources = self._sources, []
             self._ready.notify_all()
+        for source in sources:
+            source.close()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(5)
 
     def __enter__(self) -> Follower:
         return self
@@ -260,7 +340,8 @@ class Follower:
 
 class AsyncFollower:
     """:class:`Follower` for ``tannery.aio.Client``: ``async for applied in follower`` (the alias
-    and the channel are read by two tasks, started at the first step)."""
+    and the channel are read by two tasks, started at the first step; a version is copied in on
+    a worker thread, so the event loop goes on meanwhile)."""
 
     def __init__(self, client: AsyncClient, name: str, target: Any, *, prefix: str = "", strict: bool = True,
                  rows: Rows | None = None, stream: bool = True) -> None:
@@ -283,14 +364,18 @@ class AsyncFollower:
 
     async def start(self) -> None:
         """Start reading the alias and the channel (the first step does it): returns once the
-        subscription is registered, so versions pushed from then on come on the channel too."""
+        subscription is registered (or 10 s have passed), so versions pushed from then on come
+        on the channel too."""
         if self._tasks:
             return
+        subscribed = asyncio.Event()
         self._tasks.append(asyncio.create_task(self._watching()))
         if self._stream:
-            subscribed = asyncio.Event()
             self._tasks.append(asyncio.create_task(self._streaming(subscribed)))
-            await subscribed.wait()
+            try:
+                await asyncio.wait_for(subscribed.wait(), 10)
+            except asyncio.TimeoutError:
+                pass
 
     async def __anext__(self) -> Applied:
         from .aio import _run
@@ -306,13 +391,18 @@ class AsyncFollower:
             if self.closed:
                 raise StopAsyncIteration
             archive, streamed = self._newest.take()
-            if streamed is not None:
-                applied = apply_streamed(self.following, streamed)
-            else:
-                try:
+            try:
+                if streamed is not None:
+                    applied = await asyncio.to_thread(apply_streamed, self.following, streamed)
+                else:
                     applied = await _run(apply_steps(self.client, self.following, archive))
-                except NotFound:
-                    continue
+            except NotFound:
+                continue
+            except ArchiveError:
+                raise
+            except BaseException:  # cancelled too: the version is not lost
+                self._newest.restore(archive, streamed)
+                raise
             if applied is not None:
                 return applied
 
@@ -322,40 +412,53 @@ class AsyncFollower:
         self._ready.set()
 
     async def _watching(self) -> None:
+        pauses = _Pauses()
         while not self.closed:
             watch = self.client.watch(self.following.name)
             self._sources.append(watch)
             try:
                 async for alias in watch:
+                    pauses.reset()
                     self._offer(moved=alias.archive)
             except NotFound:
                 await asyncio.sleep(FIRST_VERSION_POLL_SECONDS)
+            except _AGAIN:
+                await asyncio.sleep(pauses.take())
             except Exception as error:
                 if not self.closed:
                     self._offer(failure=error)
                 return
             finally:
-                await watch.aclose()
                 self._sources.remove(watch)
+                await watch.aclose()
 
     async def _streaming(self, subscribed: asyncio.Event) -> None:
+        pauses = _Pauses()
         while not self.closed:
             assembler = Assembler(self.following.name)
+            subscription = None
             try:
-                async with self.client.subscribe(self.following.name) as subscription:
+                subscription = self.client.subscribe(self.following.name)
+                async with subscription:
                     self._sources.append(subscription)
                     subscribed.set()
+                    pauses.reset()
                     async for tensor in subscription:
                         streamed = assembler.add(tensor)
                         self._offer(streaming=assembler.pending, progress=time.monotonic(),
                                     **({"streamed": streamed} if streamed is not None else {}))
-            except _RESUBSCRIBE:
+            except _AGAIN:
                 self._offer(streaming=None)
-                await asyncio.sleep(FIRST_VERSION_POLL_SECONDS)
-            except Exception:
+                subscribed.set()
+                await asyncio.sleep(pauses.take())
+            except Exception as error:
+                log.warning("%s: versions come from the store alone, not the channel: %s", self.following.where, error)
                 self._offer(streaming=None)
                 subscribed.set()
                 return
+            finally:
+                if subscription in self._sources:
+                    self._sources.remove(subscription)
 
     async def aclose(self) -> None:
         """Stop following: iterating ends."""
