@@ -40,20 +40,17 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from tannery_protocol.errors import ArchiveError, Cancelled, NotFound, ResourceExhausted, Unavailable
-from .weight_stream import Assembler, StreamedVersion
-from .weight_versions import Applied, Following, Pushed, Pushing, apply_steps, apply_streamed, push_steps, version_of
+from tannery_protocol.errors import ArchiveError, NotFound
+from .follow_sources import AGAIN, FIRST_VERSION_POLL_SECONDS, Newest, Pauses
+from .weight_stream import Assembler
+from .weight_versions import Applied, Following, Pushed, Pushing, apply_steps, apply_streamed, push_steps
 
 if TYPE_CHECKING:
     from .aio import Client as AsyncClient
     from .client import Client
     from .state_dict import Rows
 
-#: How long a follower waits before it looks again for weights not pushed yet.
-FIRST_VERSION_POLL_SECONDS = 0.2
-#: How long a follower waits for the channel to go on bringing a version the alias has moved
-#: onto, before it fetches that version from the store instead.
-STREAM_GRACE_SECONDS = 2.0
+log = logging.getLogger("tannery.weights")
 
 
 class Publisher:
@@ -100,79 +97,6 @@ class AsyncPublisher:
         return await _run(push_steps(self.client, self._pushing, state, version))
 
 
-class _Newest:
-    """The newest version a follower has not applied yet, from either source: the archive the
-    alias moved to, and the newest version that came whole on the channel. Older ones are
-    dropped as newer arrive, so a slow follower skips to the newest.
-
-    A version the channel is bringing right now is not fetched from the store as well when the
-    alias moves onto it (that would send it twice): the follower waits for the channel while
-    its payloads keep coming, and goes to the store after :data:`STREAM_GRACE_SECONDS` without one.
-    """
-
-    def __init__(self) -> None:
-        self.moved: str | None = None
-        self.streamed: StreamedVersion | None = None
-        self.failure: BaseException | None = None
-        #: The version the channel is bringing now (None: none), and when its last payload came.
-        self.streaming: int | None = None
-        self.progress = 0.0
-
-    def wait(self, now: float) -> float | None:
-        """How long to wait before :meth:`take` (0: take now; None: until something arrives)."""
-        if self.failure is not None or self.streamed is not None:
-            return 0.0
-        if self.moved is None:
-            return None
-        moved = version_of(self.moved)
-        if self.streaming is None or moved is None or moved > self.streaming:
-            return 0.0
-        return max(0.0, self.progress + STREAM_GRACE_SECONDS - now)  # the channel brings it (or newer)
-
-    def restore(self, archive: str | None, streamed: StreamedVersion | None) -> None:
-        """Offer again what :meth:`take` gave, unless something newer came meanwhile (its apply
-        failed, or was cancelled: the version is not lost)."""
-        if archive is not None and self.moved is None:
-            self.moved = archive
-        if streamed is not None and self.streamed is None:
-            self.streamed = streamed
-
-    def take(self) -> tuple[str | None, StreamedVersion | None]:
-        """The newest candidate: (archive to fetch, None) or (None, version streamed); the failure
-        of a source that gave up is raised."""
-        moved, streamed, failure = self.moved, self.streamed, self.failure
-        self.moved = self.streamed = self.failure = None
-        if failure is not None:
-            raise failure
-        if streamed is not None and (moved is None or streamed.version >= (version_of(moved) or -1)):
-            return None, streamed
-        return moved, None
-
-
-#: Errors after which a follower reads its source again, after a pause (the other source,
-#: or the store, covers the gap); any other error of the alias's Watch ends the follower.
-_AGAIN = (ResourceExhausted, Unavailable, Cancelled)
-#: The longest pause between two attempts to read a source.
-MAX_PAUSE_SECONDS = 5.0
-
-log = logging.getLogger("tannery.weights")
-
-
-class _Pauses:
-    """Pauses between attempts that double up to :data:`MAX_PAUSE_SECONDS` (no retry storm from a
-    fleet against a server that is down), back to the first after a success."""
-
-    def __init__(self) -> None:
-        self.next = FIRST_VERSION_POLL_SECONDS
-
-    def take(self) -> float:
-        pause, self.next = self.next, min(self.next * 2, MAX_PAUSE_SECONDS)
-        return pause
-
-    def reset(self) -> None:
-        self.next = FIRST_VERSION_POLL_SECONDS
-
-
 class Follower:
     """Applies each version of weights ``name`` to ``target`` (the worker's side): an iterator
     of :class:`~tannery.weight_versions.Applied`, one per version once it is in the target.
@@ -200,7 +124,7 @@ class Follower:
         self.following = Following(name, target, prefix, strict, rows)
         self.following.check()
         self.closed = False
-        self._newest = _Newest()
+        self._newest = Newest()
         self._ready = threading.Condition()
         self._sources: list[Any] = []  # the watch and the subscription open now
         self._subscribed = threading.Event()
@@ -270,7 +194,7 @@ class Follower:
         source.close()
 
     def _watching(self) -> None:
-        pauses = _Pauses()
+        pauses = Pauses()
         while not self.closed:
             try:
                 watch = self.client.watch(self.following.name)
@@ -284,7 +208,7 @@ class Follower:
                     self._done(watch)
             except NotFound:  # nothing pushed yet (or the alias removed): look again soon
                 self._stop.wait(FIRST_VERSION_POLL_SECONDS)
-            except _AGAIN:  # the server is away (longer than the client's retries): wait for it
+            except AGAIN:  # the server is away (longer than the client's retries): wait for it
                 self._stop.wait(pauses.take())
             except Exception as error:  # no wait mends it (a token refused): next() raises it
                 if not self.closed:
@@ -292,7 +216,7 @@ class Follower:
                 return
 
     def _streaming(self) -> None:
-        pauses = _Pauses()
+        pauses = Pauses()
         while not self.closed:
             assembler = Assembler(self.following.name)
             try:
@@ -308,7 +232,7 @@ class Follower:
                                     **({"streamed": streamed} if streamed is not None else {}))
                 finally:
                     self._done(subscription)
-            except _AGAIN:  # dropped for falling behind, or the server went: the store covers the gap
+            except AGAIN:  # dropped for falling behind, or the server went: the store covers the gap
                 self._offer(streaming=None)
                 self._subscribed.set()
                 self._stop.wait(pauses.take())
@@ -350,7 +274,7 @@ class AsyncFollower:
         self.following.check()
         self.closed = False
         self._stream = stream
-        self._newest = _Newest()
+        self._newest = Newest()
         self._ready = asyncio.Event()
         self._sources: list[Any] = []
         self._tasks: list[asyncio.Task] = []
@@ -412,7 +336,7 @@ class AsyncFollower:
         self._ready.set()
 
     async def _watching(self) -> None:
-        pauses = _Pauses()
+        pauses = Pauses()
         while not self.closed:
             watch = self.client.watch(self.following.name)
             self._sources.append(watch)
@@ -422,7 +346,7 @@ class AsyncFollower:
                     self._offer(moved=alias.archive)
             except NotFound:
                 await asyncio.sleep(FIRST_VERSION_POLL_SECONDS)
-            except _AGAIN:
+            except AGAIN:
                 await asyncio.sleep(pauses.take())
             except Exception as error:
                 if not self.closed:
@@ -433,7 +357,7 @@ class AsyncFollower:
                 await watch.aclose()
 
     async def _streaming(self, subscribed: asyncio.Event) -> None:
-        pauses = _Pauses()
+        pauses = Pauses()
         while not self.closed:
             assembler = Assembler(self.following.name)
             subscription = None
@@ -447,7 +371,7 @@ class AsyncFollower:
                         streamed = assembler.add(tensor)
                         self._offer(streaming=assembler.pending, progress=time.monotonic(),
                                     **({"streamed": streamed} if streamed is not None else {}))
-            except _AGAIN:
+            except AGAIN:
                 self._offer(streaming=None)
                 subscribed.set()
                 await asyncio.sleep(pauses.take())
