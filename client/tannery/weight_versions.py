@@ -1,6 +1,6 @@
-"""A weight version's steps, written once for both clients: pushed (stored whole, then the
-alias moved onto it) and applied (described, checked against the target, fetched, copied
-in place).
+"""A weight version's steps, written once for both clients: pushed (streamed on the channel,
+stored whole, then the alias moved onto it) and applied (checked against the target, then
+copied in place: from the channel as it came, or described and fetched from the store).
 
 A version ``N`` of weights ``name`` is the archive ``name/vN`` (:func:`version_archive`),
 with its number in its metadata (:data:`VERSION_KEY`); the alias ``name`` points at the
