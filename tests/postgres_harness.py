@@ -105,9 +105,11 @@ class PostgresServer:
         with psycopg.connect(self.url(), autocommit=True, connect_timeout=10) as conn:
             conn.execute(statement)
 
-    def create_database(self, name: str) -> str:
-        """A new empty database; returns its URL."""
-        self._admin(f'CREATE DATABASE "{name}"')
+    def create_database(self, name: str, encoding: str | None = None) -> str:
+        """A new empty database (in ``encoding``, such as "SQL_ASCII", the default of an
+        ``initdb`` without a UTF-8 locale; else the cluster's UTF8); returns its URL."""
+        options = f" ENCODING '{encoding}' TEMPLATE template0 LC_COLLATE 'C' LC_CTYPE 'C'" if encoding else ""
+        self._admin(f'CREATE DATABASE "{name}"{options}')
         return self.url(name)
 
     def drop_database(self, name: str) -> None:

@@ -211,6 +211,26 @@ def test_commit_leased_commits_only_with_live_leases_and_drops_them(catalog):
     assert catalog.collectable(before_replace, now, 10) == []
 
 
+def test_a_database_in_sql_ascii_commits_leased_blobs(postgres_server):
+    """A database in SQL_ASCII, which ``initdb`` makes where no UTF-8 locale is set (a minimal
+    container's PostgreSQL), hands text back as bytes unless the client asks for UTF8: the
+    leased digests then never matched, and every Store of a replica failed with "was collected"."""
+    name = f"test_ascii_{time.time_ns()}"
+    url = postgres_server.create_database(name, encoding="SQL_ASCII")
+    catalog = PostgresCatalog(url)
+    try:
+        with psycopg.connect(url) as conn:  # a plain connection: text comes back as bytes
+            assert conn.execute("SHOW server_encoding").fetchone() == (b"SQL_ASCII",)
+        blob, now = _blob(7), time.time_ns()
+        assert catalog.lease(blob, REPLICA, HOLDER, now + 60 * SECOND) is False
+        record, _ = catalog.commit_leased("ascii", [_entry("w", blob)], False, 1, REPLICA, HOLDER, now)
+        assert record.entries == 1 and catalog.archive("ascii").name == "ascii"
+        assert catalog.referenced_digests() == {blob.digest}
+    finally:
+        catalog.close()
+        postgres_server.drop_database(name)
+
+
 def test_an_archive_deleted_or_replaced_starts_the_grace_period_of_its_blobs(catalog):
     one, two = _blob(1), _blob(2)
     catalog.commit_archive("a", [_entry("w", one)], [one], False, 1)

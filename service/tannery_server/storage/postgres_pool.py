@@ -79,8 +79,10 @@ class PostgresPool:
             reconnect_timeout=max(2.0, timeout),
             check=ConnectionPool.check_connection,
             # TCP keepalives: a PostgreSQL host that vanished (no reset) is noticed in about 20 s.
+            # client_encoding UTF8: text comes back as str whatever the database's encoding (one
+            # in SQL_ASCII, initdb's default without a UTF-8 locale, would give bytes).
             kwargs={"autocommit": True, "connect_timeout": max(1, round(timeout)), "keepalives_idle": 10,
-                    "keepalives_interval": 5, "keepalives_count": 2},
+                    "keepalives_interval": 5, "keepalives_count": 2, "client_encoding": "UTF8"},
         )
         self._pool.open(wait=False)
 
