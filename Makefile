@@ -12,7 +12,7 @@ SERVER_STAMP := $(VENV)/.server-stamp
 STAMP := $(VENV)/.dev-stamp
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: setup serve test test-quick postgresql nats-server chromium bench bench-docs fuzz proto clean
+.PHONY: setup serve test test-quick postgresql nats-server chromium container bench bench-docs fuzz proto clean
 
 setup: $(STAMP)
 
@@ -60,7 +60,7 @@ serve: $(SERVER_STAMP)
 	$(VENV)/bin/tannery serve
 
 # The whole suite (what CI runs: .ci/run).
-test: $(STAMP) postgresql nats-server chromium
+test: $(STAMP) postgresql nats-server chromium container
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The quick run, for between edits: all but the tests marked slow and those of servers outside
@@ -101,6 +101,23 @@ chromium:
 	  $$sudo apt-get update -qq && \
 	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null \
 	  || echo "could not install chromium: the browser tests will skip (and fail under CI)"; \
+	fi
+
+# The image's tests (tests/test_container.py) build docker/Dockerfile and run it and the compose
+# files with podman, on a local base image (Debian's python3): ../shared/tools/container-env.sh
+# installs podman from Debian's packages and builds that image (as root, a few minutes the first
+# time), here when either is absent. Without the script (no ../shared) those tests skip.
+CONTAINER_ENV := ../shared/tools/container-env.sh
+BASE_IMAGE ?= localhost/python-base:bookworm
+container:
+	@if command -v podman >/dev/null 2>&1 && podman image exists $(BASE_IMAGE) 2>/dev/null; then :; \
+	elif [ -f $(CONTAINER_ENV) ]; then \
+	  echo "setting up podman and the base image $(BASE_IMAGE) ($(CONTAINER_ENV); a few minutes)"; \
+	  sudo=; [ "$$(id -u)" -eq 0 ] || sudo=sudo; \
+	  $$sudo env BASE_IMAGE_NAME=$(BASE_IMAGE) bash $(CONTAINER_ENV) \
+	  || echo "could not set up podman: the container tests will skip (and fail under CI)"; \
+	else \
+	  echo "no $(CONTAINER_ENV): the container tests will skip (and fail under CI)"; \
 	fi
 
 # The benchmarks (docs/benchmarks.md): tables and plots go to a new folder bench-results/<UTC time>/

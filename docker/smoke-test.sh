@@ -13,6 +13,12 @@
 # (tannery:smoke, kept afterwards for reuse), PYTHON (the repository's .venv, else python3:
 # it needs the tannery client with torch). Exits non-zero naming the step that failed; the
 # container, its volume and the temporary files are removed in any case.
+#
+# The container runs on a bridge network of its own, on the image's documented ports (gRPC
+# 50051, data 50052, metrics 20051), which are published on free ports of 127.0.0.1: the test
+# may run beside a server on the host's default ports (.ci/run holds them). Its client takes
+# the gRPC streams (the data port the server names is the one inside the container); the data
+# listeners are checked from inside it.
 set -Eeuo pipefail
 
 ENGINE=${CONTAINER_ENGINE:-docker}
@@ -101,18 +107,16 @@ chmod 0644 "$WORK/tokens" && chmod 0755 "$WORK"
 
 step "start the container with a volume and the tokens file"
 GRPC_PORT=$(free_port)
+DATA_PORT=$(free_port)
 METRICS_PORT=$(free_port)
 engine volume create "$VOLUME" >/dev/null
-# The same port inside and out: it works with a bridge network (docker) and with the host's
-# network (podman as configured on these machines).
 start_container() {
-  engine run -d --name "$NAME" \
+  engine run -d --name "$NAME" --network bridge \
     -v "$VOLUME:/data" \
     -v "$WORK/tokens:/run/tannery/tokens:ro" \
     -e TANNERY_TOKENS_FILE=/run/tannery/tokens \
-    -e TANNERY_PORT="$GRPC_PORT" -e TANNERY_METRICS_PORT="$METRICS_PORT" \
     -e TANNERY_LOG_FORMAT=json -e TANNERY_GRACE_SECONDS=20 \
-    -p "127.0.0.1:$GRPC_PORT:$GRPC_PORT" -p "127.0.0.1:$METRICS_PORT:$METRICS_PORT" \
+    -p "127.0.0.1:$GRPC_PORT:50051" -p "127.0.0.1:$DATA_PORT:50052" -p "127.0.0.1:$METRICS_PORT:20051" \
     "$@" "$IMAGE" >/dev/null
 }
 start_container
@@ -120,6 +124,25 @@ start_container
 step "wait until the container is healthy"
 wait_healthy 90
 
+step "the listeners answer on the documented ports, inside the container"
+engine exec -i "$NAME" python3 - <<'EOF'
+import os, socket, urllib.request
+for port in (50051, 50052, 20051):
+    socket.create_connection(("127.0.0.1", port), timeout=5).close()
+assert socket.create_connection(("127.0.0.1", 50052), timeout=5).recv(64), "the data port sent no welcome"
+unix = socket.socket(socket.AF_UNIX)
+unix.settimeout(5)
+unix.connect("/data/tannery.sock")
+assert unix.recv(64), "the same-host socket sent no welcome"
+text = urllib.request.urlopen("http://127.0.0.1:20051/metrics", timeout=5).read().decode()
+assert "tannery_archives" in text, "no tannery metrics on 20051"
+assert os.getuid() == 10001, os.getuid()
+print("    gRPC 50051, data 50052 and /data/tannery.sock, metrics 20051, as uid 10001")
+EOF
+# From the host, through the published ports: the data port's welcome too.
+"$PYTHON" -c 'import socket, sys; s = socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=5); assert s.recv(64)' "$DATA_PORT"
+
+export TANNERY_TRANSPORT=grpc
 export SMOKE_TARGET="127.0.0.1:$GRPC_PORT" SMOKE_METRICS="http://127.0.0.1:$METRICS_PORT/metrics"
 export SMOKE_WRITE_TOKEN=$WRITE_TOKEN SMOKE_READ_TOKEN=$READ_TOKEN SMOKE_DIGESTS=$WORK/digests
 
@@ -186,6 +209,42 @@ for line in ('tannery_calls_total{code="UNAUTHENTICATED",method="List"} 1.0',
 print("    metrics count the refusals; tannery_archives 1.0")
 EOF
 
+step "push a real model with the tannery command and pull it back byte for byte"
+export SMOKE_WORK=$WORK SMOKE_SHARED=$ROOT/../shared/fixtures/tannic-nn
+"$PYTHON" - <<'EOF'
+import hashlib, os, subprocess, sys
+from pathlib import Path
+import torch
+from safetensors.torch import load_file, save_file
+
+work, shared = Path(os.environ["SMOKE_WORK"]), Path(os.environ["SMOKE_SHARED"])
+tannery = [sys.executable, "-m", "tannery.cli", "--target", os.environ["SMOKE_TARGET"]]
+env = {**os.environ, "TANNERY_TOKEN": os.environ["SMOKE_WRITE_TOKEN"]}
+torch.manual_seed(1)
+model = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(256, 4, 1024, batch_first=True), 2)
+save_file({k: v.contiguous() for k, v in model.state_dict().items()}, work / "encoder.safetensors")
+models = [("encoder", work / "encoder.safetensors")]
+if (shared / "MLP.tannic").is_file():  # a real trained MNIST model written by pytannic
+    models.append(("mnist-mlp", shared / "MLP.tannic"))
+for name, path in models:
+    subprocess.run([*tannery, "push", str(path), "--as", name], env=env, check=True, capture_output=True)
+    out = work / f"{name}.pulled.safetensors"
+    subprocess.run([*tannery, "pull", name, "-o", str(out)], env=env, check=True, capture_output=True)
+    if path.suffix == ".safetensors":
+        want, got = load_file(path), load_file(out)
+        assert want.keys() == got.keys(), (sorted(want), sorted(got))
+        for key in want:
+            assert want[key].dtype == got[key].dtype and torch.equal(want[key], got[key]), key
+    else:  # the pair's data file ends with the buffers back to back, in this order
+        got = load_file(out)
+        order = ["input_layer.weight", "input_layer.bias", "output_layer.weight", "output_layer.bias"]
+        raw = b"".join(got[key].numpy().tobytes() for key in order)
+        assert path.read_bytes().endswith(raw) and len(raw) == 1628200, "MLP's buffers differ"
+    print(f"    {name}: {path.name} pushed and pulled back, {len(got)} tensors identical")
+    with open(work / "model-digests", "a") as digests:
+        digests.write(f"{name} {hashlib.sha256(out.read_bytes()).hexdigest()}\n")
+EOF
+
 step "restart the container (SIGTERM, graceful shutdown)"
 engine restart -t 40 "$NAME" >/dev/null
 engine logs "$NAME" 2>&1 | grep -q '"message": "stopped"' \
@@ -208,6 +267,21 @@ with tannery.Client(os.environ["SMOKE_TARGET"], token=os.environ["SMOKE_READ_TOK
     got = {name: hashlib.sha256(serialize(archive.find(name))).hexdigest() for name in archive.names()}
 assert got == expected, (got, expected)
 print(f"    {len(got)} tensors identical after the restart")
+EOF
+
+step "pull the real models again: the same files"
+"$PYTHON" - <<'EOF'
+import hashlib, os, subprocess, sys
+from pathlib import Path
+work = Path(os.environ["SMOKE_WORK"])
+env = {**os.environ, "TANNERY_TOKEN": os.environ["SMOKE_READ_TOKEN"]}
+for line in (work / "model-digests").read_text().splitlines():
+    name, digest = line.split()
+    out = work / f"{name}.again.safetensors"
+    subprocess.run([sys.executable, "-m", "tannery.cli", "--target", os.environ["SMOKE_TARGET"], "pull", name,
+                    "-o", str(out)], env=env, check=True, capture_output=True)
+    assert hashlib.sha256(out.read_bytes()).hexdigest() == digest, f"{name} differs after the restart"
+    print(f"    {name}: the same file after the restart")
 EOF
 
 step "replace the container by one with TLS, on the same volume (as an upgrade would)"
