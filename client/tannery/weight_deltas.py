@@ -1,0 +1,223 @@
+"""Weight deltas: a version sent as its difference from the version before, and checked.
+
+Between two versions of RL post-training most elements do not change (one AdamW step at a
+small learning rate moves 1-3% of bf16 elements). A *delta* names its base (the version and
+push it was taken against) and, for each entry, one of three changes:
+
+- ``same``: the tensor did not change; nothing travels;
+- ``delta``: the elements whose bits changed, as two payloads: their flat indices (int32, or
+  int64 past 2**31 elements) and their new bits (the integer type of the element's width);
+- ``whole``: the tensor as it is, when its changes would cost at least half of it.
+
+Elements are compared by their bits (integer views), so NaNs, -0.0 and every dtype compare
+exactly. Each entry carries the CRC-32C of its new bytes (:func:`digest`): a follower applies
+a delta only onto the exact base it names, and the version counts as applied only when every
+entry's digest matches after applying; otherwise the changes are undone (they are few) and
+the whole version is taken instead. A delta larger than :data:`DELTA_LIMIT` of the whole
+version is not sent: the version goes whole.
+
+Measured on 256 MiB of bf16 with 2.4% of elements changed (docs/weight-sync.md): indices and
+values take 7.2% of the model; finding them takes one compare and one nonzero pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import crc32c
+import numpy as np
+
+from tannery_protocol._lazy import lazy_module
+
+torch = lazy_module("torch")
+
+#: A version whose delta would be at least this fraction of its whole bytes goes whole.
+DELTA_LIMIT = 0.5
+#: Elements sampled per entry to guess, before a full compare, that it changed too much.
+SAMPLE = 4096
+
+
+def digest(tensor: Any) -> int:
+    """The CRC-32C of a tensor's bytes (in C order): what a follower checks after applying."""
+    flat = tensor.detach().reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    if flat.numel() == 0:
+        return 0
+    return crc32c.crc32c(memoryview(flat.view(torch.uint8).numpy()))
+
+
+def bits(tensor: Any) -> Any:
+    """A flat integer view of a contiguous tensor's elements (same memory): what deltas index."""
+    flat = tensor.reshape(-1)
+    width = flat.element_size()
+    if flat.dtype == torch.bool:
+        return flat.view(torch.uint8)
+    if width > 8:  # complex128: two int64 a element
+        return flat.view(torch.int64)
+    return flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width])
+
+
+def index_dtype(numel: int) -> Any:
+    """The dtype of a delta's indices into a tensor of ``numel`` elements."""
+    return torch.int32 if numel < 2**31 else torch.int64
+
+
+def change_cost(changed: int, tensor: Any) -> int:
+    """The bytes a delta of ``changed`` elements of ``tensor`` sends (indices and values)."""
+    view = bits(tensor)
+    return changed * (index_dtype(view.numel()).itemsize + view.element_size())
+
+
+@dataclass
+class Change:
+    """How one entry of a version differs from its base: its kind (``same``, ``delta``,
+    ``whole``), the CRC-32C of its new bytes, and the payloads that carry it."""
+
+    name: str
+    kind: str
+    digest: int
+    payloads: list[Any] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.payloads)
+
+
+def _mostly_changed(old: Any, new: Any, limit: float) -> bool:
+    """Whether a sample of the elements says the entry's delta would pass ``limit`` of it."""
+    step = max(1, old.size // SAMPLE)
+    sample_old, sample_new = old[::step], new[::step]
+    fraction = int(np.count_nonzero(sample_old != sample_new)) / max(1, sample_old.size)
+    per_element = index_dtype(old.size).itemsize + old.itemsize
+    return fraction * per_element >= limit * old.itemsize * 1.25  # well past it: no full compare
+
+
+def diff_entry(name: str, base: Any, new: Any, limit: float = DELTA_LIMIT) -> Change:
+    """The change from ``base`` to ``new`` (same dtype and shape, both contiguous, on the CPU).
+
+    The compare runs on numpy views of the bits: its ``flatnonzero`` is about three times
+    torch's ``nonzero`` (measured on 16 MiB of bf16)."""
+    old_bits, new_bits = bits(base).numpy(), bits(new).numpy()
+    if _mostly_changed(old_bits, new_bits, limit):
+        return Change(name, "whole", digest(new), [new])
+    indices = np.flatnonzero(old_bits != new_bits)
+    if indices.size == 0:
+        return Change(name, "same", digest(new))
+    if change_cost(indices.size, new) >= limit * new.numel() * new.element_size():
+        return Change(name, "whole", digest(new), [new])
+    indices = indices.astype(np.dtype(str(index_dtype(new_bits.size)).removeprefix("torch.")), copy=False)
+    return Change(name, "delta", digest(new), [torch.from_numpy(indices), torch.from_numpy(new_bits[indices])])
+
+
+def diff_version(base: Mapping[str, Any], state: Mapping[str, Any], limit: float = DELTA_LIMIT) -> list[Change] | None:
+    """Each entry's change from ``base`` to ``state``, or None when the version must go whole:
+    other keys, a dtype or shape changed, or the changes would pass ``limit`` of it."""
+    if list(base) != list(state):
+        return None
+    whole = sum(t.numel() * t.element_size() for t in state.values())
+    changes, sent = [], 0
+    for name, tensor in state.items():
+        old = base[name]
+        if old.dtype != tensor.dtype or old.shape != tensor.shape or not tensor.is_contiguous():
+            return None
+        change = diff_entry(name, old, tensor, limit)
+        sent += change.nbytes
+        if sent >= limit * whole:
+            return None
+        changes.append(change)
+    return changes
+
+
+class Base:
+    """What a publisher diffs the next version against: a copy of the version it streamed last
+    (its own memory: the trainer goes on changing its tensors), with that version's id."""
+
+    def __init__(self) -> None:
+        self.version: int | None = None
+        self.push = ""
+        self.tensors: dict[str, Any] = {}
+
+    def changes(self, state: Mapping[str, Any], limit: float = DELTA_LIMIT) -> list[Change] | None:
+        """The version ``state`` as changes from this base (None: send it whole)."""
+        if self.version is None:
+            return None
+        return diff_version(self.tensors, state, limit)
+
+    def take(self, version: int, push: str, state: Mapping[str, Any], changes: list[Change] | None) -> None:
+        """Become version ``version`` of push ``push``: the changes applied, or a copy of ``state``."""
+        with torch.no_grad():
+            if changes is None:
+                same = list(self.tensors) == list(state) and all(
+                    self.tensors[k].dtype == t.dtype and self.tensors[k].shape == t.shape for k, t in state.items())
+                if same:
+                    for key, tensor in state.items():
+                        self.tensors[key].copy_(tensor)
+                else:
+                    self.tensors = {key: tensor.detach().clone(memory_format=torch.contiguous_format)
+                                    for key, tensor in state.items()}
+            else:
+                for change in changes:
+                    target = self.tensors[change.name]
+                    if change.kind == "delta":
+                        bits(target).numpy()[change.payloads[0].numpy()] = change.payloads[1].numpy()
+                    elif change.kind == "whole":
+                        target.copy_(change.payloads[0])
+        self.version, self.push = version, push
+
+    def forget(self) -> None:
+        """No base any more: the next version goes whole."""
+        self.version, self.push, self.tensors = None, "", {}
+
+
+@dataclass
+class Undo:
+    """The elements a delta overwrote in one tensor, to put back if the version fails its check."""
+
+    target: Any
+    indices: Any
+    old: Any
+
+    def __call__(self) -> None:
+        view = bits(self.target)
+        if isinstance(self.indices, slice):
+            view[self.indices] = self.old
+        else:
+            view.numpy()[self.indices] = self.old
+
+
+def apply_change(target: Any, change: Change) -> Undo | None:
+    """Apply one entry's change to ``target`` (its base, contiguous, in place); what undoes it."""
+    if change.kind == "same":
+        return None
+    view = bits(target)
+    if change.kind == "whole":
+        old = view.clone()
+        target.copy_(change.payloads[0].reshape(target.shape))
+        return Undo(target, slice(None), old)
+    indices, values = (p.numpy() for p in change.payloads)
+    view = view.numpy()
+    undo = Undo(target, indices, view[indices])
+    view[indices] = values
+    return undo
+
+
+def apply_changes(targets: Mapping[str, Any], changes: list[Change]) -> list[str]:
+    """Apply every change to ``targets`` (entry name -> the base tensor, in place) and check every
+    digest: the entries whose digest failed (then every change is undone), [] when all hold."""
+    undos: list[Undo] = []
+    with torch.no_grad():
+        for change in changes:
+            if (undo := apply_change(targets[change.name], change)) is not None:
+                undos.append(undo)
+        failed = [c.name for c in changes if digest(targets[c.name]) != c.digest]
+        if failed:
+            for undo in reversed(undos):
+                undo()
+    return failed
+
+
+__all__ = ["Base", "Change", "DELTA_LIMIT", "Undo", "apply_change", "apply_changes", "bits", "change_cost",
+           "diff_entry", "diff_version", "digest", "index_dtype"]
