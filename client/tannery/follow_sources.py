@@ -54,15 +54,16 @@ class Newest:
             self.streamed = streamed
 
     def take(self) -> tuple[str | None, StreamedVersion | None]:
-        """The newest candidate: (archive to fetch, None) or (None, version streamed); the failure
-        of a source that gave up is raised."""
+        """The newest candidate: (archive to fetch, None) or (archive or None, version streamed):
+        a streamed version comes with the archive the alias moved to, to fetch instead when it
+        is a delta the follower cannot apply. The failure of a source that gave up is raised."""
         moved, streamed, failure = self.moved, self.streamed, self.failure
         self.moved = self.streamed = self.failure = None
         if failure is not None:
             raise failure
         number = None if moved is None else version_of(moved)
         if streamed is not None and (number is None or streamed.version >= number):
-            return None, streamed
+            return moved, streamed
         return moved, None
 
 

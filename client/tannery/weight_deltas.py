@@ -49,15 +49,21 @@ def digest(tensor: Any) -> int:
     return crc32c.crc32c(memoryview(flat.view(torch.uint8).numpy()))
 
 
+def bits_layout(dtype: Any, numel: int) -> tuple[Any, int]:
+    """The integer dtype a delta of a ``dtype`` tensor of ``numel`` elements indexes, and how many
+    of those there are (complex128 is two int64 an element; bool is uint8)."""
+    width = torch.empty(0, dtype=dtype).element_size()
+    if dtype == torch.bool:
+        return torch.uint8, numel
+    if width > 8:
+        return torch.int64, numel * width // 8
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width], numel
+
+
 def bits(tensor: Any) -> Any:
     """A flat integer view of a contiguous tensor's elements (same memory): what deltas index."""
     flat = tensor.reshape(-1)
-    width = flat.element_size()
-    if flat.dtype == torch.bool:
-        return flat.view(torch.uint8)
-    if width > 8:  # complex128: two int64 a element
-        return flat.view(torch.int64)
-    return flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width])
+    return flat.view(bits_layout(flat.dtype, flat.numel())[0])
 
 
 def index_dtype(numel: int) -> Any:
@@ -220,4 +226,4 @@ def apply_changes(targets: Mapping[str, Any], changes: list[Change]) -> list[str
 
 
 __all__ = ["Base", "Change", "DELTA_LIMIT", "Undo", "apply_change", "apply_changes", "bits", "change_cost",
-           "diff_entry", "diff_version", "digest", "index_dtype"]
+           "bits_layout", "diff_entry", "diff_version", "digest", "index_dtype"]

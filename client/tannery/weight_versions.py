@@ -10,10 +10,11 @@ them blocking or awaiting, as the clients run their calls.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tannery_protocol.errors import AliasError, ArchiveError, NotFound, ResourceExhausted, Unavailable
@@ -21,13 +22,15 @@ from .records import ArchiveDescription, ArchiveInfo
 from .retention import plan_prune
 from tannery_protocol._lazy import lazy_module
 from .state_dict import Rows, TargetPlan, plan_targets, target_tensors
-from .weight_stream import StreamedVersion, version_payloads
+from .weight_deltas import Base, apply_changes
+from .weight_stream import StreamedVersion, delta_payloads, version_payloads
 from .waits import Steps
 
 if TYPE_CHECKING:
     from .calls import CallCore
 
 torch = lazy_module("torch")
+log = logging.getLogger("tannery.weights")
 
 #: The metadata key that holds a version's number.
 VERSION_KEY = "tannery.weights.version"
@@ -87,6 +90,10 @@ class Pushed:
     pruned: tuple[str, ...] = ()
     #: Whether it went to the running followers on the channel too (not only through the store).
     streamed: bool = False
+    #: Whether it went on the channel as a delta from the version before, and the tensor bytes
+    #: the channel carried for it (0 when it was not streamed).
+    delta: bool = False
+    streamed_bytes: int = 0
 
     @property
     def archive(self) -> str:
@@ -107,19 +114,33 @@ class Applied:
     previous: int | None = None
     #: Where it came from: "channel" (streamed by the publisher) or "store" (fetched).
     via: str = "store"
+    #: Whether it came as a delta onto the version before (applied, then every digest checked).
+    delta: bool = False
+
+
+class FromStore:
+    """What :func:`apply_streamed` answers for a delta it cannot apply (this follower lacks its
+    base, holds only some rows, or a digest failed and the changes were undone): the version
+    is to be fetched whole from the store."""
+
+
+FROM_STORE = FromStore()
 
 
 class Pushing:
     """What a publisher holds between pushes: the weights' name, what to keep, whether to
-    stream, and the alias's target as it left it (None: not asked yet; "": nothing pushed)."""
+    stream (and deltas), the alias's target as it left it (None: not asked yet; "": nothing
+    pushed), and the version it streamed last, to send the next as a delta from it."""
 
-    def __init__(self, name: str, keep: bool | int, stream: bool) -> None:
+    def __init__(self, name: str, keep: bool | int, stream: bool, delta: bool = True) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"Publisher: the weights' name is a non-empty str, not {name!r}")
         self.name = name
         self.where = f"Publisher of {name!r}"
         self.keep = keep_last(keep, self.where)
         self.stream = stream
+        self.delta = delta and stream
+        self.base = Base()
         self.current: str | None = None
         self.version: int | None = None
         self.busy = False
@@ -156,13 +177,18 @@ def _push(core: CallCore, pushing: Pushing, state: Any, version: int) -> Steps[P
     started = time.perf_counter()
     name, current, push = pushing.name, pushing.current or "", uuid.uuid4().hex[:16]
     tensors = target_tensors(state, pushing.where)
-    streamed = None
+    streamed, changes = None, None
     if pushing.stream:
         yield from _check_alias(core, name, current)  # before any follower sees a byte of it
+        changes = pushing.base.changes(tensors) if pushing.delta else None
+        payloads = (version_payloads(version, push, tensors) if changes is None else
+                    delta_payloads(version, push, (pushing.base.version, pushing.base.push), tensors, changes))
         try:
-            streamed = yield from core._publish(name, version_payloads(version, push, tensors), None)
+            streamed = yield from core._publish(name, payloads, None)
         except (Unavailable, ResourceExhausted):
             pass  # the channel cannot carry it now: the followers take it from the store, a moment later
+        if streamed is not None and pushing.delta:
+            pushing.base.take(version, push, tensors, changes)  # what the running followers hold now
     metadata = {VERSION_KEY: str(version), WEIGHTS_KEY: name, PUSH_KEY: push}
     info = yield from core._store(version_archive(name, version), tensors, "", False, None, metadata, False, False)
     try:
@@ -176,7 +202,10 @@ def _push(core: CallCore, pushing: Pushing, state: Any, version: int) -> Steps[P
         raise
     pushing.current, pushing.version = info.name, version
     pruned = (yield from _prune_versions(core, name, pushing.keep)) if pushing.keep is not None else ()
-    return Pushed(name, version, info, time.perf_counter() - started, pruned, streamed is not None)
+    sent = 0 if streamed is None else (sum(c.nbytes for c in changes) if changes is not None
+                                       else sum(t.numel() * t.element_size() for t in tensors.values()))
+    return Pushed(name, version, info, time.perf_counter() - started, pruned, streamed is not None,
+                  changes is not None and streamed is not None, sent)
 
 
 def _prune_versions(core: CallCore, name: str, keep: int) -> Steps[tuple[str, ...]]:
@@ -221,6 +250,11 @@ class Following:
     push: str = ""
     #: The (version, push) refused last: not tried again from the other source.
     refused: tuple[int, str] | None = None
+    #: Whether the target holds exactly the bits of (version, push), so a delta onto it may be
+    #: applied (not when it holds only some rows); and, by entry, a copy in the publisher's
+    #: dtype of each tensor the target holds cast (a delta applies to that, then is cast in).
+    exact: bool = False
+    mirrors: dict[str, Any] = field(default_factory=dict)
 
     def wants(self, version: int, push: str) -> bool:
         """Whether to apply ``version`` of push ``push``: newer than the one applied, or the same
@@ -256,18 +290,57 @@ def apply_steps(core: CallCore, following: Following, archive: str) -> Steps[App
     plan = _plan(following, description, version, push)
     tensors = (yield from core._transferred(description.name, plan.asks, None)) if plan.asks else []
     plan.apply(tensors)  # every byte is here and checked: the version goes in whole
+    _keep_base(following, plan, dict(zip((slot.entry for slot in plan.slots), tensors)))
     return _applied(following, version, push, description.name, plan, started)
 
 
-def apply_streamed(following: Following, streamed: StreamedVersion) -> Applied | None:
-    """Apply a version that came whole on the channel (as :func:`apply_steps` does one stored)."""
+def apply_streamed(following: Following, streamed: StreamedVersion) -> Applied | FromStore | None:
+    """Apply a version that came whole on the channel (as :func:`apply_steps` does one stored),
+    or a delta onto the version the target holds: FROM_STORE when it cannot be (another base,
+    only some rows here, a digest that failed after applying: then nothing of it stays)."""
     started = time.perf_counter()
     if not following.wants(streamed.version, streamed.push):
         return None
     plan = _plan(following, streamed.description(), streamed.version, streamed.push)
-    plan.apply_whole(streamed.tensors)
-    return _applied(following, streamed.version, streamed.push, version_archive(following.name, streamed.version),
-                    plan, started, "channel")
+    archive = version_archive(following.name, streamed.version)
+    if streamed.changes is None:
+        plan.apply_whole(streamed.tensors)
+        _keep_base(following, plan, streamed.tensors)
+        return _applied(following, streamed.version, streamed.push, archive, plan, started, "channel")
+    if not following.exact or streamed.base != (following.version, following.push):
+        return FROM_STORE
+    dtypes = {name: getattr(torch, dtype) for name, (dtype, _) in (streamed.shapes or {}).items()}
+    targets = {}
+    for slot in plan.slots:
+        own = slot.tensor.dtype == dtypes[slot.entry] and slot.tensor.is_contiguous()
+        targets[slot.entry] = slot.tensor if own else following.mirrors.get(slot.entry)
+        if targets[slot.entry] is None:
+            return FROM_STORE
+    changes = [change for change in streamed.changes if change.name in targets]
+    failed = apply_changes(targets, changes)
+    if failed:
+        log.warning("%s: version %d came as a delta whose result fails its digest (%s): undone, the version is "
+                    "taken whole from the store", following.where, streamed.version, ", ".join(failed[:5]))
+        return FROM_STORE
+    with torch.no_grad():
+        for slot in plan.slots:
+            if slot.entry in following.mirrors:
+                slot.tensor.copy_(following.mirrors[slot.entry])
+    return _applied(following, streamed.version, streamed.push, archive, plan, started, "channel", True)
+
+
+def _keep_base(following: Following, plan: TargetPlan, tensors: dict[str, Any]) -> None:
+    """After a whole version: whether the next delta can apply onto the target, and a copy in
+    the publisher's dtype of each tensor the target holds cast (the target's own bits are not
+    the publisher's: a delta could not be checked against them)."""
+    following.mirrors = {}
+    following.exact = all(slot.rows is None for slot in plan.slots)
+    if not following.exact:
+        return
+    for slot in plan.slots:
+        received = tensors[slot.entry]
+        if slot.tensor.dtype != received.dtype or not slot.tensor.is_contiguous():
+            following.mirrors[slot.entry] = received.detach().clone(memory_format=torch.contiguous_format)
 
 
 def _plan(following: Following, description: ArchiveDescription, version: int, push: str) -> TargetPlan:
@@ -282,11 +355,11 @@ def _plan(following: Following, description: ArchiveDescription, version: int, p
 
 
 def _applied(following: Following, version: int, push: str, archive: str, plan: TargetPlan, started: float,
-             via: str = "store") -> Applied:
+             via: str = "store", delta: bool = False) -> Applied:
     previous, following.version, following.push = following.version, version, push
     return Applied(following.name, version, archive, len(plan.slots), plan.nbytes, time.perf_counter() - started,
-                   previous, via)
+                   previous, via, delta)
 
 
-__all__ = ["Applied", "Following", "Pushed", "VERSION_KEY", "WEIGHTS_KEY", "PUSH_KEY", "Pushing", "apply_steps", "apply_streamed", "check_version",
+__all__ = ["Applied", "FROM_STORE", "FromStore", "Following", "Pushed", "VERSION_KEY", "WEIGHTS_KEY", "PUSH_KEY", "Pushing", "apply_steps", "apply_streamed", "check_version",
            "keep_last", "push_steps", "version_archive", "version_of"]

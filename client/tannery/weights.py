@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from tannery_protocol.errors import ArchiveError, NotFound
 from .follow_sources import AGAIN, FIRST_VERSION_POLL_SECONDS, Newest, Pauses
 from .weight_stream import Assembler
-from .weight_versions import Applied, Following, Pushed, Pushing, apply_steps, apply_streamed, push_steps
+from .weight_versions import FROM_STORE, Applied, Following, Pushed, Pushing, apply_steps, apply_streamed, push_steps
 
 if TYPE_CHECKING:
     from .aio import Client as AsyncClient
@@ -60,13 +60,18 @@ class Publisher:
     that many; False keeps only the newest (a late joiner still starts from it). ``stream``
     (the default) sends each version to the followers running now on the channel ``name``
     before storing it; ``stream=False`` only stores it (followers take it from the store,
-    after the commit: see docs/weight-sync.md). Versions only go up. One publisher per name:
-    a push that finds the alias moved by another raises AliasError naming where it points.
+    after the commit: see docs/weight-sync.md). ``delta`` (the default) streams a version as
+    its changes from the version streamed before, when they are less than half of it (a copy
+    of that version is kept to diff against: as much memory as the weights); followers that
+    hold that version apply the changes and check every tensor's digest, the others take the
+    version whole from the store. Versions only go up. One publisher per name: a push that
+    finds the alias moved by another raises AliasError naming where it points.
     """
 
-    def __init__(self, client: Client, name: str, *, keep: bool | int = True, stream: bool = True) -> None:
+    def __init__(self, client: Client, name: str, *, keep: bool | int = True, stream: bool = True,
+                 delta: bool = True) -> None:
         self.client = client
-        self._pushing = Pushing(name, keep, stream)
+        self._pushing = Pushing(name, keep, stream, delta)
 
     @property
     def version(self) -> int | None:
@@ -87,9 +92,10 @@ class Publisher:
 class AsyncPublisher:
     """:class:`Publisher` for ``tannery.aio.Client``: ``await publisher.push(state, version)``."""
 
-    def __init__(self, client: AsyncClient, name: str, *, keep: bool | int = True, stream: bool = True) -> None:
+    def __init__(self, client: AsyncClient, name: str, *, keep: bool | int = True, stream: bool = True,
+                 delta: bool = True) -> None:
         self.client = client
-        self._pushing = Pushing(name, keep, stream)
+        self._pushing = Pushing(name, keep, stream, delta)
 
     async def push(self, state: Any, version: int) -> Pushed:
         from .aio import _run
@@ -157,10 +163,9 @@ class Follower:
                     raise StopIteration
                 archive, streamed = self._newest.take()
             try:
-                if streamed is not None:
-                    applied = apply_streamed(self.following, streamed)
-                else:
-                    applied = _run(apply_steps(self.client, self.following, archive))
+                applied = apply_streamed(self.following, streamed) if streamed is not None else FROM_STORE
+                if applied is FROM_STORE:  # not streamed, or a delta this follower cannot apply
+                    applied = _run(apply_steps(self.client, self.following, archive)) if archive else None
             except NotFound:
                 continue  # deleted (kept versions pruned) while fetched: a newer one is coming
             except ArchiveError:
@@ -316,10 +321,10 @@ class AsyncFollower:
                 raise StopAsyncIteration
             archive, streamed = self._newest.take()
             try:
-                if streamed is not None:
-                    applied = await asyncio.to_thread(apply_streamed, self.following, streamed)
-                else:
-                    applied = await _run(apply_steps(self.client, self.following, archive))
+                applied = (await asyncio.to_thread(apply_streamed, self.following, streamed)
+                           if streamed is not None else FROM_STORE)
+                if applied is FROM_STORE:  # not streamed, or a delta this follower cannot apply
+                    applied = await _run(apply_steps(self.client, self.following, archive)) if archive else None
             except NotFound:
                 continue
             except ArchiveError:
