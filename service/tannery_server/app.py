@@ -223,6 +223,7 @@ async def start(config: Config) -> RunningServer:
             channels_servicer.fabric.alias_moved = archives_servicer.watches.poke
             if metrics is not None:
                 metrics.watch_hub(channels_servicer.hub)
+                channels_servicer.hub.traffic = metrics.observe_traffic
                 metrics.watch_fabric(channels_servicer.fabric)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -5,6 +5,11 @@ Each server has its own registry (so servers in one process do not mix their num
 - ``tannery_calls_total{method, code}``, ``tannery_received_bytes_total{method}``,
   ``tannery_sent_bytes_total{method}`` and ``tannery_call_duration_seconds{method}``,
   counted once per call by :meth:`ServerMetrics.observe_call`, an observer of the call log;
+- ``tannery_channel_payloads_total{direction, transport}`` and
+  ``tannery_channel_payload_bytes_total{direction, transport}``: each whole channel payload as it
+  moves (in: received from a publisher here, by its transport ``grpc``, ``tcp`` or ``local``,
+  or from another replica, ``nats``; out: handed to a subscriber here, once per subscriber, by
+  the subscriber's transport), told by the hub (:meth:`ServerMetrics.observe_traffic`);
 - ``tannery_archives``, ``tannery_archive_bytes``, ``tannery_blobs`` and
   ``tannery_stored_bytes``, read from the catalog at each scrape (one small query, on a
   thread of its own so the scrape never waits for the event loop);
@@ -38,6 +43,9 @@ DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
                     120.0, 300.0, 600.0)
 #: Seconds a scrape waits for the catalog's totals before leaving them out.
 CATALOG_TIMEOUT = 5.0
+#: The (direction, transport) pairs of the channel traffic counters, all shown from the start.
+CHANNEL_TRAFFIC = (("in", "grpc"), ("in", "tcp"), ("in", "local"), ("in", "nats"),
+                   ("out", "grpc"), ("out", "tcp"), ("out", "local"))
 
 
 class _CatalogCollector:
@@ -129,6 +137,23 @@ class ServerMetrics:
                                  "same-host socket, local, or the direct data connection, tcp), by method and "
                                  "transport; what gRPC messages carry is in the received and sent bytes.",
                                  ["method", "transport"], registry=self.registry)
+        self.channel_payloads = Counter(
+            "tannery_channel_payloads", "Whole channel payloads as they move, by direction and transport: in, each "
+            "payload once its last byte has arrived from a publisher on this server (transport grpc, tcp or local: "
+            "the publisher's) or once it came whole from another replica through NATS (nats, the same payloads as "
+            "tannery_nats_payloads_total{direction=\"in\"}); out, each payload once per subscriber on this server, "
+            "when its last piece is handed to that subscriber's transport (grpc, tcp, or local: passed as a memory "
+            "file). Payloads cut off before their end are not counted; payloads sent to other replicas are "
+            "tannery_nats_payloads_total{direction=\"out\"}.",
+            ["direction", "transport"], registry=self.registry)
+        self.channel_bytes = Counter(
+            "tannery_channel_payload_bytes", "Bytes of those payloads (each one's whole size, header and tensor "
+            "bytes, counted when it is counted in tannery_channel_payloads_total; local: the size of the memory "
+            "file passed, though no payload byte crosses the socket).",
+            ["direction", "transport"], registry=self.registry)
+        for direction, transport in CHANNEL_TRAFFIC:
+            self.channel_payloads.labels(direction, transport)
+            self.channel_bytes.labels(direction, transport)
         self.duration = Histogram("tannery_call_duration_seconds", "Call durations, by method.", ["method"],
                                   buckets=DURATION_BUCKETS, registry=self.registry)
         self._catalog: _CatalogCollector | None = None
@@ -145,6 +170,11 @@ class ServerMetrics:
         if transport is not None:
             self.data_path.labels(record.method, transport).inc(record.fields.get("data_bytes", 0))
         self.duration.labels(record.method).observe(duration)
+
+    def observe_traffic(self, direction: str, transport: str, nbytes: int) -> None:
+        """Count one whole channel payload moving (a :data:`~tannery_server.hub.Traffic`)."""
+        self.channel_payloads.labels(direction, transport).inc()
+        self.channel_bytes.labels(direction, transport).inc(nbytes)
 
     def watch_storage(self, storage: Storage) -> None:
         self._catalog = _CatalogCollector(storage)
