@@ -4,6 +4,7 @@
 payload as it moves: in from a publisher (by its transport) or from another replica (nats),
 out to each subscriber (by the subscriber's transport: gRPC, the TCP data port, or the
 same-host path, where a memory file's size is counted though no byte crosses the socket).
+A Subscribe's received and sent bytes show before it ends.
 """
 
 from __future__ import annotations
@@ -84,10 +85,19 @@ def test_channel_payloads_are_counted_in_and_out_on_every_transport_while_subscr
         open_samples = scrape(port)
         assert traffic(open_samples) == expected
 
-        stack.close()
+        # The Subscribe calls are still running; the gRPC ones' messages are in the sent bytes already.
+        open_sent = value(open_samples, "tannery_sent_bytes_total", method="Subscribe")
+        assert open_sent is not None and open_sent >= K * total
+        assert value(open_samples, "tannery_received_bytes_total", method="Subscribe") > 0
+        assert value(open_samples, "tannery_calls_total", method="Subscribe", code="CANCELLED") is None
+
+        stack.close()  # the subscriptions end: their bytes are not counted twice
         assert wait_for(lambda: value(scrape(port), "tannery_calls_total", method="Subscribe",
                                       code="CANCELLED") == len(subscriptions))
         closed = scrape(port)
+        assert value(closed, "tannery_sent_bytes_total", method="Subscribe") == open_sent
+        assert value(closed, "tannery_received_bytes_total", method="Subscribe") == value(
+            open_samples, "tannery_received_bytes_total", method="Subscribe")
         assert traffic(closed) == expected
 
 
@@ -138,3 +148,26 @@ def test_payloads_from_another_replica_are_counted_in_as_nats_and_out_by_transpo
         assert (traffic(samples_a), traffic(samples_b)) == (on_a, on_b)
         assert value(samples_b, "tannery_nats_bytes_total", direction="in") == total
         assert value(samples_a, "tannery_nats_bytes_total", direction="out") == total
+
+
+def test_a_publish_still_running_shows_its_received_bytes(tmp_path):
+    import queue
+
+    from tannery_protocol.v1 import channels_pb2, channels_pb2_grpc
+
+    payload = serialize(torch.arange(4096, dtype=torch.int64))
+    with running_server(tmp_path) as server:
+        port = server.metrics_port
+        stub = channels_pb2_grpc.ChannelsStub(server.channel())
+        outbox: queue.Queue = queue.Queue()
+        call = stub.Publish.future(iter(outbox.get, None), timeout=60)
+        outbox.put(channels_pb2.PublishRequest(channel="long", chunk=payload))
+        outbox.put(channels_pb2.PublishRequest(chunk=payload))
+        assert wait_for(lambda: traffic(scrape(port))["in", "grpc"] == (2, 2 * len(payload)))
+        running = value(scrape(port), "tannery_received_bytes_total", method="Publish")
+        assert running is not None and running >= 2 * len(payload)
+        assert value(scrape(port), "tannery_calls_total", method="Publish", code="OK") is None
+        outbox.put(None)
+        assert call.result().payloads == 2
+        assert wait_for(lambda: value(scrape(port), "tannery_calls_total", method="Publish", code="OK") == 1)
+        assert value(scrape(port), "tannery_received_bytes_total", method="Publish") == running
