@@ -194,7 +194,7 @@ async def start(config: Config) -> RunningServer:
     metrics_port = None
     try:
         metrics = None
-        observers = []
+        observers, starters = [], []
         if config.serves_metrics or config.web_port is not None:  # the web page shows them too
             from .metrics import ServerMetrics  # prometheus_client is loaded only when asked for
 
@@ -202,7 +202,8 @@ async def start(config: Config) -> RunningServer:
             closers.append(metrics.close)
             metrics.watch_storage(storage)
             observers.append(metrics.observe_call)
-        interceptors: list = [CallLogInterceptor(observers)]
+            starters.append(metrics.call_started)
+        interceptors: list = [CallLogInterceptor(observers, starters)]
         if tokens:
             interceptors.append(AuthInterceptor(tokens))  # inside the call log: refusals are logged and counted
         server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
@@ -223,6 +224,7 @@ async def start(config: Config) -> RunningServer:
             channels_servicer.fabric.alias_moved = archives_servicer.watches.poke
             if metrics is not None:
                 metrics.watch_hub(channels_servicer.hub)
+                channels_servicer.hub.traffic = metrics.observe_traffic
                 metrics.watch_fabric(channels_servicer.fabric)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -4,7 +4,9 @@ duration and peer.
 :class:`CallLogInterceptor` wraps every handler (health and reflection calls excepted). It
 counts the bytes of the messages received and sent itself (serialized sizes); a servicer
 names what the call works on with ``current_call().note("archive", name)``. Observers
-given to the interceptor (the metrics) see each finished call once, with the same record.
+given to the interceptor (the metrics) see each finished call once, with the same record;
+starters see each call's record as it starts (its byte counts grow while the call runs, so
+the metrics can count a long stream's bytes before it ends).
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ class CallRecord:
 
 #: Told of every finished call: its record, status name and duration in seconds.
 CallObserver = Callable[[CallRecord, str, float], None]
+#: Told of every call as it starts, with its record (before any message is counted in it).
+CallStarter = Callable[[CallRecord], None]
 
 
 _current: contextvars.ContextVar[CallRecord | None] = contextvars.ContextVar("tannery_call", default=None)
@@ -119,19 +123,26 @@ def _size(message: Any) -> int:
     return byte_size() if byte_size is not None else 0
 
 
-def _start(method: str, request: Any, context: grpc.aio.ServicerContext, request_streaming: bool) -> CallRecord:
+def _start(method: str, request: Any, context: grpc.aio.ServicerContext, request_streaming: bool,
+           starters: Sequence[CallStarter]) -> CallRecord:
     record = CallRecord(method, peer=context.peer() or "")
+    for started in starters:
+        try:
+            started(record)
+        except Exception:  # a starter's bug must not fail the call
+            log.exception("call starter %r failed", started)
     if not request_streaming:
         record.received = _size(request)
     _current.set(record)
     return record
 
 
-def _wrap(behavior: Callable, method: str, request_streaming: bool, observers: Sequence[CallObserver]) -> Callable:
+def _wrap(behavior: Callable, method: str, request_streaming: bool, observers: Sequence[CallObserver],
+          starters: Sequence[CallStarter] = ()) -> Callable:
     if inspect.isasyncgenfunction(behavior):
 
         async def streaming(request: Any, context: grpc.aio.ServicerContext):
-            record = _start(method, request, context, request_streaming)
+            record = _start(method, request, context, request_streaming, starters)
             started, error = time.perf_counter(), None
             try:
                 async for item in behavior(request, context):
@@ -145,7 +156,7 @@ def _wrap(behavior: Callable, method: str, request_streaming: bool, observers: S
         return streaming
 
     async def unary(request: Any, context: grpc.aio.ServicerContext):
-        record = _start(method, request, context, request_streaming)
+        record = _start(method, request, context, request_streaming, starters)
         started, error = time.perf_counter(), None
         try:
             response = await behavior(request, context)
@@ -161,10 +172,11 @@ def _wrap(behavior: Callable, method: str, request_streaming: bool, observers: S
 
 
 class CallLogInterceptor(grpc.aio.ServerInterceptor):
-    """Logs each call (and tells ``observers``) once it is over."""
+    """Logs each call (and tells ``observers``) once it is over; tells ``starters`` as it starts."""
 
-    def __init__(self, observers: Sequence[CallObserver] = ()) -> None:
+    def __init__(self, observers: Sequence[CallObserver] = (), starters: Sequence[CallStarter] = ()) -> None:
         self.observers = tuple(observers)
+        self.starters = tuple(starters)
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -175,7 +187,8 @@ class CallLogInterceptor(grpc.aio.ServerInterceptor):
         kind = ("stream_" if handler.request_streaming else "unary_") + (
             "stream" if handler.response_streaming else "unary"
         )
-        changes = {kind: _wrap(getattr(handler, kind), method, handler.request_streaming, self.observers)}
+        changes = {kind: _wrap(getattr(handler, kind), method, handler.request_streaming, self.observers,
+                               self.starters)}
         if handler.request_streaming:
             changes["request_deserializer"] = _counting_requests(handler.request_deserializer)
         if handler.response_streaming:

@@ -31,6 +31,10 @@ A call that asks for a data path (``tannery-transport``: the same-host socket or
 data port) names its channel over gRPC and moves its payloads on its data connection
 (:mod:`.dataplane.channel_links`); publishers and subscribers of every path share a channel.
 
+Every whole payload is told to the hub's ``traffic`` observer (the metrics) as it moves: once
+its last byte has arrived from a publisher here (``"in"``, by the publisher's transport), and
+once its last piece is handed to each subscriber's transport (``"out"``); see :mod:`.hub`.
+
 Every refusal is a :class:`~.failures.Failure`, turned into its status in one place
 (:func:`~.handling.answering_failures`). Requests are decoded by deserializers that never
 raise: bytes that are not a valid request become an :class:`~.handling.Undecodable`,
@@ -40,8 +44,9 @@ refused with INVALID_ARGUMENT by the handler.
 from __future__ import annotations
 
 import asyncio
+import functools
 import unicodedata
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
 import grpc
 from tannery_protocol.codec import Buffer, FormatError, Limits
@@ -190,7 +195,7 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
             # Registered: from here on every payload begun is queued for this subscriber.
             await context.send_initial_metadata(())
             while True:
-                message = await subscription.next_piece()
+                message, completes = await subscription.take()
                 for each in grpc_messages(message, self.chunk_size):
                     try:
                         await context.write(each)
@@ -198,6 +203,8 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
                         # The subscriber left (cancelled or disconnected) before grpc told this
                         # handler; end as cancelled, like grpc does once it knows.
                         raise asyncio.CancelledError() from None
+                if completes:
+                    self.hub.traffic("out", "grpc", completes)
         finally:
             self.hub.unsubscribe(subscription)
             self.fabric.leave(request.channel)
@@ -216,7 +223,8 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
             link = await self.plane.link(transport, context)
             try:
                 payloads, nbytes, dropped = await relay_publisher(link, channel, self.limits, self.chunk_size,
-                                                                  self.timeout, self._links, _relay_last)
+                                                                  self.timeout, self._links,
+                                                                  self.relay_last(transport))
             except LINK_ERRORS as exc:  # the connection's, not a bug: UNAVAILABLE or INVALID_ARGUMENT naming it
                 failure = link_failure(transport, exc)
                 fail(link, failure)
@@ -237,7 +245,8 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
         """Pass the subscription's payloads on its data connection until it ends."""
         link = await self.plane.link(transport, context)
         try:
-            await serve_subscriber(link, subscription, self._links, self.hub.buffer_bytes, self.timeout)
+            await serve_subscriber(link, subscription, self._links, self.hub.buffer_bytes, self.timeout,
+                                   functools.partial(self.hub.traffic, "out", transport))
         except OSError:  # the subscriber closed its connection: as a cancelled gRPC subscriber
             link.abort()
             raise asyncio.CancelledError() from None
@@ -246,6 +255,16 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
             raise
         finally:
             link.close()
+
+    def relay_last(self, transport: str) -> Callable[[Relay, Piece, float], Awaitable[int]]:
+        """:func:`_relay_last` for a publisher on ``transport``, telling the hub's traffic observer
+        of the payload first (in the shielded part: a payload whose last byte came is counted)."""
+
+        async def relay_last(relay: Relay, piece: Piece, timeout: float) -> int:
+            self.hub.traffic("in", transport, relay.size)
+            return await _relay_last(relay, piece, timeout)
+
+        return relay_last
 
     def _check_name(self, name: str) -> None:
         """Note the channel in the call log; Malformed unless it is a valid name."""
@@ -348,7 +367,7 @@ class _Publication:
             # bounded by the timeout): a payload every byte of which arrived reaches every
             # subscriber that has room, never only some of them.
             self.relay = None
-            self.dropped += await asyncio.shield(_relay_last(relay, pieces[-1], timeout))
+            self.dropped += await asyncio.shield(self.servicer.relay_last("grpc")(relay, pieces[-1], timeout))
             self.payloads += 1
             self.bytes += relay.size
 

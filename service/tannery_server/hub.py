@@ -23,6 +23,12 @@ A hub may export what its publishers relay (``exporter``: the channel fabric bet
 replicas, :mod:`.fabric`): each relay begun by a publisher of this server then also hands
 its pieces to an :class:`Outbound`; payloads that come from other replicas are relayed with
 ``begin(size, export=False)`` and reach only this server's subscribers.
+
+A hub tells its ``traffic`` observer (the metrics) of each whole payload as it moves: the
+servicer when one is received from a publisher here (``"in"``, by its transport), the fabric
+when one from another replica is relayed here (``"in"``, ``"nats"``), and the subscribers'
+senders when a payload's last piece is handed to their transport (``"out"``). A
+subscriber's queue marks each payload's last piece (:meth:`Subscription.take`) for that.
 """
 
 from __future__ import annotations
@@ -48,6 +54,13 @@ class Outbound(Protocol):
 #: Makes the Outbound of a relay: (channel name, payload number, payload size).
 Exporter = Callable[[str, int, int], Outbound]
 
+#: Told of each whole payload as it moves: (direction, ``"in"`` or ``"out"``; transport; its bytes).
+Traffic = Callable[[str, str, int], None]
+
+
+def ignore_traffic(direction: str, transport: str, nbytes: int) -> None:
+    """The traffic observer of a hub nobody watches."""
+
 
 class SubscriptionEnded(Exception):
     """A subscription that will receive nothing more; the message says why."""
@@ -69,8 +82,9 @@ class Subscription:
         self.bound = bound
         #: Bytes queued and not yet taken by the subscriber.
         self.buffered = 0
-        #: (message, payload bytes, payload number on the channel) in the order to send.
-        self._queue: deque[tuple[object, int, int]] = deque()
+        #: (message, payload bytes, payload number on the channel, the payload's size if this is
+        #: its last piece else 0) in the order to send.
+        self._queue: deque[tuple[object, int, int, int]] = deque()
         #: Number of the payload the subscriber took its last piece of (0: none yet).
         self._taking = 0
         self._ended: SubscriptionEnded | None = None
@@ -87,11 +101,12 @@ class Subscription:
         """True when a piece of ``nbytes`` bytes fits; an empty buffer takes any piece."""
         return self.buffered == 0 or self.buffered + nbytes <= self.bound
 
-    def put(self, message: object, nbytes: int, payload: int) -> None:
-        """Queue one piece of payload number ``payload`` (ignored once the subscription has ended)."""
+    def put(self, message: object, nbytes: int, payload: int, completes: int = 0) -> None:
+        """Queue one piece of payload number ``payload`` (ignored once the subscription has ended);
+        ``completes`` is the payload's size when this is its last piece, else 0."""
         if self._ended is not None:
             return
-        self._queue.append((message, nbytes, payload))
+        self._queue.append((message, nbytes, payload, completes))
         self.buffered += nbytes
         self._readable.set()
 
@@ -106,7 +121,7 @@ class Subscription:
         while self._queue and self._queue[-1][2] == payload:
             self.buffered -= self._queue.pop()[1]
         if self._taking == payload:
-            self._queue.append((marker, 0, payload))
+            self._queue.append((marker, 0, payload, 0))
             self._readable.set()
         self._writable.set()
 
@@ -126,15 +141,20 @@ class Subscription:
 
     async def next_piece(self) -> object:
         """The next message to send, waiting for one; SubscriptionEnded once the subscription ended."""
+        return (await self.take())[0]
+
+    async def take(self) -> tuple[object, int]:
+        """The next message to send and, when it is its payload's last piece, that payload's size
+        (else 0), waiting for one; SubscriptionEnded once the subscription ended."""
         while not self._queue:
             if self._ended is not None:
                 raise self._ended
             self._readable.clear()
             await self._readable.wait()
-        message, nbytes, self._taking = self._queue.popleft()
+        message, nbytes, self._taking, completes = self._queue.popleft()
         self.buffered -= nbytes
         self._writable.set()
-        return message
+        return message, completes
 
     def end(self, reason: SubscriptionEnded) -> None:
         """End the subscription now: what it buffered is discarded and waiters wake up."""
@@ -179,9 +199,10 @@ class Relay:
         to the outbound first: when it cannot, the error is raised before anyone here got it.
         """
         self.put_bytes += nbytes
+        completes = self.size if self.put_bytes >= self.size else 0
         if self.outbound is not None:
             try:
-                await self.outbound.send(message, nbytes, self.put_bytes >= self.size)
+                await self.outbound.send(message, nbytes, completes > 0)
             except BaseException:
                 self.abandon()  # here too: no one may take a payload short of this piece for whole
                 raise
@@ -189,7 +210,7 @@ class Relay:
         waiting = []
         for subscription in self.recipients:
             if subscription.has_room(nbytes):
-                subscription.put(message, nbytes, self.number)
+                subscription.put(message, nbytes, self.number, completes)
             else:
                 waiting.append(subscription)
         if not waiting:
@@ -198,7 +219,7 @@ class Relay:
         dropped = 0
         for subscription in waiting:
             if await subscription.wait_for_room(nbytes, deadline):
-                subscription.put(message, nbytes, self.number)
+                subscription.put(message, nbytes, self.number, completes)
             elif not subscription.ended:
                 self.channel.drop(
                     subscription,
@@ -290,6 +311,8 @@ class Hub:
         self.abandoned = abandoned
         #: What publishers' relays are also handed to (None: this server only).
         self.exporter = exporter
+        #: Told of each whole payload received here or handed to a subscriber (the metrics set it).
+        self.traffic: Traffic = ignore_traffic
         self.channels: dict[str, Channel] = {}
         self.closed = False
         #: Subscribers dropped for falling behind since the hub was made (for the metrics).

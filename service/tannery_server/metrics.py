@@ -2,9 +2,16 @@
 
 Each server has its own registry (so servers in one process do not mix their numbers):
 
-- ``tannery_calls_total{method, code}``, ``tannery_received_bytes_total{method}``,
-  ``tannery_sent_bytes_total{method}`` and ``tannery_call_duration_seconds{method}``,
+- ``tannery_calls_total{method, code}`` and ``tannery_call_duration_seconds{method}``,
   counted once per call by :meth:`ServerMetrics.observe_call`, an observer of the call log;
+  ``tannery_received_bytes_total{method}`` and ``tannery_sent_bytes_total{method}``, counted
+  as the call ends and, for calls still running (a Subscribe of hours), at each scrape with
+  what they moved so far (:meth:`ServerMetrics.call_started`, a starter of the call log);
+- ``tannery_channel_payloads_total{direction, transport}`` and
+  ``tannery_channel_payload_bytes_total{direction, transport}``: each whole channel payload as it
+  moves (in: received from a publisher here, by its transport ``grpc``, ``tcp`` or ``local``,
+  or from another replica, ``nats``; out: handed to a subscriber here, once per subscriber, by
+  the subscriber's transport), told by the hub (:meth:`ServerMetrics.observe_traffic`);
 - ``tannery_archives``, ``tannery_archive_bytes``, ``tannery_blobs`` and
   ``tannery_stored_bytes``, read from the catalog at each scrape (one small query, on a
   thread of its own so the scrape never waits for the event loop);
@@ -38,6 +45,9 @@ DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
                     120.0, 300.0, 600.0)
 #: Seconds a scrape waits for the catalog's totals before leaving them out.
 CATALOG_TIMEOUT = 5.0
+#: The (direction, transport) pairs of the channel traffic counters, all shown from the start.
+CHANNEL_TRAFFIC = (("in", "grpc"), ("in", "tcp"), ("in", "local"), ("in", "nats"),
+                   ("out", "grpc"), ("out", "tcp"), ("out", "local"))
 
 
 class _CatalogCollector:
@@ -111,6 +121,22 @@ class _FabricCollector:
                                   "than they took them.", value=stats["dropped"])
 
 
+class _LiveCalls:
+    """Adds what the calls still running have received and sent so far to the byte counters.
+
+    It yields nothing; registered before those counters, it runs first in every scrape."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        self.metrics.count_running_calls()
+        return iter(())
+
+
 class ServerMetrics:
     """The metrics of one server and, once :meth:`serve` is called, their HTTP endpoint."""
 
@@ -119,16 +145,38 @@ class ServerMetrics:
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         GCCollector(registry=self.registry)
+        #: The records of the calls running, by id: (record, received and sent bytes counted so far).
+        self._running: dict[int, tuple[CallRecord, int, int]] = {}
+        self._running_lock = threading.Lock()
+        self.registry.register(_LiveCalls(self))
         self.calls = Counter("tannery_calls", "Calls handled, by method and status code.", ["method", "code"],
                              registry=self.registry)
-        self.received = Counter("tannery_received_bytes", "Bytes of request messages received, by method.",
+        self.received = Counter("tannery_received_bytes", "Bytes of request messages received, by method "
+                                "(a call still running counts what it received by the scrape).",
                                 ["method"], registry=self.registry)
-        self.sent = Counter("tannery_sent_bytes", "Bytes of response messages sent, by method.", ["method"],
-                            registry=self.registry)
+        self.sent = Counter("tannery_sent_bytes", "Bytes of response messages sent, by method (a call still "
+                            "running counts what it sent by the scrape).", ["method"], registry=self.registry)
         self.data_path = Counter("tannery_data_path_bytes", "Payload bytes moved on a data path beside gRPC (the "
                                  "same-host socket, local, or the direct data connection, tcp), by method and "
                                  "transport; what gRPC messages carry is in the received and sent bytes.",
                                  ["method", "transport"], registry=self.registry)
+        self.channel_payloads = Counter(
+            "tannery_channel_payloads", "Whole channel payloads as they move, by direction and transport: in, each "
+            "payload once its last byte has arrived from a publisher on this server (transport grpc, tcp or local: "
+            "the publisher's) or once it came whole from another replica through NATS (nats, the same payloads as "
+            "tannery_nats_payloads_total{direction=\"in\"}); out, each payload once per subscriber on this server, "
+            "when its last piece is handed to that subscriber's transport (grpc, tcp, or local: passed as a memory "
+            "file). Payloads cut off before their end are not counted; payloads sent to other replicas are "
+            "tannery_nats_payloads_total{direction=\"out\"}.",
+            ["direction", "transport"], registry=self.registry)
+        self.channel_bytes = Counter(
+            "tannery_channel_payload_bytes", "Bytes of those payloads (each one's whole size, header and tensor "
+            "bytes, counted when it is counted in tannery_channel_payloads_total; local: the size of the memory "
+            "file passed, though no payload byte crosses the socket).",
+            ["direction", "transport"], registry=self.registry)
+        for direction, transport in CHANNEL_TRAFFIC:
+            self.channel_payloads.labels(direction, transport)
+            self.channel_bytes.labels(direction, transport)
         self.duration = Histogram("tannery_call_duration_seconds", "Call durations, by method.", ["method"],
                                   buckets=DURATION_BUCKETS, registry=self.registry)
         self._catalog: _CatalogCollector | None = None
@@ -136,15 +184,36 @@ class ServerMetrics:
         self._thread: threading.Thread | None = None
         self.port: int | None = None
 
+    def call_started(self, record: CallRecord) -> None:
+        """Follow a call's bytes while it runs (a :data:`~tannery_server.calllog.CallStarter`)."""
+        with self._running_lock:
+            self._running[id(record)] = (record, 0, 0)
+
+    def count_running_calls(self) -> None:
+        """Add to the byte counters what the calls still running moved since the last count."""
+        with self._running_lock:
+            for key, (record, received, sent) in list(self._running.items()):
+                now_received, now_sent = record.received, record.sent
+                self.received.labels(record.method).inc(now_received - received)
+                self.sent.labels(record.method).inc(now_sent - sent)
+                self._running[key] = (record, now_received, now_sent)
+
     def observe_call(self, record: CallRecord, status: str, duration: float) -> None:
         """Count one finished call (a :data:`~tannery_server.calllog.CallObserver`)."""
         self.calls.labels(record.method, status).inc()
-        self.received.labels(record.method).inc(record.received)
-        self.sent.labels(record.method).inc(record.sent)
+        with self._running_lock:
+            _, received, sent = self._running.pop(id(record), (record, 0, 0))
+            self.received.labels(record.method).inc(record.received - received)
+            self.sent.labels(record.method).inc(record.sent - sent)
         transport = record.fields.get("transport")
         if transport is not None:
             self.data_path.labels(record.method, transport).inc(record.fields.get("data_bytes", 0))
         self.duration.labels(record.method).observe(duration)
+
+    def observe_traffic(self, direction: str, transport: str, nbytes: int) -> None:
+        """Count one whole channel payload moving (a :data:`~tannery_server.hub.Traffic`)."""
+        self.channel_payloads.labels(direction, transport).inc()
+        self.channel_bytes.labels(direction, transport).inc(nbytes)
 
     def watch_storage(self, storage: Storage) -> None:
         self._catalog = _CatalogCollector(storage)

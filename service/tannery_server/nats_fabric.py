@@ -411,6 +411,7 @@ class NatsFabric:
                         relay.abandon() if relay.put_bytes < size else relay.finish()
                 self.payloads_in += 1
                 self.bytes_in += size
+                self.hub.traffic("in", "nats", size)
             finally:
                 self.hub.detach_publisher(live)
                 inbox.ready.popleft()

@@ -81,8 +81,10 @@ async def publish_over(link: Link, channel: Channel, limits: Limits, timeout: fl
 
 
 async def serve_subscriber(link: Link, subscription: Subscription, workers: Workers, window: int,
-                           timeout: float) -> None:
-    """Pass every piece queued for a data-path subscriber until the subscription ends.
+                           timeout: float, sent: Callable[[int], None]) -> None:
+    """Pass every piece queued for a data-path subscriber until the subscription ends; ``sent`` is
+    told the size of each payload whose last piece was handed to the connection (on the same
+    host, a payload passed as a memory file: its whole size, though no byte of it crossed the socket).
 
     Same host: shared payloads are acknowledged (``taken``) once mapped; at most ``window``
     bytes of them stay unacknowledged. Over TCP the socket's buffers are all that is not
@@ -100,7 +102,7 @@ async def serve_subscriber(link: Link, subscription: Subscription, workers: Work
     link.sock.settimeout(send_timeout)
     subscription.on_end = lambda: link.abort() if link.in_payload else None
     while True:
-        message = await subscription.next_piece()
+        message, completes = await subscription.take()
         while link.local and unacknowledged and sum(unacknowledged) + _size(message) > window:
             taken = await workers.run(_taken, link, 0.2)
             if taken:
@@ -120,6 +122,8 @@ async def serve_subscriber(link: Link, subscription: Subscription, workers: Work
                              f"{send_timeout:g} s and was dropped") from None
         if link.local and isinstance(message, SharedPayload):
             unacknowledged.append(message.size)
+        if completes:
+            sent(completes)
 
 
 def _size(message: Any) -> int:
