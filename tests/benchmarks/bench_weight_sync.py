@@ -16,6 +16,9 @@ one host), over fresh workers each repetition (a first version, not measured, wa
 
 Beside the times: CPU seconds per GiB delivered (K times the size) of the server, of the
 workers together and of the trainer; and the server's peak RSS during the round.
+
+Then the RL-like rows (:mod:`.weight_sync_rl`): bf16 versions one AdamW step apart, sent as
+deltas, against a gloo broadcast of the whole bf16 model.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from . import weight_sync_rl
 from .harness import (GiB, MiB, CaseResult, Options, PeakRss, Samples, Table, cpu_seconds, fmt_ratio, fmt_size,
                       fmt_time, free_memory, free_port, load_average, proc_status, scratch, tannery_server)
 
@@ -177,7 +181,10 @@ def file_round(directory: Path, size: int, k: int, state: dict) -> Outcome:
         _close(workers)
 
 
-def run(options: Options) -> CaseResult:
+RL_SIZES, QUICK_RL_SIZES = [256 * MiB, 1 * GiB], [64 * MiB]
+
+
+def run(options: Options, whole: bool = True) -> CaseResult:
     import torch
 
     from .weight_sync_worker import state_dict
@@ -193,9 +200,10 @@ def run(options: Options) -> CaseResult:
                 ["size", "K", "competitor", "server cpu-s/GiB", "workers cpu-s/GiB", "trainer cpu-s/GiB",
                  "server peak RSS (anonymous)"])
     data: dict[str, Any] = {}
+    result.data = data
     with scratch(options, "weight-sync") as directory, tannery_server(directory / "data") as server:
         server_rss = proc_status(server.pid).get("RssAnon", 0)
-        for size in sizes:
+        for size in sizes if whole else []:
             torch.manual_seed(0)
             state = state_dict(size, COUNT, fill=True)
             for k in counts:
@@ -230,8 +238,9 @@ def run(options: Options) -> CaseResult:
                         result.target(f"tannery {transport} / gloo, {fmt_size(size)} to {k} workers",
                                       ratios[transport], goal, higher_is_better=False)
             del state
-    result.tables += [times, cpu]
-    result.data = data
+        if whole:
+            result.tables += [times, cpu]
+        result.tables += weight_sync_rl.run(server, options.pick_sizes(RL_SIZES, QUICK_RL_SIZES), reps, result)
     result.notes.append("Each repetition starts fresh workers; a first version (not measured) warms them. The "
                         "tannery server runs in its own process with its defaults (SQLite catalog, files), the "
                         "publisher with keep=False (each push deletes the version before).")
@@ -242,7 +251,7 @@ def main() -> None:
     from .harness import environment
 
     options = Options(quick="--quick" in sys.argv)
-    outcome = run(options)
+    outcome = run(options, whole="--rl" not in sys.argv)  # --rl: the RL-like rows alone
     print(outcome.markdown(environment()))
 
 

@@ -7,21 +7,26 @@ processes on one host) and this process's CPU seconds so far.
     python -m tests.benchmarks.weight_sync_worker safetensors SIZE COUNT            (a path per stdin line)
     python -m tests.benchmarks.weight_sync_worker gloo SIZE COUNT RANK WORLD PORT   (rank 0 is the trainer:
                                                                                      "round" per stdin line)
+
+TANNERY_BENCH_DTYPE (float32 by default; bfloat16 for the RL-like rows) is the state dict's dtype.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
 import torch
 
 
-def state_dict(size: int, count: int, fill: bool = False) -> dict[str, torch.Tensor]:
-    """COUNT float32 tensors of SIZE/COUNT bytes each, named like a model's layers."""
-    rows = size // count // 4 // 1024
-    make = (lambda: torch.empty(rows, 1024).uniform_()) if fill else (lambda: torch.zeros(rows, 1024))
+def state_dict(size: int, count: int, fill: bool = False, dtype: str | None = None) -> dict[str, torch.Tensor]:
+    """COUNT tensors of SIZE/COUNT bytes each (of ``dtype``, else TANNERY_BENCH_DTYPE, else
+    float32), named like a model's layers."""
+    kind = getattr(torch, dtype or os.environ.get("TANNERY_BENCH_DTYPE", "float32"))
+    rows = size // count // torch.empty(0, dtype=kind).element_size() // 1024
+    make = (lambda: torch.empty(rows, 1024).uniform_().to(kind)) if fill else (lambda: torch.zeros(rows, 1024, dtype=kind))
     return {f"layers.{i}.weight": make() for i in range(count)}
 
 
