@@ -94,13 +94,17 @@ class Change:
         return sum(p.numel() * p.element_size() for p in self.payloads)
 
 
-def _mostly_changed(old: Any, new: Any, limit: float) -> bool:
-    """Whether a sample of the elements says the entry's delta would pass ``limit`` of it."""
+def _guess(old: Any, new: Any) -> float:
+    """The bytes a delta between two flat bit arrays would take, guessed from a sample."""
     step = max(1, old.size // SAMPLE)
     sample_old, sample_new = old[::step], new[::step]
     fraction = int(np.count_nonzero(sample_old != sample_new)) / max(1, sample_old.size)
-    per_element = index_dtype(old.size).itemsize + old.itemsize
-    return fraction * per_element >= limit * old.itemsize * 1.25  # well past it: no full compare
+    return fraction * old.size * (index_dtype(old.size).itemsize + old.itemsize)
+
+
+def _mostly_changed(old: Any, new: Any, limit: float) -> bool:
+    """Whether a sample of the elements says the entry's delta would pass ``limit`` of it."""
+    return _guess(old, new) >= limit * old.size * old.itemsize * 1.25  # well past it: no full compare
 
 
 def diff_entry(name: str, base: Any, new: Any, limit: float = DELTA_LIMIT) -> Change:
@@ -132,6 +136,9 @@ def diff_version(base: Mapping[str, Any], state: Mapping[str, Any], limit: float
                 or not tensor.is_contiguous()):
             return None
     whole = sum(t.numel() * t.element_size() for t in state.values())
+    guessed = sum(_guess(bits(base[name]).numpy(), bits(tensor.detach()).numpy()) for name, tensor in state.items())
+    if guessed >= limit * whole * 1.25:  # well past it: no full compare, no digests
+        return None
     changes = list(_pool().map(lambda name: diff_entry(name, base[name], state[name].detach(), limit), state))
     if sum(change.nbytes for change in changes) >= limit * whole:
         return None
