@@ -107,6 +107,9 @@ Outcome = tuple[float, float, float, float, int]
 
 
 def tannery_round(server: Any, transport: str, size: int, k: int, state: dict, rep: int) -> Outcome:
+    """Version 0 (random, not measured), then version 1, ``state``: every byte new, so no delta."""
+    import torch
+
     import tannery
     from tannery.weights import Publisher
 
@@ -118,7 +121,7 @@ def tannery_round(server: Any, transport: str, size: int, k: int, state: dict, r
             worker.wait_ready()
         with tannery.Client(server.target, transport=transport) as client:
             publisher = Publisher(client, name, keep=False)
-            publisher.push(state, 0)  # warms the workers up: not measured
+            publisher.push({key: torch.rand_like(t) for key, t in state.items()}, 0)  # warms up: not measured
             before = [worker.version(0)["cpu"] for worker in workers]
             server_cpu, trainer_cpu = cpu_seconds(server.pid), time.process_time()
             with PeakRss(server.pid) as peak:
