@@ -11,11 +11,11 @@
                 ...
 
 Create it inside the event loop that uses it. Every call is the call core's
-(:mod:`tannery.calls`), as for the synchronous client; this module only waits for what the
-core asks (:mod:`tannery.waits`), by awaiting: gRPC's asyncio API, and worker threads
+(:mod:`tannery.calls.core`), as for the synchronous client; this module only waits for what the
+core asks (:mod:`tannery.rpc.waits`), by awaiting: gRPC's asyncio API, and worker threads
 (``asyncio.to_thread``) for what blocks (a data connection's bytes). The workarounds that
 grpc.aio needs (grpc/grpc#36066's overwritten status among them) are in
-:mod:`tannery.grpc_streams`.
+:mod:`tannery.dataplane.grpc_streams`.
 """
 
 from __future__ import annotations
@@ -26,22 +26,22 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from .archive import Archive, MemoryArchive
-from .calls import CallCore
-from .connection import Connection
-from .grpc_streams import AioUpload, aio_send
-from .readers import EntryReader, PieceReader
-from .received import TensorPiece
-from .records import Alias, ArchiveDescription, ArchiveInfo, Deleted, Pruned, Published, Tagged, Untagged
-from .remote import AsyncRemoteArchive
-from .requests import Progress, fetch_request
-from .watches import Watched
-from .waits import END, Acquire, Blocking, Driven, Read, Rpc, Send, Sleep, Status, Steps, Upload, Wait
+from tannery.archive import Archive, MemoryArchive
+from tannery.calls.core import CallCore
+from tannery.rpc.connection import Connection
+from tannery.dataplane.grpc_streams import AioUpload, aio_send
+from tannery.dataplane.readers import EntryReader, PieceReader
+from tannery.dataplane.received import TensorPiece
+from tannery.records import Alias, ArchiveDescription, ArchiveInfo, Deleted, Pruned, Published, Tagged, Untagged
+from tannery.remote import AsyncRemoteArchive
+from tannery.rpc.requests import Progress, fetch_request
+from tannery.calls.watches import Watched
+from tannery.rpc.waits import END, Acquire, Blocking, Driven, Read, Rpc, Send, Sleep, Status, Steps, Upload, Wait
 
-if TYPE_CHECKING:  # torch is imported where a tensor is made (tannery.readers, tannery.requests)
+if TYPE_CHECKING:  # torch is imported where a tensor is made (tannery.dataplane.readers, tannery.rpc.requests)
     import torch
 
-    from .transports import Feed
+    from tannery.dataplane.transports import Feed
 
 
 class Client(CallCore):
@@ -329,7 +329,7 @@ async def _upload(*args: Any) -> AioUpload:
     return AioUpload(*args)
 
 
-#: How each wait of :mod:`tannery.waits` is waited for: each gives an awaitable.
+#: How each wait of :mod:`tannery.rpc.waits` is waited for: each gives an awaitable.
 _WAITS: dict[type, Callable[..., Any]] = {
     Rpc: lambda fn, *args, **kwargs: fn(*args, **kwargs),
     Blocking: asyncio.to_thread,

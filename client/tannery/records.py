@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 
 from tannery_protocol.codec import format_shape
 from tannery_protocol.v1 import archives_pb2, channels_pb2
-from .file_entries import split_entry
+from tannery.formats.file_entries import split_entry
 
 if TYPE_CHECKING:
-    from .archive import TensorInfo
+    from tannery.archive import TensorInfo
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class EntryDescription:
 
     @property
     def info(self) -> TensorInfo:
-        from .archive import TensorInfo  # not at import: catalog calls need no archive module
+        from tannery.archive import TensorInfo  # not at import: catalog calls need no archive module
 
         return TensorInfo(self.dtype, self.shape, self.nbytes)
 
@@ -69,7 +69,7 @@ class EntryDescription:
 @dataclass(frozen=True)
 class FileDescription:
     """A file kept with the archive (a model folder's ``config.json``, say: see
-    :mod:`tannery.archive_files`): its name, the prefix it was stored under, its size in
+    :mod:`tannery.formats.archive_files`): its name, the prefix it was stored under, its size in
     bytes, the SHA-256 of its entry's payload and that entry's name."""
 
     name: str

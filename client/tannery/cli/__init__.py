@@ -19,7 +19,7 @@ import os
 import sys
 from typing import Callable, Sequence
 
-from .. import __version__
+from tannery import __version__
 from .connection import add_global_options, target_of, target_source, tls_options
 from .errors import Where, error_message, one_line, remedy
 from .output import Output
@@ -113,7 +113,7 @@ def _server_command(name: str) -> Callable[[list[str]], int]:
 
 
 def _note_retries(target: str) -> None:
-    """Each retry of a call (tannery.retries logs it at INFO) as a line on stderr, so that a
+    """Each retry of a call (tannery.rpc.retries logs it at INFO) as a line on stderr, so that a
     command waiting for a restarting server says why it waits."""
     import logging
 

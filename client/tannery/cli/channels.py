@@ -32,7 +32,7 @@ def cmd_publish(args: argparse.Namespace, out: Output) -> int:
 
 def cmd_subscribe(args: argparse.Namespace, out: Output) -> int:
     from tannery_protocol.codec import format_shape
-    from ..torch import short_name
+    from tannery.torch import short_name
     from .stats import format_number, statistics
     from .tensorfiles import output_directory, save_tensor, to_numpy
 

@@ -22,8 +22,8 @@ from tannery_protocol._lazy import lazy_module
 from tannery_protocol.codec import format_shape
 from tannery_protocol.errors import ArchiveError
 from tannery_protocol.names import join, owned
-from .records import ArchiveDescription, EntryDescription
-from .requests import entry_ask
+from tannery.records import ArchiveDescription, EntryDescription
+from tannery.rpc.requests import entry_ask
 from tannery_protocol.v1 import archives_pb2
 
 torch = lazy_module("torch")

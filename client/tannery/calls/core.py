@@ -1,13 +1,13 @@
 """The call core: what ``tannery.Client`` and ``tannery.aio.Client`` do, written once.
 
 :class:`CallCore` is the base of both clients. Each call is a generator of steps
-(:mod:`tannery.waits`): which transport Store, Fetch, Publish and Subscribe take (asked of
+(:mod:`tannery.rpc.waits`): which transport Store, Fetch, Publish and Subscribe take (asked of
 the server once, chosen once, forgotten after a retry), the requests built
-(:mod:`tannery.requests`), the status of a failed call turned into a tannery exception
-(:func:`tannery.connection.rpc_error`), and what to do after an UNAVAILABLE
-(:mod:`tannery.retries`: wait and try again, a Fetch resumed after its whole entries, a
+(:mod:`tannery.rpc.requests`), the status of a failed call turned into a tannery exception
+(:func:`tannery.rpc.connection.rpc_error`), and what to do after an UNAVAILABLE
+(:mod:`tannery.rpc.retries`: wait and try again, a Fetch resumed after its whole entries, a
 Delete whose answer was lost reported ``already_gone``). The bytes move on the chosen
-:class:`~tannery.transports.Transport`. A client drives these steps, blocking
+:class:`~tannery.dataplane.transports.Transport`. A client drives these steps, blocking
 (:mod:`tannery.client`) or awaiting (:mod:`tannery.aio`); that is all it adds.
 """
 
@@ -20,25 +20,25 @@ import grpc
 
 from tannery_protocol import errors
 from tannery_protocol._lazy import lazy_module
-from .connection import Calls, Connection, TLSLike, check_transport, rpc_error
-from .records import Alias, ArchiveDescription, ArchiveInfo, Deleted, Pruned, Published, Tagged, Untagged
-from .requests import Methods, Progress, archive_to_store, check_tensors, describe_request, list_request, union_request
-from .retention import check_prune, plan_prune
-from .retries import RetryPolicy, call_name, resumed_request
-from .waits import Acquire, Blocking, Rpc, Sleep, Steps
-from .watches import Watched
+from tannery.rpc.connection import Calls, Connection, TLSLike, check_transport, rpc_error
+from tannery.records import Alias, ArchiveDescription, ArchiveInfo, Deleted, Pruned, Published, Tagged, Untagged
+from tannery.rpc.requests import Methods, Progress, archive_to_store, check_tensors, describe_request, list_request, union_request
+from tannery.calls.retention import check_prune, plan_prune
+from tannery.rpc.retries import RetryPolicy, call_name, resumed_request
+from tannery.rpc.waits import Acquire, Blocking, Rpc, Sleep, Steps
+from tannery.calls.watches import Watched
 from tannery_protocol.v1 import archives_pb2
 
 if TYPE_CHECKING:
     import torch
 
-    from .transports import Feed, Transport
+    from tannery.dataplane.transports import Feed, Transport
 
 # Imported on first use: catalog calls (tannery ls, show, rm) need none of these.
-_archive_files = lazy_module("tannery.archive_files")
-_readers = lazy_module("tannery.readers")
-_state_dict = lazy_module("tannery.state_dict")
-_transports = lazy_module("tannery.transports")  # with tannery_protocol.datalink: sockets, ssl
+_archive_files = lazy_module("tannery.formats.archive_files")
+_readers = lazy_module("tannery.dataplane.readers")
+_state_dict = lazy_module("tannery.calls.state_dict")
+_transports = lazy_module("tannery.dataplane.transports")  # with tannery_protocol.datalink: sockets, ssl
 
 
 class CallCore:
@@ -97,7 +97,7 @@ class CallCore:
 
     def _transport_now(self) -> Steps[Transport]:
         """The transport of this client's Store, Fetch, Publish and Subscribe, chosen once
-        (:func:`tannery.transports.choose`)."""
+        (:func:`tannery.dataplane.transports.choose`)."""
         if self._transport == "grpc":
             return _transports.GRPC
         if self._chosen is not None:

@@ -17,11 +17,11 @@ A ``tannery.Client`` moves the bytes of Store and Fetch one of four ways (``tran
   leads to the same server, else tcp when the server offers a data port that answers,
   else grpc.
 
-:func:`choose` makes the choice; the call core (:mod:`tannery.calls`) then calls the chosen
+:func:`choose` makes the choice; the call core (:mod:`tannery.calls.core`) then calls the chosen
 transport's ``fetch``, ``store``, ``publish`` and ``subscribe``, each a generator of steps
-(:mod:`tannery.waits`) that either client drives. Every call on a data path is checked over
+(:mod:`tannery.rpc.waits`) that either client drives. Every call on a data path is checked over
 gRPC first (token, names, every ask), then moves its bytes on the data connection
-(:mod:`tannery.links`) with the call's one-time ticket; the call's status is the outcome.
+(:mod:`tannery.dataplane.links`) with the call's one-time ticket; the call's status is the outcome.
 """
 
 from __future__ import annotations
@@ -34,18 +34,18 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 import grpc
 
 from tannery_protocol import errors
-from .connection import TRANSPORTS, Calls, check_transport, rpc_error, service_error
+from tannery.rpc.connection import TRANSPORTS, Calls, check_transport, rpc_error, service_error
 from tannery_protocol.datalink import TICKET_KEY, TRANSPORT_KEY, LinkError, PeerFailed
-from .links import Route, coded, connect_call, link_failure, next_published, publish_over, receive_fetch, send_store
-from .requests import Progress, publish_stream, store_begin, store_entries, store_messages
-from .waits import END, Blocking, Read, Rpc, Send, Status, Steps, Upload
+from tannery.dataplane.links import Route, coded, connect_call, link_failure, next_published, publish_over, receive_fetch, send_store
+from tannery.rpc.requests import Progress, publish_stream, store_begin, store_entries, store_messages
+from tannery.rpc.waits import END, Blocking, Read, Rpc, Send, Status, Steps, Upload
 from tannery_protocol.v1 import archives_pb2, channels_pb2
 from tannery_protocol.wire import ABANDONED, encode_publish_request, encode_store_commit, encode_store_request
 
 if TYPE_CHECKING:
-    from .archive import Archive
-    from .connection import TLS
-    from .readers import PayloadReader
+    from tannery.archive import Archive
+    from tannery.rpc.connection import TLS
+    from tannery.dataplane.readers import PayloadReader
     from tannery_protocol.v1.archives_pb2 import DataPathsResponse
 
 #: Seconds to wait for a call's status after its data connection broke.
@@ -134,7 +134,7 @@ def ticket_of(metadata: Sequence[tuple[str, object]] | None) -> str | None:
 
 class Transport(Protocol):
     """How Store, Fetch, Publish and Subscribe move their bytes. Each method is a generator of
-    steps (:mod:`tannery.waits`) given the client's :class:`~tannery.connection.Calls`."""
+    steps (:mod:`tannery.rpc.waits`) given the client's :class:`~tannery.rpc.connection.Calls`."""
 
     kind: str  # "grpc", "local" or "tcp"
 
@@ -310,7 +310,7 @@ class Feed:
         self._ready: deque[Any] = deque()
 
     def next_tensor(self) -> Steps[Any]:
-        """The next tensor published, :data:`~tannery.waits.END` once the subscription is over."""
+        """The next tensor published, :data:`~tannery.rpc.waits.END` once the subscription is over."""
         while not self._ready:
             if self.closed:
                 if self.link is not None:

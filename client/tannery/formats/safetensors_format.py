@@ -195,7 +195,7 @@ def _check_tiling(entries: list[SafetensorsEntry], data_nbytes: int, what: str) 
 
 def encode_header(entries: list[tuple[str, str, tuple[int, ...], int]], metadata: dict[str, str] | None = None) -> bytes:
     """Length and header (padded with spaces to a multiple of 8) for ``(name, code, shape, nbytes)``
-    entries laid out in that order. For tests and tools; ``tannery.files`` writes with the
+    entries laid out in that order. For tests and tools; ``tannery.formats.files`` writes with the
     safetensors package."""
     header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     offset = 0

@@ -4,7 +4,7 @@ target kept.
 :meth:`Watched.pump` reads the call (on a thread of its own in ``tannery.Client``, a task in
 ``tannery.aio.Client``) and keeps only the newest target not yet taken, so a caller that
 takes them slowly gets the latest, never a backlog. A call cut off by UNAVAILABLE (a server
-restarting, a replica gone) is opened again as :mod:`tannery.retries` says; its first answer,
+restarting, a replica gone) is opened again as :mod:`tannery.rpc.retries` says; its first answer,
 the alias's target then, is handed on only when it differs from the last one seen.
 """
 
@@ -16,10 +16,10 @@ from typing import Any, Callable
 import grpc
 
 from tannery_protocol.v1 import archives_pb2
-from .connection import Calls, rpc_error
-from .records import Alias, _time
-from .retries import RetryPolicy
-from .waits import END, Read, Sleep, Steps
+from tannery.rpc.connection import Calls, rpc_error
+from tannery.records import Alias, _time
+from tannery.rpc.retries import RetryPolicy
+from tannery.rpc.waits import END, Read, Sleep, Steps
 
 
 class Watched:
@@ -77,7 +77,7 @@ class Watched:
         self._notify()
 
     def take(self) -> Alias | object | None:
-        """The newest target not taken yet; :data:`~tannery.waits.END` when the watch is over
+        """The newest target not taken yet; :data:`~tannery.rpc.waits.END` when the watch is over
         (its error raised, if it failed); None when there is nothing new yet."""
         with self._lock:
             latest, self._latest = self._latest, None

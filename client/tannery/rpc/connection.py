@@ -31,7 +31,7 @@ DEFAULT_CHUNK_SIZE = 1 << 20
 MAX_CHUNK_SIZE = 3 << 20
 #: Trailing metadata the server adds to say which kind of refusal a status is.
 ERROR_KIND = "tannery-error"
-#: How Store and Fetch may move their bytes (``transport=``; :mod:`tannery.transports`).
+#: How Store and Fetch may move their bytes (``transport=``; :mod:`tannery.dataplane.transports`).
 TRANSPORTS = ("auto", "local", "tcp", "grpc")
 
 
@@ -150,7 +150,7 @@ class Connection:
 
 
 class Calls:
-    """A client's calls: the RPC table on its channel (:class:`tannery.requests.Methods`, sync
+    """A client's calls: the RPC table on its channel (:class:`tannery.rpc.requests.Methods`, sync
     or aio) and the options each call is made with. What the call core and the transports use."""
 
     def __init__(self, connection: Connection, methods: Any) -> None:

@@ -23,14 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from tannery_protocol import codec
-from . import checkpoint
+from tannery.formats import checkpoint
 from tannery_protocol._lazy import lazy_module
-from .archive import Archive, IndexedArchive, TensorInfo
-from .atomic import Replacement
+from tannery.archive import Archive, IndexedArchive, TensorInfo
+from tannery.formats.atomic import Replacement
 from tannery_protocol.codec import FormatError, format_shape
 from tannery_protocol.errors import ArchiveError
-from .safetensors_format import CODES, read_layout
-from .values import leaf_dtype, named_leaves
+from tannery.formats.safetensors_format import CODES, read_layout
+from tannery.values import leaf_dtype, named_leaves
 
 # Imported on first use: reading a file's layout needs neither; a tensor view needs torch.
 torch = lazy_module("torch")

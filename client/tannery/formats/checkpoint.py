@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from .atomic import Replacement
+from tannery.formats.atomic import Replacement
 from tannery_protocol.codec import (CHECKSUM, HEADER, MAGIC, VERSION, Buffer, DType, FormatError, byte_buffer, check_codes,
                     dtype_of_code, wire_code)
 

@@ -14,13 +14,13 @@ off). Every retry is logged at INFO on the ``tannery.client`` logger. What is re
 - Resolve and ListAliases as reads; Tag as it is (a Tag whose lost attempt moved the alias
   finds it there and answers OK, ``expect`` or not); Untag as Delete (``Untagged.already_gone``);
 - Watch, reopened: its first answer (the alias's target then) is handed on only when it
-  differs from the last one seen (:mod:`tannery.watches`);
+  differs from the last one seen (:mod:`tannery.calls.watches`);
 - Fetch, resumed after the entries already received whole (:func:`resumed_request`): no
   entry is fetched twice into the result; the one cut off midway comes again whole.
 
 gRPC's own retry policy (a service config) is not used: it cannot replay a Store larger than
 its buffer, nor resume a Fetch, nor log. What to do is decided here; the one loop that
-does it is the call core's (:mod:`tannery.calls`), which both clients drive.
+does it is the call core's (:mod:`tannery.calls.core`), which both clients drive.
 """
 
 from __future__ import annotations

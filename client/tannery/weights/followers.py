@@ -35,20 +35,24 @@ Tied parameters (``lm_head.weight`` and the embeddings) are applied once. See
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Awaitable
 
 from tannery_protocol.errors import ArchiveError, NotFound
-from .follow_sources import AGAIN, FIRST_VERSION_POLL_SECONDS, Newest, Pauses
-from .weight_stream import Assembler
-from .weight_versions import Applied, Following, Pushed, Pushing, apply_steps, apply_streamed, push_steps
+from tannery.weights.sources import AGAIN, FIRST_VERSION_POLL_SECONDS, Newest, Pauses
+from tannery.aio import _run as run_async
+from tannery.client import _run as run_blocking
+from tannery.rpc.waits import END, Blocking, Rpc, Steps
+from tannery.weights.stream import Assembler, StreamedVersion
+from tannery.weights.versions import Applied, Following, Pushed, Pushing, apply_steps, apply_streamed, push_steps
 
 if TYPE_CHECKING:
-    from .aio import Client as AsyncClient
-    from .client import Client
-    from .state_dict import Rows
+    from tannery.aio import Client as AsyncClient
+    from tannery.client import Client
+    from tannery.calls.state_dict import Rows
 
 log = logging.getLogger("tannery.weights")
 
@@ -71,17 +75,13 @@ class Publisher:
     @property
     def version(self) -> int | None:
         """The latest version pushed (by this publisher, or before it started), None before any."""
-        from .client import _run
-
-        _run(self._pushing.learn(self.client))
+        run_blocking(self._pushing.learn(self.client))
         return self._pushing.version
 
     def push(self, state: Any, version: int) -> Pushed:
         """Push ``state`` (an ``nn.Module`` or a state dict) as version ``version``: returns once
         it is stored whole and the alias points at it."""
-        from .client import _run
-
-        return _run(push_steps(self.client, self._pushing, state, version))
+        return run_blocking(push_steps(self.client, self._pushing, state, version))
 
 
 class AsyncPublisher:
@@ -92,14 +92,122 @@ class AsyncPublisher:
         self._pushing = Pushing(name, keep, stream)
 
     async def push(self, state: Any, version: int) -> Pushed:
-        from .aio import _run
-
-        return await _run(push_steps(self.client, self._pushing, state, version))
+        return await run_async(push_steps(self.client, self._pushing, state, version))
 
 
-class Follower:
+class _Follower:
+    """What both followers are: the loops that read the alias and the channel, and the one that
+    applies the newest version either brought, written once as steps (:mod:`tannery.rpc.waits`).
+    :class:`Follower` runs them on threads, blocking; :class:`AsyncFollower` as tasks, awaiting:
+    each says only how it waits (``_newest_ready``, ``_pause``, ``_next_of``, ``_subscribe``,
+    ``_close_source``), as the two clients do over one call core."""
+
+    def __init__(self, client: Any, name: str, target: Any, prefix: str, strict: bool, rows: Rows | None,
+                 stream: bool) -> None:
+        self.client = client
+        self.following = Following(name, target, prefix, strict, rows)
+        self.following.check()
+        self.closed = False
+        self._stream = stream
+        self._newest = Newest()
+        self._sources: list[Any] = []  # the watch and the subscription open now
+
+    @property
+    def version(self) -> int | None:
+        """The version the target holds (None before the first)."""
+        return self.following.version
+
+    def _next(self) -> Steps[Applied | None]:
+        """The next version applied; None once closed."""
+        while True:
+            newest = yield Rpc(self._newest_ready)
+            if newest is None:
+                return None
+            archive, streamed = newest
+            try:
+                if streamed is not None:
+                    applied = yield Blocking(apply_streamed, self.following, streamed)
+                else:
+                    applied = yield from apply_steps(self.client, self.following, archive)
+            except NotFound:
+                continue  # deleted (kept versions pruned) while fetched: a newer one is coming
+            except ArchiveError:
+                raise  # refused: not tried again
+            except BaseException:  # cancelled too: the version is not lost, the next step tries it again
+                with self._lock:
+                    self._newest.restore(archive, streamed)
+                raise
+            if applied is not None:
+                return applied
+
+    def _offer(self, **found: Any) -> None:
+        with self._lock:
+            for key, value in found.items():
+                setattr(self._newest, key, value)
+            self._wake()
+
+    def _opened(self, source: Any) -> bool:
+        """Keep ``source`` to close it; False (and closed) when the follower closed meanwhile."""
+        with self._lock:
+            if not self.closed:
+                self._sources.append(source)
+                return True
+        source.close()
+        return False
+
+    def _watching(self) -> Steps[None]:
+        pauses = Pauses()
+        while not self.closed:
+            try:
+                watch = self.client.watch(self.following.name)
+                if not self._opened(watch):
+                    return
+                try:
+                    while (alias := (yield Rpc(self._next_of, watch))) is not END:
+                        pauses.reset()
+                        self._offer(moved=alias.archive)
+                finally:
+                    yield Rpc(self._close_source, watch)
+            except NotFound:  # nothing pushed yet (or the alias removed): look again soon
+                yield Rpc(self._pause, FIRST_VERSION_POLL_SECONDS)
+            except AGAIN:  # the server is away (longer than the client's retries): wait for it
+                yield Rpc(self._pause, pauses.take())
+            except Exception as error:  # no wait mends it (a token refused): the next step raises it
+                if not self.closed:
+                    self._offer(failure=error)
+                return
+
+    def _streaming(self) -> Steps[None]:
+        pauses = Pauses()
+        while not self.closed:
+            assembler = Assembler(self.following.name)
+            try:
+                subscription = yield Rpc(self._subscribe)
+                if not self._opened(subscription):
+                    return
+                self._subscribed.set()
+                pauses.reset()
+                try:
+                    while (tensor := (yield Rpc(self._next_of, subscription))) is not END:
+                        streamed = assembler.add(tensor)
+                        self._offer(streaming=assembler.pending, progress=time.monotonic(),
+                                    **({"streamed": streamed} if streamed is not None else {}))
+                finally:
+                    yield Rpc(self._close_source, subscription)
+            except AGAIN:  # dropped for falling behind, or the server went: the store covers the gap
+                self._offer(streaming=None)
+                self._subscribed.set()
+                yield Rpc(self._pause, pauses.take())
+            except Exception as error:  # no channels here (or not allowed): versions come from the store
+                log.warning("%s: versions come from the store alone, not the channel: %s", self.following.where, error)
+                self._offer(streaming=None)
+                self._subscribed.set()
+                return
+
+
+class Follower(_Follower):
     """Applies each version of weights ``name`` to ``target`` (the worker's side): an iterator
-    of :class:`~tannery.weight_versions.Applied`, one per version once it is in the target.
+    of :class:`~tannery.weights.versions.Applied`, one per version once it is in the target.
 
     ``target`` is an ``nn.Module`` or a state dict; its tensors are written in place.
     The first version is the newest stored (waited for if none is pushed yet); then each
@@ -120,127 +228,48 @@ class Follower:
 
     def __init__(self, client: Client, name: str, target: Any, *, prefix: str = "", strict: bool = True,
                  rows: Rows | None = None, stream: bool = True) -> None:
-        self.client = client
-        self.following = Following(name, target, prefix, strict, rows)
-        self.following.check()
-        self.closed = False
-        self._newest = Newest()
-        self._ready = threading.Condition()
-        self._sources: list[Any] = []  # the watch and the subscription open now
+        super().__init__(client, name, target, prefix, strict, rows, stream)
+        self._ready = self._lock = threading.Condition()
+        self._wake = self._ready.notify_all
         self._subscribed = threading.Event()
         self._stop = threading.Event()  # its pauses end at close()
-        self._threads = [threading.Thread(target=self._watching, daemon=True, name=f"tannery-follow-{name}")]
-        if stream:
-            self._threads.append(threading.Thread(target=self._streaming, daemon=True, name=f"tannery-stream-{name}"))
-        else:
+        self._pause = self._stop.wait
+        loops = [self._watching] + ([self._streaming] if stream else [])
+        self._threads = [threading.Thread(target=run_blocking, args=(loop(),), daemon=True, name=f"tannery-{kind}-{name}")
+                         for loop, kind in zip(loops, ("follow", "stream"))]
+        if not stream:
             self._subscribed.set()
         for thread in self._threads:
             thread.start()
         self._subscribed.wait(10)  # versions pushed from now on come on the channel too
 
-    @property
-    def version(self) -> int | None:
-        """The version the target holds (None before the first)."""
-        return self.following.version
-
     def __iter__(self) -> Follower:
         return self
 
     def __next__(self) -> Applied:
-        from .client import _run
+        applied = run_blocking(self._next())
+        if applied is None:
+            raise StopIteration
+        return applied
 
-        while True:
-            with self._ready:
-                while not self.closed and (pause := self._newest.wait(time.monotonic())) != 0.0:
-                    self._ready.wait(pause)
-                if self.closed:
-                    raise StopIteration
-                archive, streamed = self._newest.take()
-            try:
-                if streamed is not None:
-                    applied = apply_streamed(self.following, streamed)
-                else:
-                    applied = _run(apply_steps(self.client, self.following, archive))
-            except NotFound:
-                continue  # deleted (kept versions pruned) while fetched: a newer one is coming
-            except ArchiveError:
-                raise  # refused: not tried again
-            except BaseException:
-                with self._ready:
-                    self._newest.restore(archive, streamed)  # not lost: the next call tries it again
-                raise
-            if applied is not None:
-                return applied
-
-    def _offer(self, **found: Any) -> None:
+    def _newest_ready(self) -> tuple[str | None, StreamedVersion | None] | None:
         with self._ready:
-            for key, value in found.items():
-                setattr(self._newest, key, value)
-            self._ready.notify_all()
+            while not self.closed and (pause := self._newest.wait(time.monotonic())) != 0.0:
+                self._ready.wait(pause)
+            return None if self.closed else self._newest.take()
 
-    def _opened(self, source: Any) -> bool:
-        """Keep ``source`` to close it; False (and closed) when the follower closed meanwhile."""
-        with self._ready:
-            if not self.closed:
-                self._sources.append(source)
-                return True
-        source.close()
-        return False
+    @staticmethod
+    def _next_of(source: Any) -> Any:
+        return next(source, END)
 
-    def _done(self, source: Any) -> None:
+    def _subscribe(self) -> Any:
+        return self.client.subscribe(self.following.name)
+
+    def _close_source(self, source: Any) -> None:
         with self._ready:
             if source in self._sources:
                 self._sources.remove(source)
         source.close()
-
-    def _watching(self) -> None:
-        pauses = Pauses()
-        while not self.closed:
-            try:
-                watch = self.client.watch(self.following.name)
-                if not self._opened(watch):
-                    return
-                try:
-                    for alias in watch:
-                        pauses.reset()
-                        self._offer(moved=alias.archive)
-                finally:
-                    self._done(watch)
-            except NotFound:  # nothing pushed yet (or the alias removed): look again soon
-                self._stop.wait(FIRST_VERSION_POLL_SECONDS)
-            except AGAIN:  # the server is away (longer than the client's retries): wait for it
-                self._stop.wait(pauses.take())
-            except Exception as error:  # no wait mends it (a token refused): next() raises it
-                if not self.closed:
-                    self._offer(failure=error)
-                return
-
-    def _streaming(self) -> None:
-        pauses = Pauses()
-        while not self.closed:
-            assembler = Assembler(self.following.name)
-            try:
-                subscription = self.client.subscribe(self.following.name)
-                if not self._opened(subscription):
-                    return
-                self._subscribed.set()
-                pauses.reset()
-                try:
-                    for tensor in subscription:
-                        streamed = assembler.add(tensor)
-                        self._offer(streaming=assembler.pending, progress=time.monotonic(),
-                                    **({"streamed": streamed} if streamed is not None else {}))
-                finally:
-                    self._done(subscription)
-            except AGAIN:  # dropped for falling behind, or the server went: the store covers the gap
-                self._offer(streaming=None)
-                self._subscribed.set()
-                self._stop.wait(pauses.take())
-            except Exception as error:  # no channels here (or not allowed): versions come from the store
-                log.warning("%s: versions come from the store alone, not the channel: %s", self.following.where, error)
-                self._offer(streaming=None)
-                self._subscribed.set()
-                return
 
     def close(self) -> None:
         """Stop following: iterating ends, the watch and the subscription are closed."""
@@ -262,26 +291,20 @@ class Follower:
         self.close()
 
 
-class AsyncFollower:
+class AsyncFollower(_Follower):
     """:class:`Follower` for ``tannery.aio.Client``: ``async for applied in follower`` (the alias
     and the channel are read by two tasks, started at the first step; a version is copied in on
     a worker thread, so the event loop goes on meanwhile)."""
 
     def __init__(self, client: AsyncClient, name: str, target: Any, *, prefix: str = "", strict: bool = True,
                  rows: Rows | None = None, stream: bool = True) -> None:
-        self.client = client
-        self.following = Following(name, target, prefix, strict, rows)
-        self.following.check()
-        self.closed = False
-        self._stream = stream
-        self._newest = Newest()
+        super().__init__(client, name, target, prefix, strict, rows, stream)
         self._ready = asyncio.Event()
-        self._sources: list[Any] = []
+        self._lock = contextlib.nullcontext()  # one event loop: nothing to lock
+        self._wake = self._ready.set
+        self._subscribed = asyncio.Event()
+        self._pause = asyncio.sleep
         self._tasks: list[asyncio.Task] = []
-
-    @property
-    def version(self) -> int | None:
-        return self.following.version
 
     def __aiter__(self) -> AsyncFollower:
         return self
@@ -292,97 +315,44 @@ class AsyncFollower:
         on the channel too."""
         if self._tasks:
             return
-        subscribed = asyncio.Event()
-        self._tasks.append(asyncio.create_task(self._watching()))
+        self._tasks.append(asyncio.create_task(run_async(self._watching())))
         if self._stream:
-            self._tasks.append(asyncio.create_task(self._streaming(subscribed)))
+            self._tasks.append(asyncio.create_task(run_async(self._streaming())))
             try:
-                await asyncio.wait_for(subscribed.wait(), 10)
+                await asyncio.wait_for(self._subscribed.wait(), 10)
             except asyncio.TimeoutError:
                 pass
 
     async def __anext__(self) -> Applied:
-        from .aio import _run
-
         await self.start()
-        while True:
-            while not self.closed and (pause := self._newest.wait(time.monotonic())) != 0.0:
-                self._ready.clear()
-                try:
-                    await asyncio.wait_for(self._ready.wait(), pause)
-                except asyncio.TimeoutError:
-                    pass
-            if self.closed:
-                raise StopAsyncIteration
-            archive, streamed = self._newest.take()
-            try:
-                if streamed is not None:
-                    applied = await asyncio.to_thread(apply_streamed, self.following, streamed)
-                else:
-                    applied = await _run(apply_steps(self.client, self.following, archive))
-            except NotFound:
-                continue
-            except ArchiveError:
-                raise
-            except BaseException:  # cancelled too: the version is not lost
-                self._newest.restore(archive, streamed)
-                raise
-            if applied is not None:
-                return applied
+        applied = await run_async(self._next())
+        if applied is None:
+            raise StopAsyncIteration
+        return applied
 
-    def _offer(self, **found: Any) -> None:
-        for key, value in found.items():
-            setattr(self._newest, key, value)
-        self._ready.set()
-
-    async def _watching(self) -> None:
-        pauses = Pauses()
-        while not self.closed:
-            watch = self.client.watch(self.following.name)
-            self._sources.append(watch)
+    async def _newest_ready(self) -> tuple[str | None, StreamedVersion | None] | None:
+        while not self.closed and (pause := self._newest.wait(time.monotonic())) != 0.0:
+            self._ready.clear()
             try:
-                async for alias in watch:
-                    pauses.reset()
-                    self._offer(moved=alias.archive)
-            except NotFound:
-                await asyncio.sleep(FIRST_VERSION_POLL_SECONDS)
-            except AGAIN:
-                await asyncio.sleep(pauses.take())
-            except Exception as error:
-                if not self.closed:
-                    self._offer(failure=error)
-                return
-            finally:
-                self._sources.remove(watch)
-                await watch.aclose()
+                await asyncio.wait_for(self._ready.wait(), pause)
+            except asyncio.TimeoutError:
+                pass
+        return None if self.closed else self._newest.take()
 
-    async def _streaming(self, subscribed: asyncio.Event) -> None:
-        pauses = Pauses()
-        while not self.closed:
-            assembler = Assembler(self.following.name)
-            subscription = None
-            try:
-                subscription = self.client.subscribe(self.following.name)
-                async with subscription:
-                    self._sources.append(subscription)
-                    subscribed.set()
-                    pauses.reset()
-                    async for tensor in subscription:
-                        streamed = assembler.add(tensor)
-                        self._offer(streaming=assembler.pending, progress=time.monotonic(),
-                                    **({"streamed": streamed} if streamed is not None else {}))
-            except AGAIN:
-                self._offer(streaming=None)
-                subscribed.set()
-                await asyncio.sleep(pauses.take())
-            except Exception as error:
-                log.warning("%s: versions come from the store alone, not the channel: %s", self.following.where, error)
-                self._offer(streaming=None)
-                subscribed.set()
-                return
-            finally:
-                if subscription in self._sources:
-                    self._sources.remove(subscription)
+    @staticmethod
+    def _next_of(source: Any) -> Awaitable[Any]:
+        return anext(source, END)
+
+    async def _subscribe(self) -> Any:
+        return await self.client.subscribe(self.following.name)
+
+    async def _close_source(self, source: Any) -> None:
+        if source in self._sources:
+            self._sources.remove(source)
+        if hasattr(source, "aclose"):  # a watch: wait until its call is over
+            await source.aclose()
+        else:
+            source.close()
 
     async def aclose(self) -> None:
         """Stop following: iterating ends."""

@@ -6,8 +6,8 @@ attempts to read a source that is away.
 from __future__ import annotations
 
 from tannery_protocol.errors import Cancelled, ResourceExhausted, Unavailable
-from .weight_stream import StreamedVersion
-from .weight_versions import version_of
+from tannery.weights.stream import StreamedVersion
+from tannery.weights.versions import version_of
 
 #: How long a follower waits before it looks again for weights not pushed yet.
 FIRST_VERSION_POLL_SECONDS = 0.2

@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Any
 from tannery_protocol import errors
 from tannery_protocol._lazy import lazy_module
 
-from .file_entries import MARK, entry_name, is_file_entry, split_entry  # noqa: F401 (this module's face)
+from tannery.formats.file_entries import MARK, entry_name, is_file_entry, split_entry  # noqa: F401 (this module's face)
 
 if TYPE_CHECKING:
     import torch as _torch
 
-    from .archive import Archive
-    from .records import FileDescription  # noqa: F401 (annotations only)
+    from tannery.archive import Archive
+    from tannery.records import FileDescription  # noqa: F401 (annotations only)
 
 torch = lazy_module("torch")
 
@@ -90,7 +90,7 @@ def refuse_file_names(archive: Archive, where: str) -> None:
 def with_files(archive: Archive, rest: str, prefix: str, files: Mapping[str, bytes]) -> Archive:
     """``archive`` (whose names still take ``rest``, as ``requests.archive_to_store`` gives it)
     and the entries of ``files``, each named under ``prefix``."""
-    from .archive import Archive, MemoryArchive
+    from tannery.archive import Archive, MemoryArchive
 
     under = "" if rest else prefix  # the names of archive already carry the prefix when rest is empty
     tensors = {entry_name(file, under): _tensor_of(data) for file, data in files.items()}
@@ -106,7 +106,7 @@ def _tensor_of(data: bytes) -> _torch.Tensor:
 def file_bytes(file: FileDescription, tensor: _torch.Tensor) -> bytes:
     """The bytes of a kept file from its entry's tensor, checked: a 1-D uint8 tensor of the
     size described, whose payload has the SHA-256 described (DataLoss otherwise)."""
-    from .torch import serialize_parts
+    from tannery.torch import serialize_parts
 
     if tensor.dtype != torch.uint8 or tensor.dim() != 1 or tensor.numel() != file.size:
         raise errors.ArchiveError(f"entry {file.entry!r}: {tensor.dtype} {tuple(tensor.shape)} is not a kept file "

@@ -2,7 +2,7 @@
 
 :class:`Arrived` is one whole entry or payload that came on a data connection (a mapped file's
 region, or the buffer received into); :class:`TensorPiece` is a piece of an entry's tensor
-bytes, as ``fetch_pieces`` yields them. :mod:`tannery.links` makes them, :mod:`tannery.readers`
+bytes, as ``fetch_pieces`` yields them. :mod:`tannery.dataplane.links` makes them, :mod:`tannery.dataplane.readers`
 turns them into what the clients return; neither needs the other.
 """
 

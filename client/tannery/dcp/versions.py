@@ -13,7 +13,7 @@ then the older checkpoints of its run are pruned, in that order.
    every archive an alias points at. The prefix is ``prune_prefix``, else the checkpoint's name
    up to and including its last ``/`` (``runs/7/``). A DCP part left by a failed save
    (``*.rank-N.<id>``, ``*.metadata.<id>``) is not a checkpoint: never counted, and deleted
-   once it is older than the oldest checkpoint kept (:mod:`tannery.retention`).
+   once it is older than the oldest checkpoint kept (:mod:`tannery.calls.retention`).
 
 A crash between any two steps leaves the alias on a whole checkpoint (the old one until step 3),
 and nothing newer than it is ever deleted (the checkpoint the alias points at is kept).
@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 from tannery_protocol.errors import AliasError, NotFound
 
-from .client import Client
-from .records import Pruned
-from .retention import plan_prune
+from tannery.client import Client
+from tannery.records import Pruned
+from tannery.calls.retention import plan_prune
 
 __all__ = ["Versions", "prune_checkpoints"]
 

@@ -7,7 +7,7 @@ connection: the entries of a Fetch (:func:`receive_fetch`: mapped files, or rece
 into the tensors' memory), the payloads of a Store (:func:`send_store`) and of a
 Publish (:func:`publish_over`), and a subscription's payloads on a data path
 (:func:`next_published`). Every function here blocks: the asyncio client runs them on worker
-threads. Which transport a call takes is :mod:`tannery.transports`' choice.
+threads. Which transport a call takes is :mod:`tannery.dataplane.transports`' choice.
 """
 
 from __future__ import annotations
@@ -20,18 +20,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Iterator
 
 from tannery_protocol import checksums, errors
-from . import receive_memory
+from tannery.dataplane import receive_memory
 from tannery_protocol.codec import DIM, FIXED_PREFIX, HEADER, METADATA, FormatError, parse, read_info
 from tannery_protocol.datalink import (
     HANDSHAKE_SECONDS, Link, LinkError, PeerFailed, connect_unix, expect, frame, tune_tcp,
 )
-from tannery.gathering import receive_buffer
-from .received import Arrived, TensorPiece
+from tannery.dataplane.gathering import receive_buffer
+from tannery.dataplane.received import Arrived, TensorPiece
 from tannery_protocol.v1.data_pb2 import DataEnd, EntryBytes, Hello, SealedPiece, Taken
 
 if TYPE_CHECKING:
-    from .connection import TLS
-    from .requests import Progress
+    from tannery.rpc.connection import TLS
+    from tannery.rpc.requests import Progress
 
 #: Bytes of one sealed memory file of a local Store (the server hashes one while the next fills).
 STORE_PIECE = 32 << 20
@@ -109,7 +109,7 @@ def _client_context(tls: "TLS") -> ssl.SSLContext:
 def receive_fetch(link: Link, pieces: bool = False, pool: "receive_memory.ReceivePool | None" = None
                   ) -> Iterator[object]:
     """The entries a Fetch sends on ``link``, as :class:`Arrived` (or, with ``pieces`` on a TCP
-    link, as :class:`~tannery.received.TensorPiece`\\ s, so that only one piece is held); a TCP
+    link, as :class:`~tannery.dataplane.received.TensorPiece`\\ s, so that only one piece is held); a TCP
     entry is received into one of ``pool``'s maps when it has one that fits."""
     entries = total = 0
     while True:
@@ -329,8 +329,8 @@ def publish_over(link: Link, tensors: Iterable[object], progress: "Progress" = N
     """Send each tensor's payload: one sealed memory file on the same host, an ``entry`` frame
     and the payload's bytes (from the tensor's own memory) over TCP; then ``end``, and wait for
     the server's ``end``. Returns the payloads and bytes published."""
-    from . import torch as torch_codec
-    from .values import as_tensor
+    from tannery import torch as torch_codec
+    from tannery.values import as_tensor
 
     count = total = 0
     for index, tensor in enumerate(tensors):
@@ -355,7 +355,7 @@ def publish_over(link: Link, tensors: Iterable[object], progress: "Progress" = N
 def next_published(link: Link, reader: object) -> list:
     """The tensors the next frame of a data-path subscription completes (a mapped payload, on
     the same host, is one, acknowledged at once; pieces that come as bytes are gathered by
-    ``reader``, a :class:`~tannery.readers.PayloadReader`, received straight into the payload's
+    ``reader``, a :class:`~tannery.dataplane.readers.PayloadReader`, received straight into the payload's
     buffer)."""
     received, fds = link.receive(expect_fds=1 if link.local else 0)
     kind = expect(received, "mapped", "entry", "abandoned") if link.local else expect(received, "entry", "abandoned")
@@ -394,7 +394,7 @@ def link_failure(exc: BaseException, route: Route) -> errors.ServiceError:
 
 def coded(kind: type[errors.ServiceError], code: str, message: str) -> errors.ServiceError:
     """A service error raised by the client itself, carrying ``.code`` as those made from a
-    call's status do (:func:`tannery.connection.service_error`)."""
+    call's status do (:func:`tannery.rpc.connection.service_error`)."""
     error = kind(message)
     error.code = code  # type: ignore[attr-defined]
     return error

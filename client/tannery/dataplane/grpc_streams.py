@@ -1,8 +1,8 @@
 """Client-streaming calls (Store, Publish) on gRPC, sync and asyncio: every workaround in one place.
 
-The call core (:mod:`tannery.calls`) asks for a client-streaming call with a
-:class:`~tannery.waits.Send` (its messages on the gRPC stream) or an
-:class:`~tannery.waits.Upload` (one message, the payloads on a data connection); the two
+The call core (:mod:`tannery.calls.core`) asks for a client-streaming call with a
+:class:`~tannery.rpc.waits.Send` (its messages on the gRPC stream) or an
+:class:`~tannery.rpc.waits.Upload` (one message, the payloads on a data connection); the two
 clients make it here, and here alone gRPC's quirks are worked around:
 
 - **The sending thread.** The sync API consumes a request iterator on a thread of its own,
@@ -30,7 +30,7 @@ from typing import Any, Coroutine
 
 import grpc
 
-from .connection import rpc_error, service_error
+from tannery.rpc.connection import rpc_error, service_error
 
 #: Seconds to wait for gRPC's thread that sent a call's messages to end.
 JOIN_SECONDS = 2.0
@@ -84,7 +84,7 @@ def send(method: Any, messages: Iterable[bytes], options: dict[str, Any], target
 
 class _Upload:
     """A client-streaming call opened with ``first``, its payloads sent elsewhere
-    (:class:`~tannery.waits.Upload`): ``last(sent)`` ends its messages once :meth:`finish`
+    (:class:`~tannery.rpc.waits.Upload`): ``last(sent)`` ends its messages once :meth:`finish`
     is told what was sent (nothing after a failed transfer)."""
 
     call: Any

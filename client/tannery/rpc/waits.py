@@ -1,6 +1,6 @@
 """What the call core asks its client to wait for: the one difference between the two clients.
 
-Every call is written once (:mod:`tannery.calls`, :mod:`tannery.transports`) as a generator of
+Every call is written once (:mod:`tannery.calls.core`, :mod:`tannery.dataplane.transports`) as a generator of
 *steps*. A step that is a :class:`Wait` names something to wait for, and the generator is sent
 its value (or thrown its exception); any other step is an item for the caller (an entry of
 ``fetch_iter``). ``tannery.Client`` waits for each by blocking, ``tannery.aio.Client`` by

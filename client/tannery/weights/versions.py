@@ -4,7 +4,7 @@ copied in place: from the channel as it came, or described and fetched from the 
 
 A version ``N`` of weights ``name`` is the archive ``name/vN`` (:func:`version_archive`),
 with its number in its metadata (:data:`VERSION_KEY`); the alias ``name`` points at the
-newest. These are the call core's steps (:mod:`tannery.waits`): ``tannery.weights`` runs
+newest. These are the call core's steps (:mod:`tannery.rpc.waits`): ``tannery.weights`` runs
 them blocking or awaiting, as the clients run their calls.
 """
 
@@ -17,15 +17,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tannery_protocol.errors import AliasError, ArchiveError, NotFound, ResourceExhausted, Unavailable
-from .records import ArchiveDescription, ArchiveInfo
-from .retention import plan_prune
+from tannery.records import ArchiveDescription, ArchiveInfo
+from tannery.calls.retention import plan_prune
 from tannery_protocol._lazy import lazy_module
-from .state_dict import Rows, TargetPlan, plan_targets, target_tensors
-from .weight_stream import StreamedVersion, version_payloads
-from .waits import Steps
+from tannery.calls.state_dict import Rows, TargetPlan, plan_targets, target_tensors
+from tannery.weights.stream import StreamedVersion, version_payloads
+from tannery.rpc.waits import Steps
 
 if TYPE_CHECKING:
-    from .calls import CallCore
+    from tannery.calls.core import CallCore
 
 torch = lazy_module("torch")
 

@@ -2,7 +2,7 @@
 
 The newest ``keep_last`` archives (by creation time; the name breaks a tie, the later one counting
 as newer) are kept, and so is every archive an alias points at, whatever its age. The rest are
-deleted by the call core (:meth:`tannery.calls.CallCore._prune`) one Delete each; the server
+deleted by the call core (:meth:`tannery.calls.core.CallCore._prune`) one Delete each; the server
 refuses a Delete of an archive an alias points at, so one that an alias reached after the List
 is kept too.
 
@@ -18,7 +18,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from .records import Alias, ArchiveInfo
+from tannery.records import Alias, ArchiveInfo
 
 
 #: The name of a part a ``tannery.dcp`` save stores before its Union (``.rank-N.<id>``, ``.metadata.<id>``).

@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from tannery_protocol import errors, wire
 from tannery_protocol._lazy import lazy_module
 from tannery_protocol.names import join
-from .records import EntryDescription
+from tannery.records import EntryDescription
 from tannery_protocol.v1 import archives_pb2, channels_pb2
 
 if TYPE_CHECKING:
-    from .archive import Archive
+    from tannery.archive import Archive
 
 # Imported where a tensor is sent: List, Describe, Delete and Union never import torch.
 np = lazy_module("numpy")
@@ -96,7 +96,7 @@ def archive_to_store(name: str, value: Any, prefix: str = "", *, skip_non_tensor
         raise errors.InvalidArgument(f"Client.store: the archive's name is a non-empty str, not {name!r}")
     if not isinstance(prefix, str):
         raise TypeError(f"Client.store: prefix is a str, not {type(prefix).__name__}")
-    from .archive import Archive, refuse_non_tensors  # not at import: catalog calls need no archive module
+    from tannery.archive import Archive, refuse_non_tensors  # not at import: catalog calls need no archive module
 
     if isinstance(value, Archive):
         archive, rest = value, prefix
@@ -215,7 +215,7 @@ def publish_messages(
 ) -> Iterator[bytes]:
     """The serialized ``PublishRequest``s of one tensor (a torch tensor or numpy array);
     ``channel`` names the channel in the first (for the call's first tensor)."""
-    from .values import as_tensor
+    from tannery.values import as_tensor
 
     tensor = as_tensor(tensor, f"tensor {index}", "Client.publish")
     for chunk in wire.split_parts(torch_codec.serialize_parts(tensor), chunk_size):

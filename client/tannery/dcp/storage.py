@@ -35,7 +35,7 @@ the process opens its own).
 
 Versions: ``Writer(target, "runs/7/step-3000", alias="runs/7/latest", keep_last=3)`` moves the
 alias to the checkpoint once it is whole, then prunes the run's older checkpoints (see
-:mod:`tannery.dcp_versions`); ``Reader(target, "runs/7/latest")`` resumes from it, every rank
+:mod:`tannery.dcp.versions`); ``Reader(target, "runs/7/latest")`` resumes from it, every rank
 reading the one archive the coordinator resolved.
 """
 
@@ -63,12 +63,12 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
-from .archive import MemoryArchive
-from .client import Client
-from .dcp_versions import Versions
-from .records import Pruned
+from tannery.archive import MemoryArchive
+from tannery.client import Client
+from tannery.dcp.versions import Versions
+from tannery.records import Pruned
 from tannery_protocol.errors import NotFound
-from .requests import entry_ask
+from tannery.rpc.requests import entry_ask
 
 __all__ = ["METADATA_ENTRY", "Reader", "StoredItem", "Writer", "entry_name"]
 
@@ -162,7 +162,7 @@ class Writer(_Base, StorageWriter):
     meanwhile is refused: AliasError, the checkpoint saved, nothing pruned). ``keep_last``
     (optional, 1 or more): then every checkpoint under ``prune_prefix`` (default: the name up
     to its last ``/``) but the newest ``keep_last`` and the aliased ones is deleted;
-    :attr:`pruned` says what was. See :mod:`tannery.dcp_versions`.
+    :attr:`pruned` says what was. See :mod:`tannery.dcp.versions`.
     """
 
     def __init__(self, client_or_target: Client | str | None, archive: str, *, replace: bool = False,

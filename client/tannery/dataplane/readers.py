@@ -1,7 +1,7 @@
 """How the answers of Fetch and Subscribe become Python values, shared by both clients.
 
 The readers turn the chunks of a stream back into tensors, each payload gathered once
-into an aligned buffer that the tensor then shares (:class:`~tannery.gathering.Reframer`
+into an aligned buffer that the tensor then shares (:class:`~tannery.dataplane.gathering.Reframer`
 and :func:`~tannery.torch.deserialize`), or into pieces (:class:`TensorPiece`) that view the
 received messages (:class:`PieceReader`, what ``tannery pull`` writes to files). Small
 entries that came whole, several to a message (``FetchResponse.entries``), are read as
@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 from tannery_protocol import wire
 from tannery_protocol._lazy import lazy_module
 from tannery_protocol.codec import FormatError, byte_buffer, parse
-from .receive_memory import ReceivePool
+from tannery.dataplane.receive_memory import ReceivePool
 from tannery_protocol.framing import Deframer
-from tannery.gathering import Reframer
-from .received import Arrived, TensorPiece
-from .requests import Progress
+from tannery.dataplane.gathering import Reframer
+from tannery.dataplane.received import Arrived, TensorPiece
+from tannery.rpc.requests import Progress
 
 if TYPE_CHECKING:
     import torch

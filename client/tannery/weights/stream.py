@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tannery_protocol._lazy import lazy_module
-from .records import ArchiveDescription, ArchiveInfo, EntryDescription
+from tannery.records import ArchiveDescription, ArchiveInfo, EntryDescription
 
 torch = lazy_module("torch")
 
@@ -81,7 +81,7 @@ class StreamedVersion:
     tensors: dict[str, Any]
 
     def description(self) -> ArchiveDescription:
-        """What :func:`~tannery.state_dict.plan_targets` checks a target against."""
+        """What :func:`~tannery.calls.state_dict.plan_targets` checks a target against."""
         entries = tuple(EntryDescription(name, _dtype_name(t), tuple(t.shape), t.numel() * t.element_size(), 0, "")
                         for name, t in self.tensors.items())
         info = ArchiveInfo(f"{self.name} (version {self.version}, streamed)", len(entries),

@@ -15,7 +15,7 @@ from tannery_protocol._lazy import lazy_module
 from tannery_protocol.codec import ALIGNMENT, DEFAULT_LIMITS, Buffer, Limits, PayloadInfo
 from tannery_protocol.framing import Deframer
 
-from . import receive_memory
+from tannery.dataplane import receive_memory
 
 np = lazy_module("numpy")
 
@@ -60,7 +60,7 @@ EAGER_GATHER = 32 << 20
 #: all of a small payload (the rest of a large one then goes straight into its buffer).
 RECEIVE_HEAD = 64 << 10
 #: Bytes of a gather map faulted in ahead of the data, in one call
-#: (:func:`~tannery.receive_memory.populate_write`).
+#: (:func:`~tannery.dataplane.receive_memory.populate_write`).
 POPULATE_AHEAD = 8 << 20
 
 
