@@ -116,7 +116,7 @@ class Client(CallCore):
         are kept with the archive, committed in the same Store and read back with
         :meth:`files`; at most 32 MiB each and 64 MiB in all (ArchiveError naming the file
         otherwise). They are entries on the server, never listed among the tensors (see
-        :mod:`tannery.formats.archive_files`), so a tensor named ``@file:...`` is refused.
+        :mod:`tannery.calls.archive_files`), so a tensor named ``@file:...`` is refused.
         """
         return _run(self._store(name, value, prefix, replace, progress, metadata, skip_non_tensors, allow_empty,
                                 files))

@@ -50,7 +50,7 @@ def _row_bound(value: object, what: str) -> int:
 
 def _is_whole(description: ArchiveDescription) -> bool:
     """Whether a Describe's answer holds every entry of the archive (else it holds those asked);
-    the files kept with it are entries too (:mod:`tannery.formats.archive_files`)."""
+    the files kept with it are entries too (:mod:`tannery.calls.archive_files`)."""
     return len(description.entries) + len(description.files) == description.info.entries
 
 

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from tannery.dataplane.transports import Feed, Transport
 
 # Imported on first use: catalog calls (tannery ls, show, rm) need none of these.
-_archive_files = lazy_module("tannery.formats.archive_files")
+_archive_files = lazy_module("tannery.calls.archive_files")
 _readers = lazy_module("tannery.dataplane.readers")
 _state_dict = lazy_module("tannery.calls.state_dict")
 _transports = lazy_module("tannery.dataplane.transports")  # with tannery_protocol.datalink: sockets, ssl

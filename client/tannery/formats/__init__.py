@@ -1,2 +1,2 @@
-"""Tensors in files, with no server: safetensors files, the ``.tannic`` checkpoint pair, files
-kept with an archive (a model folder's config and tokenizer), and replacing a file whole."""
+"""Tensors in files, with no server: safetensors files (``tannery.save_safetensors``), the
+``.tannic`` checkpoint pair (``tannery.torch.write``), and replacing a file whole."""

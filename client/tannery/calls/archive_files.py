@@ -11,7 +11,7 @@ from the tensors: a description lists them as ``files``, never as entries, and a
 every entry leaves them out; a Store refuses a tensor named like one. See
 ``docs/model-folders.md``.
 
-Torch-free at import (the records import the naming); torch is read where a tensor is made.
+Torch-free at import (the naming of a kept file's entry is the records'); torch is read where a tensor is made.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from tannery_protocol import errors
 from tannery_protocol._lazy import lazy_module
 
-from tannery.formats.file_entries import MARK, entry_name, is_file_entry, split_entry  # noqa: F401 (this module's face)
+from tannery.records import MARK, entry_name, is_file_entry, split_entry  # noqa: F401 (this module's face)
 
 if TYPE_CHECKING:
     import torch as _torch
