@@ -23,7 +23,6 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tannery_protocol._lazy import lazy_module
-from tannery.dataplane import grpc_streams
 from tannery.calls.core import CallCore
 from tannery.rpc.connection import Connection
 from tannery.records import Alias, ArchiveDescription, ArchiveInfo, Deleted, Pruned, Published, Tagged, Untagged
@@ -42,6 +41,7 @@ if TYPE_CHECKING:  # torch is imported where a tensor is made (tannery.dataplane
 _archive = lazy_module("tannery.archive")
 _readers = lazy_module("tannery.dataplane.readers")
 _remote = lazy_module("tannery.remote")
+grpc_streams = lazy_module("tannery.dataplane.grpc_streams")  # a thread per streaming call
 
 
 class Client(CallCore):
@@ -392,7 +392,7 @@ _WAITS = {
     Sleep: time.sleep,
     Acquire: lambda lock: lock.acquire(),
     Send: _send,
-    Upload: grpc_streams.SyncUpload,
+    Upload: lambda *args: grpc_streams.SyncUpload(*args),
 }
 
 

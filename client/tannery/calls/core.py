@@ -23,15 +23,14 @@ from tannery_protocol._lazy import lazy_module
 from tannery.rpc.connection import Calls, Connection, TLSLike, check_transport, rpc_error
 from tannery.records import Alias, ArchiveDescription, ArchiveInfo, Deleted, Pruned, Published, Tagged, Untagged
 from tannery.rpc.requests import Methods, Progress, archive_to_store, check_tensors, describe_request, list_request, union_request
-from tannery.calls.retention import check_prune, plan_prune
 from tannery.rpc.retries import RetryPolicy, call_name, resumed_request
 from tannery.rpc.waits import Acquire, Blocking, Rpc, Sleep, Steps
-from tannery.calls.watches import Watched
 from tannery_protocol.v1 import archives_pb2
 
 if TYPE_CHECKING:
     import torch
 
+    from tannery.calls.watches import Watched
     from tannery.dataplane.transports import Feed, Transport
 
 # Imported on first use: catalog calls (tannery ls, show, rm) need none of these.
@@ -39,6 +38,8 @@ _archive_files = lazy_module("tannery.calls.archive_files")
 _readers = lazy_module("tannery.dataplane.readers")
 _state_dict = lazy_module("tannery.calls.state_dict")
 _transports = lazy_module("tannery.dataplane.transports")  # with tannery_protocol.datalink: sockets, ssl
+_retention = lazy_module("tannery.calls.retention")
+_watches = lazy_module("tannery.calls.watches")
 
 
 class CallCore:
@@ -335,12 +336,12 @@ class CallCore:
 
     def _watched(self, alias: str, notify: Callable[[], None]) -> Watched:
         """A Watch of ``alias`` (not open yet: its ``pump`` opens it), retried as this client retries."""
-        return Watched(self._calls, alias, self._retries, notify)
+        return _watches.Watched(self._calls, alias, self._retries, notify)
 
     def _prune(self, prefix: str, keep_last: int, dry_run: bool) -> Steps[Pruned]:
-        keep_last = check_prune(prefix, keep_last)
+        keep_last = _retention.check_prune(prefix, keep_last)
         archives = yield from self._list(prefix)
-        plan = plan_prune(archives, (yield from self._aliases("", None)), keep_last)
+        plan = _retention.plan_prune(archives, (yield from self._aliases("", None)), keep_last)
         if dry_run:
             return Pruned(plan.delete, plan.keep, plan.aliased, dry_run=True)
         deleted, kept, aliased = [], list(plan.keep), dict(plan.aliased)

@@ -8,25 +8,27 @@ Publish (each tensor's bytes copied once, into its message, from
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from tannery_protocol import errors, wire
+from tannery_protocol import errors
 from tannery_protocol._lazy import lazy_module
 from tannery_protocol.names import join
 from tannery.records import EntryDescription
 from tannery_protocol.v1 import archives_pb2, channels_pb2
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from tannery.archive import Archive
 
 # Imported where a tensor is sent: List, Describe, Delete and Union never import torch.
 np = lazy_module("numpy")
 torch = lazy_module("torch")
 torch_codec = lazy_module("tannery.torch")
+# Imported where a tensor is sent: the catalog calls (tannery ls) need no encoder.
+wire = lazy_module("tannery_protocol.wire")
 
 #: Called with the number of tensor bytes (payload bytes) just sent or received.
 Progress = Optional[Callable[[int], Any]]
@@ -43,9 +45,9 @@ def _encoded(message: bytes) -> bytes:
 #: :mod:`tannery_protocol.wire`; Fetch and Subscribe answers are decoded as views of the received bytes.
 _HAND_WRITTEN: dict[str, dict[str, Callable]] = {
     "Store": {"request_serializer": _encoded},
-    "Fetch": {"response_deserializer": wire.parse_fetch_response},
+    "Fetch": {"response_deserializer": lambda message: wire.parse_fetch_response(message)},
     "Publish": {"request_serializer": _encoded},
-    "Subscribe": {"response_deserializer": wire.parse_subscribe_response},
+    "Subscribe": {"response_deserializer": lambda message: wire.parse_subscribe_response(message)},
 }
 
 _CALL_KINDS = {(False, False): "unary_unary", (False, True): "unary_stream",
@@ -186,6 +188,8 @@ def store_entries(archive: Archive, prefix: str, digests: bool = False) -> Itera
         for entry, parts in named:
             yield entry, parts, b""
         return
+    from concurrent.futures import ThreadPoolExecutor
+
     with ThreadPoolExecutor(1, thread_name_prefix="tannery-digest") as hashing:
         ahead: tuple[str, list, Future[bytes]] | None = None
         for entry, parts in named:
@@ -198,6 +202,8 @@ def store_entries(archive: Archive, prefix: str, digests: bool = False) -> Itera
 
 
 def _sha256(parts: Sequence[Any]) -> bytes:
+    import hashlib
+
     digest = hashlib.sha256()
     for part in parts:
         digest.update(memoryview(part).cast("B"))

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -40,6 +39,12 @@ log = logging.getLogger("tannery.client")
 #: Retries after the first attempt unless ``retries=`` or ``TANNERY_RETRIES`` say otherwise.
 DEFAULT_RETRIES = 5
 ENV = "TANNERY_RETRIES"
+
+
+def _uniform(low: float, high: float) -> float:
+    import random  # not at import: a command that is never retried needs none
+
+    return random.uniform(low, high)
 
 
 @dataclass(frozen=True)
@@ -80,7 +85,7 @@ class RetryPolicy:
 
     def delay(self, retry: int) -> float:
         """Seconds to wait before retry number ``retry`` (0 for the first)."""
-        return min(self.max_delay, self.first_delay * 2 ** retry) * random.uniform(0.5, 1.0)
+        return min(self.max_delay, self.first_delay * 2 ** retry) * _uniform(0.5, 1.0)
 
     def next_delay(self, retry: int, what: str, error: BaseException) -> float:
         """The pause before retry ``retry`` of ``what`` after ``error``, logged; ``error``
