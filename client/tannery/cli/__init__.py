@@ -58,7 +58,7 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every client subcommand (``serve`` is listed; its own parser is the server's)."""
-    from . import aliases, archive_args, channels
+    from .commands import add_commands
 
     parser = argparse.ArgumentParser(prog="tannery", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=_Formatter)
@@ -72,9 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                         add_help=False)
     commands.add_parser("migrate", help="copy a data directory into a PostgreSQL catalog and a bucket "
                         "(tannery migrate --help)", add_help=False)
-    archive_args.add_commands(commands, common, _Formatter)
-    aliases.add_commands(commands, common, _Formatter)
-    channels.add_commands(commands, common, _Formatter)
+    add_commands(commands, common, _Formatter)
     return parser
 
 

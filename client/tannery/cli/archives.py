@@ -2,7 +2,7 @@
 
 Each ``cmd_*`` function runs one subcommand and returns its exit status; torch-facing
 modules are imported inside them, so building the parser imports no torch. Their arguments
-and help are in :mod:`.archive_args`; the files of a model folder, in :mod:`.model_files`.
+and help are in :mod:`.commands`; the files of a model folder, in :mod:`.model_files`.
 """
 
 from __future__ import annotations
@@ -323,22 +323,5 @@ def _split_names(text: str) -> list[str]:
     return names
 
 
-def name_arg(text: str) -> str:
-    """An archive, entry or channel name on the command line: not empty."""
-    if not text:
-        raise argparse.ArgumentTypeError("a name cannot be empty")
-    return text
-
-
 def _entries(count: int) -> str:
     return f"{count} entr{'y' if count == 1 else 'ies'}"
-
-
-def subcommand(commands: Any, common: argparse.ArgumentParser, formatter: type,
-               name: str, help: str, description: str, examples: str, run: Any) -> argparse.ArgumentParser:
-    """Register subcommand ``name`` on ``commands`` (a subparsers action): its help line, its
-    description, its examples and the function that runs it; the parser, for its arguments."""
-    parser = commands.add_parser(name, help=help, description=description, parents=[common],
-                                 epilog="examples:\n" + examples, formatter_class=formatter)
-    parser.set_defaults(run=run)
-    return parser
