@@ -11,14 +11,13 @@
 Every failure raises a tannery exception with the server's message (``NotFound``,
 ``ArchiveError``, ``FormatError``, ``Unavailable``, ...; see :mod:`tannery_protocol.errors`); no
 ``grpc.RpcError`` escapes. The asyncio twin is :mod:`tannery.aio`. Both are the call core
-(:mod:`tannery.calls.core`, which calls the chosen :mod:`tannery.dataplane.transports`); this module only
-waits for what the core asks (:mod:`tannery.rpc.waits`), by blocking.
+(:mod:`tannery.calls.core`, which calls the chosen :mod:`tannery.dataplane.transports`); this module
+runs its steps by blocking (:func:`tannery.calls.running.run`).
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +26,8 @@ from tannery.calls.core import CallCore
 from tannery.rpc.connection import Connection
 from tannery.records import Alias, ArchiveDescription, ArchiveInfo, Deleted, Pruned, Published, Tagged, Untagged
 from tannery.rpc.requests import Progress, fetch_request
-from tannery.rpc.waits import END, Acquire, Blocking, Driven, Read, Rpc, Send, Sleep, Status, Steps, Upload, Wait
+from tannery.rpc.waits import END
+from tannery.calls.running import iterate as _iterate, run as _run
 
 if TYPE_CHECKING:  # torch is imported where a tensor is made (tannery.dataplane.readers, tannery.rpc.requests)
     import torch
@@ -41,7 +41,6 @@ if TYPE_CHECKING:  # torch is imported where a tensor is made (tannery.dataplane
 _archive = lazy_module("tannery.archive")
 _readers = lazy_module("tannery.dataplane.readers")
 _remote = lazy_module("tannery.remote")
-grpc_streams = lazy_module("tannery.dataplane.grpc_streams")  # a thread per streaming call
 
 
 class Client(CallCore):
@@ -340,60 +339,6 @@ class Watch:
 
     def __del__(self) -> None:
         self.close()
-
-
-# -- waiting, by blocking ---------------------------------------------------------------------
-
-
-def _run(steps: Steps[Any]) -> Any:
-    """The result of the core's ``steps``, each wait waited here."""
-    driven = Driven(steps)
-    for item in _drive(driven):
-        raise TypeError(f"the steps of a call gave an item: {item!r}")
-    return driven.value
-
-
-def _iterate(steps: Steps[Any]) -> Iterator[Any]:
-    """The items of the core's ``steps`` (a Fetch's entries); leaving early ends them."""
-    return _drive(Driven(steps))
-
-
-def _drive(driven: Driven) -> Iterator[Any]:
-    try:
-        for step in driven:
-            if not isinstance(step, Wait):
-                yield step
-                continue
-            try:
-                driven.answer(_WAITS[type(step)](step.fn, *step.args, **step.kwargs))
-            except BaseException as error:
-                driven.fail(error)
-    finally:
-        driven.close()
-
-
-def _status(call: Any, timeout: float) -> tuple[Any, Any, Any] | None:
-    deadline = time.monotonic() + timeout
-    while not call.done() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return (call.code(), call.details(), call.trailing_metadata()) if call.done() else None
-
-
-def _send(method: Any, messages: Iterable[bytes], options: dict[str, Any], target: str, off_loop: bool = False) -> Any:
-    return grpc_streams.send(method, messages, options, target)
-
-
-#: How each wait of :mod:`tannery.rpc.waits` is waited for: by blocking.
-_WAITS = {
-    Rpc: lambda fn, *args, **kwargs: fn(*args, **kwargs),
-    Blocking: lambda fn, *args: fn(*args),
-    Read: lambda call: next(call, END),
-    Status: _status,
-    Sleep: time.sleep,
-    Acquire: lambda lock: lock.acquire(),
-    Send: _send,
-    Upload: lambda *args: grpc_streams.SyncUpload(*args),
-}
 
 
 __all__ = ["Client", "LinkSubscription", "Subscription", "Watch"]

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Ma
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from tannery_protocol import errors
+from tannery_protocol import errors, wire
 from tannery_protocol._lazy import lazy_module
 from tannery_protocol.names import join
 from tannery.records import EntryDescription
@@ -27,8 +27,6 @@ if TYPE_CHECKING:
 np = lazy_module("numpy")
 torch = lazy_module("torch")
 torch_codec = lazy_module("tannery.torch")
-# Imported where a tensor is sent: the catalog calls (tannery ls) need no encoder.
-wire = lazy_module("tannery_protocol.wire")
 
 #: Called with the number of tensor bytes (payload bytes) just sent or received.
 Progress = Optional[Callable[[int], Any]]
@@ -45,9 +43,9 @@ def _encoded(message: bytes) -> bytes:
 #: :mod:`tannery_protocol.wire`; Fetch and Subscribe answers are decoded as views of the received bytes.
 _HAND_WRITTEN: dict[str, dict[str, Callable]] = {
     "Store": {"request_serializer": _encoded},
-    "Fetch": {"response_deserializer": lambda message: wire.parse_fetch_response(message)},
+    "Fetch": {"response_deserializer": wire.parse_fetch_response},
     "Publish": {"request_serializer": _encoded},
-    "Subscribe": {"response_deserializer": lambda message: wire.parse_subscribe_response(message)},
+    "Subscribe": {"response_deserializer": wire.parse_subscribe_response},
 }
 
 _CALL_KINDS = {(False, False): "unary_unary", (False, True): "unary_stream",

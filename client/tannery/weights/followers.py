@@ -43,8 +43,7 @@ from typing import TYPE_CHECKING, Any, Awaitable
 
 from tannery_protocol.errors import ArchiveError, NotFound
 from tannery.weights.sources import AGAIN, FIRST_VERSION_POLL_SECONDS, Newest, Pauses
-from tannery.aio import _run as run_async
-from tannery.client import _run as run_blocking
+from tannery.calls.running import run as run_blocking, run_async
 from tannery.rpc.waits import END, Blocking, Rpc, Steps
 from tannery.weights.stream import Assembler, StreamedVersion
 from tannery.weights.versions import Applied, Following, Pushed, Pushing, apply_steps, apply_streamed, push_steps

@@ -136,7 +136,7 @@ class Pushing:
 
 def push_steps(core: CallCore, pushing: Pushing, state: Any, version: int) -> Steps[Pushed]:
     """Push version ``version`` of ``state``: with ``pushing.stream``, first on the channel of
-    the weights' name to the followers running now (whole or not at all: :mod:`.weight_stream`);
+    the weights' name to the followers running now (whole or not at all: :mod:`.stream`);
     then stored as an archive (whole or not at all), the alias moved onto it if it still points
     where this publisher left it (AliasError naming where it points otherwise: another
     publisher), and all but the newest ``pushing.keep`` versions deleted (None: keep every one).
