@@ -871,7 +871,7 @@ def test_a_dns_target_spreads_calls_over_every_address_round_robin():
 
 
 def test_store_entries_give_each_payloads_sha256_when_asked():
-    from tannery.rpc.requests import store_entries, store_messages
+    from tannery.dataplane.messages import store_entries, store_messages
 
     tensors = {"b": torch.arange(10, dtype=torch.int16), "a": torch.randn(3, 4), "c": torch.tensor(True)}
     archive = tannery.Archive.of_value(tensors)

@@ -35,7 +35,7 @@ from tannery.records import Alias, ArchiveDescription, ArchiveInfo, Deleted, Pru
 from tannery.remote import AsyncRemoteArchive
 from tannery.rpc.requests import Progress, fetch_request
 from tannery.calls.watches import Watched
-from tannery.rpc.waits import END, Driven
+from tannery.rpc.waits import END, Driven, Steps
 from tannery.calls.running import drive_async as _drive, run_async as _run
 
 if TYPE_CHECKING:  # torch is imported where a tensor is made (tannery.dataplane.readers, tannery.rpc.requests)

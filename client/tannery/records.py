@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tannery_protocol.codec import format_shape
 from tannery_protocol.v1 import archives_pb2, channels_pb2
 from tannery_protocol.names import SEPARATOR, join
 
@@ -89,6 +88,8 @@ class EntryDescription:
         return TensorInfo(self.dtype, self.shape, self.nbytes)
 
     def __str__(self) -> str:
+        from tannery_protocol.codec import format_shape  # not at import: tannery ls formats no shape
+
         return f"{self.name}: {self.dtype} {format_shape(self.shape)}"
 
 

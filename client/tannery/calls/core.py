@@ -22,7 +22,7 @@ from tannery_protocol import errors
 from tannery_protocol._lazy import lazy_module
 from tannery.rpc.connection import Calls, Connection, TLSLike, check_transport, rpc_error
 from tannery.records import Alias, ArchiveDescription, ArchiveInfo, Deleted, Pruned, Published, Tagged, Untagged
-from tannery.rpc.requests import Methods, Progress, archive_to_store, check_tensors, describe_request, list_request, union_request
+from tannery.rpc.requests import Methods, Progress, describe_request, list_request, union_request
 from tannery.rpc.retries import RetryPolicy, call_name, resumed_request
 from tannery.rpc.waits import Acquire, Blocking, Rpc, Sleep, Steps
 from tannery_protocol.v1 import archives_pb2
@@ -38,6 +38,7 @@ _archive_files = lazy_module("tannery.calls.archive_files")
 _readers = lazy_module("tannery.dataplane.readers")
 _state_dict = lazy_module("tannery.calls.state_dict")
 _transports = lazy_module("tannery.dataplane.transports")  # with tannery_protocol.datalink: sockets, ssl
+_messages = lazy_module("tannery.dataplane.messages")
 _retention = lazy_module("tannery.calls.retention")
 _watches = lazy_module("tannery.calls.watches")
 
@@ -176,7 +177,7 @@ class CallCore:
     def _store(self, name: str, value: Any, prefix: str, replace: bool, progress: Progress,
                metadata: Mapping[str, str] | None, skip_non_tensors: bool, allow_empty: bool,
                files: Mapping[str, bytes] | None = None) -> Steps[ArchiveInfo]:
-        archive, rest = archive_to_store(name, value, prefix, skip_non_tensors=skip_non_tensors,
+        archive, rest = _messages.archive_to_store(name, value, prefix, skip_non_tensors=skip_non_tensors,
                                          allow_empty=allow_empty or bool(files))
         where = f"Client.store({name!r})"
         _archive_files.refuse_file_names(archive, where)
@@ -359,7 +360,7 @@ class CallCore:
     # -- channels ------------------------------------------------------------------------
 
     def _publish(self, channel: str, tensors: Iterable[Any], progress: Progress) -> Steps[Published]:
-        check_tensors(tensors)
+        _messages.check_tensors(tensors)
         transport = yield from self._transport_now()
         return Published.of((yield from transport.publish(self._calls, channel, tensors, progress)))
 

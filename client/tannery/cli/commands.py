@@ -10,8 +10,6 @@ import functools
 import importlib
 from typing import Any
 
-from tannery_protocol.codec import WRITER_CODES
-
 JSON = "print JSON (keys above)"
 
 JSON_PUSH = ("push --json prints {name, entries, nbytes, payload_bytes, created (ISO 8601 UTC), already_stored, "
@@ -115,7 +113,7 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
         "  tannery push model.safetensors --as resnet50\n"
         "  tannery push ./llama-3-8b/ --as llama3\n"
         "  tannery push encoder.pt --as bert --prefix encoder --replace\n",
-        "archives.cmd_push",
+        "transfers.cmd_push",
         option("file", metavar="FILE", help="the checkpoint file, or a Hugging Face checkpoint folder"),
         option("--as", dest="name", metavar="NAME", type=name_arg, required=True, help="the archive's name"),
         option("--prefix", metavar="P", default="", help="store every entry under P (w becomes P.w)"),
@@ -140,7 +138,7 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
         "  tannery pull bert -o encoder.safetensors --prefix encoder\n"
         "  tannery pull bert -o two.tannic --names encoder.w,encoder.b\n"
         "  tannery pull llama3 -o ./llama-3-8b/ --max-shard-size 5GB\n",
-        "archives.cmd_pull",
+        "transfers.cmd_pull",
         name("name", "NAME", "the archive"),
         option("-o", "--output", metavar="FILE", required=True,
                help="the file to write (.safetensors or .tannic); missing directories are created"),
@@ -151,7 +149,7 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
     which = pull.add_mutually_exclusive_group()
     which.add_argument("--prefix", metavar="P", help="only the entries under P (P itself and P.*)")
     which.add_argument("--names", metavar="A,B", help="only these entries, comma-separated")
-    pull.add_argument("--codes", choices=WRITER_CODES, default="seed",
+    pull.add_argument("--codes", choices=("seed", "cpp"), default="seed",  # codec.WRITER_CODES, which check_codes holds to
                       help="dtype codes of a .tannic pair: 'seed' (default; pytannic's, complex64/128 as 37/38) "
                            "or 'cpp' (Tannic C++'s, complex64/128 as 35/36, what a C++ Tannic program reads)")
 
@@ -180,7 +178,7 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
         "finite elements; NaN and Inf counts for floats) and a short preview; -o also writes it to a .npy "
         "(numpy) or .pt (torch.save) file. Only that entry is transferred. " + JSON_GET,
         "  tannery get resnet50 fc.weight\n  tannery get resnet50 fc.bias -o bias.npy --json\n",
-        "archives.cmd_get",
+        "transfers.cmd_get",
         name("name", "NAME", "the archive"),
         name("entry", "ENTRY", "the entry's full name"),
         option("-o", "--output", metavar="FILE",

@@ -37,7 +37,8 @@ from tannery_protocol import errors
 from tannery.rpc.connection import TRANSPORTS, Calls, check_transport, rpc_error, service_error
 from tannery_protocol.datalink import TICKET_KEY, TRANSPORT_KEY, LinkError, PeerFailed
 from tannery.dataplane.links import Route, coded, connect_call, link_failure, next_published, publish_over, receive_fetch, send_store
-from tannery.rpc.requests import Progress, publish_stream, store_begin, store_entries, store_messages
+from tannery.dataplane.messages import publish_stream, store_begin, store_entries, store_messages
+from tannery.rpc.requests import Progress
 from tannery.rpc.waits import END, Blocking, Read, Rpc, Send, Status, Steps, Upload
 from tannery_protocol.v1 import archives_pb2, channels_pb2
 from tannery_protocol.wire import ABANDONED, encode_publish_request, encode_store_commit, encode_store_request
