@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 import grpc
 
-from tannery.links import Route
+from tannery.dataplane.links import Route
 from tannery_protocol import codec
 from tannery_protocol.datalink import TICKET_KEY, TRANSPORT_KEY, Link, expect, frame
 from tannery_protocol.v1 import archives_pb2, archives_pb2_grpc, channels_pb2, channels_pb2_grpc

@@ -515,7 +515,7 @@ def test_dotted_names():
 
 
 def test_the_names_module_needs_no_torch():
-    code = "import sys, tannery_protocol.names, tannery.safetensors_format; sys.exit('torch' in sys.modules)"
+    code = "import sys, tannery_protocol.names, tannery.formats.safetensors_format; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 

@@ -18,9 +18,9 @@ import torch
 
 import tannery
 from tannery import Archive, ArchiveError, load_safetensors, load_tannic, save_safetensors, save_tannic
-from tannery import checkpoint
+from tannery.formats import checkpoint
 from tannery_protocol.codec import DTYPES, FormatError
-from tannery.safetensors_format import CODES, encode_header
+from tannery.formats.safetensors_format import CODES, encode_header
 
 SAFETENSORS_NAMES = [name for name in DTYPES if name != "complex128"]
 

@@ -22,7 +22,7 @@ import torch
 
 import tannery
 import tannery.aio
-from tannery import requests as client_requests
+from tannery.rpc import requests as client_requests
 from tannery.torch import buffer_of, serialize
 from tannery_protocol import errors, wire
 from tannery_protocol.v1 import archives_pb2 as pb

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from tannery_protocol import codec, framing
-from tannery import gathering
+from tannery.dataplane import gathering
 from tannery.torch import deserialize, serialize
 from tannery_protocol.v1 import channels_pb2, channels_pb2_grpc
 from tannery_server.channels import ChannelsServicer, add_to_server

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from tannery_protocol import codec
-from tannery import checkpoint
+from tannery.formats import checkpoint
 from tannery import torch as tt
-from tannery.checkpoint import ENTRY, PairEntry, parse_metadata
+from tannery.formats.checkpoint import ENTRY, PairEntry, parse_metadata
 from tannery_protocol.codec import FormatError
 
 from .conftest import peer

@@ -473,7 +473,7 @@ def test_malformed_files_are_one_line_errors(cli: Cli, tmp_path: Path) -> None:
     err = cli.fails("push", str(mismatch), "--as", "t")
     assert "mismatch.safetensors" in err and "[4, 4]" in err
 
-    from tannery.checkpoint import file_header
+    from tannery.formats.checkpoint import file_header
 
     (tmp_path / "lonely.tannic").write_bytes(file_header(0))  # a data file without its metadata file
     assert "lonely.metadata.tannic" in cli.fails("push", str(tmp_path / "lonely.tannic"), "--as", "t")

@@ -26,8 +26,8 @@ import torch
 import tannery
 import tannery.aio
 from tannery_protocol import codec, wire
-from tannery import grpc_streams
-from tannery.readers import EntryReader
+from tannery.dataplane import grpc_streams
+from tannery.dataplane.readers import EntryReader
 from tannery.remote import AsyncRemoteArchive
 from tannery.torch import serialize
 from tannery_protocol.v1 import archives_pb2
@@ -478,7 +478,7 @@ def test_a_remote_archive_replaced_after_it_was_opened_is_refused_not_misread(cl
 
 
 def test_the_call_table_has_every_rpc_of_both_services_and_the_hand_written_codecs():
-    from tannery.requests import Methods
+    from tannery.rpc.requests import Methods
     from tannery_protocol.v1 import channels_pb2
 
     class Recording:
@@ -854,7 +854,7 @@ def test_bad_tls_settings_are_named(tmp_path, connect):
 def test_the_servers_certificate_variables_do_not_become_the_clients():
     """The server reads TANNERY_TLS_CERT/KEY as its own certificate; a client in the same
     shell must not present it (the client's are TANNERY_CLIENT_CERT/KEY)."""
-    from tannery.connection import Connection
+    from tannery.rpc.connection import Connection
 
     server_env = {"TANNERY_TLS_CERT": "server.pem", "TANNERY_TLS_KEY": "server.key"}
     assert Connection(env=server_env).tls is None
@@ -864,14 +864,14 @@ def test_the_servers_certificate_variables_do_not_become_the_clients():
 
 
 def test_a_dns_target_spreads_calls_over_every_address_round_robin():
-    from tannery.connection import Connection
+    from tannery.rpc.connection import Connection
 
     assert ("grpc.lb_policy_name", "round_robin") in Connection("dns:///tannery.internal:50051").options()
     assert not any(key == "grpc.lb_policy_name" for key, _ in Connection("127.0.0.1:50051").options())
 
 
 def test_store_entries_give_each_payloads_sha256_when_asked():
-    from tannery.requests import store_entries, store_messages
+    from tannery.dataplane.messages import store_entries, store_messages
 
     tensors = {"b": torch.arange(10, dtype=torch.int16), "a": torch.randn(3, 4), "c": torch.tensor(True)}
     archive = tannery.Archive.of_value(tensors)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tannery import gathering
+from tannery.dataplane import gathering
 from tannery_protocol import codec, framing
 from tannery_protocol.codec import (
     DEFAULT_LIMITS,
@@ -30,7 +30,7 @@ from tannery_protocol.codec import (
     to_numpy,
 )
 from tannery_protocol.framing import Deframer
-from tannery.gathering import Reframer
+from tannery.dataplane.gathering import Reframer
 
 # The dtype table of issue 2, written out by hand rather than read back from the module.
 CODES = {
@@ -625,7 +625,7 @@ def test_reframer_close_inside_a_payload():
 def test_codec_does_not_import_torch():
     import subprocess
 
-    code = "import sys, tannery_protocol.codec, tannery.checkpoint, tannery_protocol.errors; assert 'torch' not in sys.modules"
+    code = "import sys, tannery_protocol.codec, tannery.formats.checkpoint, tannery_protocol.errors; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -17,10 +17,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tannery_protocol import codec
-from tannery import checkpoint
+from tannery.formats import checkpoint
 from tannery_protocol.codec import DTYPES, FormatError, Limits, encode_numpy, encode_prefix, parse, to_numpy
 from tannery_protocol.framing import Deframer
-from tannery.gathering import Reframer
+from tannery.dataplane.gathering import Reframer
 
 torch = pytest.importorskip("torch")
 from tannery import torch as tt  # noqa: E402

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from tannery_protocol import codec
-from tannery import checkpoint, load_tannic
+from tannery.formats import checkpoint
+from tannery import load_tannic
 from tannery import torch as tt
 
 from .test_cli import Cli
@@ -164,7 +165,7 @@ def test_numpy_payloads_and_saved_pairs_take_codes_too(tmp_path):
 
     from tannery_protocol import codec
     from tannery.archive import MemoryArchive
-    from tannery.files import save_tannic
+    from tannery.formats.files import save_tannic
 
     array = np.arange(6, dtype=np.complex64)
     assert codec.encode_numpy(array, codes="cpp") != codec.encode_numpy(array)

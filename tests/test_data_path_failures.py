@@ -25,7 +25,7 @@ import torch
 
 import tannery
 from tannery_protocol.datalink import TICKET_KEY, TRANSPORT_KEY, Link, LinkError, PeerFailed, connect_unix, expect, frame
-from tannery.links import receive_fetch
+from tannery.dataplane.links import receive_fetch
 from tannery_protocol.v1 import archives_pb2
 from tannery.torch import serialize
 from tannery_protocol.v1.data_pb2 import DataEnd, EntryBytes, Hello, SealedPiece

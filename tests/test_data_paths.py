@@ -666,7 +666,7 @@ def test_a_tls_store_refused_while_its_bytes_still_arrive_gets_its_reason_and_th
     """The server refuses a payload's bytes while its receiving thread still reads the TLS
     connection: the thread is stopped before the failure frame is written, so the client
     reads the reason intact, and the next Store on the port works."""
-    from tannery import transports
+    from tannery.dataplane import transports
     from tannery_protocol.datalink import expect, frame
     from tannery_protocol.v1.data_pb2 import EntryBytes
 

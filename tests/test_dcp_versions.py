@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 
 import tannery
 import tannery.dcp
-from tannery.retention import is_save_part
+from tannery.calls.retention import is_save_part
 from tests.server_harness import running_server
 from tests.test_dcp import TIMEOUT, _full, _init, _sharded
 from tests.test_dcp_async import _run

@@ -20,7 +20,7 @@ import tannery
 import tannery.aio
 from tannery_protocol import wire
 from tannery import load_tannic
-from tannery.readers import PieceReader
+from tannery.dataplane.readers import PieceReader
 from tannery.cli import main
 from tannery.cli.checkpoint_writer import CheckpointWriter
 from tannery.cli.errors import CommandError

@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tannery import gathering, receive_memory
+from tannery.dataplane import gathering, receive_memory
 from tannery_protocol import codec, framing
 from tannery_protocol.codec import DTYPES, encode_prefix, parse, to_numpy
-from tannery.gathering import Reframer
+from tannery.dataplane.gathering import Reframer
 
 MiB = 1 << 20
 

@@ -18,7 +18,7 @@ import torch
 
 import tannery.aio
 from tannery import Client
-from tannery.archive_files import MAX_FILE_BYTES, file_bytes
+from tannery.calls.archive_files import MAX_FILE_BYTES, file_bytes
 from tannery.records import FileDescription
 from tannery_protocol.errors import ArchiveError, DataLoss
 

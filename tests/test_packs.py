@@ -183,7 +183,7 @@ def test_same_host_small_payloads_go_on_the_connection_itself_only_with_a_server
     """A memory file per small payload (Store) or the pack passed once per entry (Fetch) costs more
     than the bytes: they go inline, but only to and from a server that says it reads them (one
     that does not, ``batched_entries`` off, gets memory files and sends files, as before)."""
-    from tannery import links
+    from tannery.dataplane import links
 
     sealed, mapped = [], []
     send_sealed, map_entry = links._send_sealed, links._mapped

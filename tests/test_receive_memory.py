@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import tannery
-from tannery import gathering
-from tannery import receive_memory
-from tannery.receive_memory import ReceivePool
+from tannery.dataplane import gathering
+from tannery.dataplane import receive_memory
+from tannery.dataplane.receive_memory import ReceivePool
 from tannery_protocol import codec
 from tannery_protocol.codec import DTYPES, encode_prefix
 

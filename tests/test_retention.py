@@ -1,11 +1,11 @@
-"""What a prune deletes and keeps (tannery.retention), decided from one List and the aliases."""
+"""What a prune deletes and keeps (tannery.calls.retention), decided from one List and the aliases."""
 
 from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 
 from tannery.records import Alias, ArchiveInfo
-from tannery.retention import is_save_part, plan_prune
+from tannery.calls.retention import is_save_part, plan_prune
 
 T0 = datetime(2026, 12, 3, tzinfo=timezone.utc)
 

@@ -18,7 +18,7 @@ import torch
 
 import tannery
 import tannery.aio
-from tannery.retries import RetryPolicy, resumed_request
+from tannery.rpc.retries import RetryPolicy, resumed_request
 from tannery_protocol.v1 import archives_pb2 as pb
 
 from .server_harness import ServerProcess, free_port

@@ -99,12 +99,12 @@ def test_the_replica_asks_for_digests_ahead_and_an_embedded_server_does_not(repl
 @pytest.mark.parametrize("backend", ["replica", "embedded"])
 def test_a_payload_that_is_not_the_digest_sent_ahead_of_it_stores_nothing(request, tmp_path, monkeypatch,
                                                                          backend, transport):
-    import tannery.requests
+    import tannery.dataplane.messages
 
     server = (request.getfixturevalue("replica") if backend == "replica"
               else request.getfixturevalue("embedded_server"))
     wrong = __import__("hashlib").sha256(b"something else").digest()
-    monkeypatch.setattr(tannery.requests, "_sha256", lambda parts: wrong)
+    monkeypatch.setattr(tannery.dataplane.messages, "_sha256", lambda parts: wrong)
     monkeypatch.setattr(tannery.Client, "_wants_digests", lambda self: True)  # the embedded server checks too
     with tannery.Client(server.target, transport=transport) as client:
         with pytest.raises(tannery.InvalidArgument) as caught:
@@ -123,7 +123,7 @@ def test_the_asyncio_client_sends_digests_ahead_too(replica, monkeypatch, transp
     import asyncio
 
     import tannery.aio
-    import tannery.requests
+    import tannery.dataplane.messages
 
     async def store(tensors) -> None:
         async with tannery.aio.Client(replica.target, transport=transport) as client:
@@ -131,11 +131,11 @@ def test_the_asyncio_client_sends_digests_ahead_too(replica, monkeypatch, transp
 
     tensors = state(6)
     wrong = bytes(32)
-    real = tannery.requests._sha256
-    monkeypatch.setattr(tannery.requests, "_sha256", lambda parts: wrong)
+    real = tannery.dataplane.messages._sha256
+    monkeypatch.setattr(tannery.dataplane.messages, "_sha256", lambda parts: wrong)
     with pytest.raises(tannery.InvalidArgument, match="entry 'big': its .* not to 0{64}"):
         asyncio.run(store(tensors))
-    monkeypatch.setattr(tannery.requests, "_sha256", real)
+    monkeypatch.setattr(tannery.dataplane.messages, "_sha256", real)
     asyncio.run(store(tensors))
     with tannery.Client(replica.target) as client:
         assert same(client.fetch("m"), tensors)
@@ -144,7 +144,7 @@ def test_the_asyncio_client_sends_digests_ahead_too(replica, monkeypatch, transp
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_streamed_payload_goes_to_its_digest_key_with_no_copy_and_a_wrong_one_leaves_no_upload(
         tmp_path, postgres_url, s3_url, monkeypatch, transport):
-    import tannery.requests
+    import tannery.dataplane.messages
 
     # A grace period longer than the test: the sweeper leaves the uploads in progress alone.
     with running_server(tmp_path, catalog=postgres_url, blobs=s3_url, **{**SHORT, "gc_grace_seconds": 60.0}) as replica:
@@ -165,7 +165,7 @@ def test_a_streamed_payload_goes_to_its_digest_key_with_no_copy_and_a_wrong_one_
             assert not {"CreateMultipartUpload", "UploadPart", "PutObject"} & set(made)
             assert same(client.fetch("again"), tensors)
             made.clear()
-            monkeypatch.setattr(tannery.requests, "_sha256", lambda parts: bytes(32))
+            monkeypatch.setattr(tannery.dataplane.messages, "_sha256", lambda parts: bytes(32))
             with pytest.raises(tannery.InvalidArgument, match="entry 'a'"):
                 client.store("wrong", {"a": torch.randn(3 << 20)})
         assert "CreateMultipartUpload" in made and "AbortMultipartUpload" in made

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tannery_protocol import codec, framing
-from tannery import gathering
+from tannery.dataplane import gathering
 from tannery import torch as tt
 from tannery_protocol.codec import FormatError
 

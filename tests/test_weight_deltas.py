@@ -20,9 +20,9 @@ import torch
 
 import tannery
 import tannery.aio
-from tannery.weight_deltas import DELTA_LIMIT, Base, apply_changes, diff_entry, diff_version
-from tannery.weight_stream import DELTA, Assembler, delta_payloads, version_payloads
-from tannery.weight_versions import PUSH_KEY
+from tannery.weights.deltas import DELTA_LIMIT, Base, apply_changes, diff_entry, diff_version
+from tannery.weights.stream import DELTA, Assembler, delta_payloads, version_payloads
+from tannery.weights.versions import PUSH_KEY
 from tannery.weights import AsyncFollower, AsyncPublisher, Follower, Publisher
 
 from .server_harness import running_server
@@ -209,7 +209,7 @@ def test_a_delta_damaged_on_the_way_is_undone_logged_and_the_version_taken_whole
 TRAINER = """
 import sys, time, torch, tannery
 from tannery.weights import Publisher
-from tannery.weight_stream import delta_payloads
+from tannery.weights.stream import delta_payloads
 from tests.weights_worker import RLTrainer
 trainer = RLTrainer(seed=0)
 with tannery.Client(sys.argv[1], transport="grpc") as client:

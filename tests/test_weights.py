@@ -183,7 +183,7 @@ def test_a_follower_without_the_channel_takes_every_version_from_the_store(srv):
 
 
 def test_the_assembler_hands_out_only_whole_versions_of_one_push():
-    from tannery.weight_stream import Assembler, version_payloads
+    from tannery.weights.stream import Assembler, version_payloads
 
     state = {"a": torch.ones(3), "b": torch.zeros(2, 2)}
     assembler = Assembler("w")
@@ -216,7 +216,7 @@ def test_a_trainer_started_again_that_pushes_a_number_once_more_brings_every_fol
         Publisher(client, "policy").push(step(trainer, 0.1), 0)
         with Follower(client, "policy", worker) as follower:
             assert next(follower).version == 0
-            from tannery.weight_stream import version_payloads
+            from tannery.weights.stream import version_payloads
 
             lost = step(trainer, 0.1)
             client.publish("policy", version_payloads(1, "the-killed-push", lost))  # streamed, never stored

@@ -11,11 +11,11 @@
                 ...
 
 Create it inside the event loop that uses it. Every call is the call core's
-(:mod:`tannery.calls`), as for the synchronous client; this module only waits for what the
-core asks (:mod:`tannery.waits`), by awaiting: gRPC's asyncio API, and worker threads
-(``asyncio.to_thread``) for what blocks (a data connection's bytes). The workarounds that
-grpc.aio needs (grpc/grpc#36066's overwritten status among them) are in
-:mod:`tannery.grpc_streams`.
+(:mod:`tannery.calls.core`), as for the synchronous client; this module only waits for what the
+core asks (:mod:`tannery.rpc.waits`), by awaiting (:func:`tannery.calls.running.run_async`):
+gRPC's asyncio API, and worker threads (``asyncio.to_thread``) for what blocks (a data connection's
+bytes). The workarounds that grpc.aio needs (grpc/grpc#36066's overwritten status among them) are in
+:mod:`tannery.dataplane.grpc_streams`.
 """
 
 from __future__ import annotations
@@ -26,22 +26,22 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from .archive import Archive, MemoryArchive
-from .calls import CallCore
-from .connection import Connection
-from .grpc_streams import AioUpload, aio_send
-from .readers import EntryReader, PieceReader
-from .received import TensorPiece
-from .records import Alias, ArchiveDescription, ArchiveInfo, Deleted, Pruned, Published, Tagged, Untagged
-from .remote import AsyncRemoteArchive
-from .requests import Progress, fetch_request
-from .watches import Watched
-from .waits import END, Acquire, Blocking, Driven, Read, Rpc, Send, Sleep, Status, Steps, Upload, Wait
+from tannery.archive import Archive, MemoryArchive
+from tannery.calls.core import CallCore
+from tannery.rpc.connection import Connection
+from tannery.dataplane.readers import EntryReader, PieceReader
+from tannery.dataplane.received import TensorPiece
+from tannery.records import Alias, ArchiveDescription, ArchiveInfo, Deleted, Pruned, Published, Tagged, Untagged
+from tannery.remote import AsyncRemoteArchive
+from tannery.rpc.requests import Progress, fetch_request
+from tannery.calls.watches import Watched
+from tannery.rpc.waits import END, Driven, Steps
+from tannery.calls.running import drive_async as _drive, run_async as _run
 
-if TYPE_CHECKING:  # torch is imported where a tensor is made (tannery.readers, tannery.requests)
+if TYPE_CHECKING:  # torch is imported where a tensor is made (tannery.dataplane.readers, tannery.rpc.requests)
     import torch
 
-    from .transports import Feed
+    from tannery.dataplane.transports import Feed
 
 
 class Client(CallCore):
@@ -284,62 +284,6 @@ async def _pump(watched: Watched) -> None:
     except asyncio.CancelledError:
         if not watched.closed:
             raise
-
-
-# -- waiting, by awaiting ---------------------------------------------------------------------
-
-
-async def _run(steps: Steps[Any]) -> Any:
-    """The result of the core's ``steps``, each wait awaited here."""
-    driven = Driven(steps)
-    async for item in _drive(driven):
-        raise TypeError(f"the steps of a call gave an item: {item!r}")
-    return driven.value
-
-
-async def _drive(driven: Driven) -> AsyncIterator[Any]:
-    """The items of the core's steps (a Fetch's entries); leaving early (``aclose``) ends them."""
-    try:
-        for step in driven:
-            if isinstance(step, Wait):
-                try:
-                    driven.answer(await _WAITS[type(step)](step.fn, *step.args, **step.kwargs))
-                except BaseException as error:
-                    driven.fail(error)
-            else:
-                yield step
-    finally:
-        driven.close()
-
-
-async def _read(call: Any) -> Any:
-    message = await call.read()
-    return END if message is grpc.aio.EOF else message
-
-
-async def _status(call: Any, timeout: float) -> tuple[Any, Any, Any] | None:
-    try:
-        code = await (call.code() if call.done() else asyncio.wait_for(call.code(), timeout))
-    except asyncio.TimeoutError:
-        return None
-    return code, await call.details(), await call.trailing_metadata()
-
-
-async def _upload(*args: Any) -> AioUpload:
-    return AioUpload(*args)
-
-
-#: How each wait of :mod:`tannery.waits` is waited for: each gives an awaitable.
-_WAITS: dict[type, Callable[..., Any]] = {
-    Rpc: lambda fn, *args, **kwargs: fn(*args, **kwargs),
-    Blocking: asyncio.to_thread,
-    Read: _read,
-    Status: _status,
-    Sleep: asyncio.sleep,
-    Acquire: lambda lock: lock.acquire(),
-    Send: aio_send,
-    Upload: _upload,
-}
 
 
 __all__ = ["AsyncRemoteArchive", "AsyncSubscription", "AsyncWatch", "Client"]

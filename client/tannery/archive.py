@@ -5,7 +5,7 @@ kinds implement three hooks only: ``_names`` (the sorted names), ``_info`` (an e
 dtype, shape and size, from metadata only) and ``_fetch`` (several entries at once, so
 that a remote archive answers ``to_value`` in one call); ``_cast`` is optional. Here
 are the in-memory kind (:meth:`Archive.of_list`, :meth:`Archive.of_value`) and the
-union (:meth:`Archive.union`); ``tannery.files`` has the memory-mapped one, and
+union (:meth:`Archive.union`); ``tannery.formats.files`` has the memory-mapped one, and
 ``tannery.remote`` the server's. The values archives are made of and filled into (tensors,
 nested structures of them, their names) are :mod:`tannery.values`.
 
@@ -27,7 +27,7 @@ from tannery_protocol._lazy import lazy_module
 from tannery_protocol.codec import FLOAT_NAMES, format_shape
 from tannery_protocol.errors import ArchiveError
 from tannery_protocol.names import did_you_mean, join, owned, owns
-from .values import (
+from tannery.values import (
     DTypeLike, TensorLike, as_tensor, dtype_name, first_non_tensor, is_tensor_leaf, leaf_dtype, named_leaves,
     not_a_tensor, rebuild,
 )

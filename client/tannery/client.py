@@ -11,36 +11,35 @@
 Every failure raises a tannery exception with the server's message (``NotFound``,
 ``ArchiveError``, ``FormatError``, ``Unavailable``, ...; see :mod:`tannery_protocol.errors`); no
 ``grpc.RpcError`` escapes. The asyncio twin is :mod:`tannery.aio`. Both are the call core
-(:mod:`tannery.calls`, which calls the chosen :mod:`tannery.transports`); this module only
-waits for what the core asks (:mod:`tannery.waits`), by blocking.
+(:mod:`tannery.calls.core`, which calls the chosen :mod:`tannery.dataplane.transports`); this module
+runs its steps by blocking (:func:`tannery.calls.running.run`).
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tannery_protocol._lazy import lazy_module
-from . import grpc_streams
-from .calls import CallCore
-from .connection import Connection
-from .records import Alias, ArchiveDescription, ArchiveInfo, Deleted, Pruned, Published, Tagged, Untagged
-from .requests import Progress, fetch_request
-from .waits import END, Acquire, Blocking, Driven, Read, Rpc, Send, Sleep, Status, Steps, Upload, Wait
+from tannery.calls.core import CallCore
+from tannery.rpc.connection import Connection
+from tannery.records import Alias, ArchiveDescription, ArchiveInfo, Deleted, Pruned, Published, Tagged, Untagged
+from tannery.rpc.requests import Progress, fetch_request
+from tannery.rpc.waits import END
+from tannery.calls.running import iterate as _iterate, run as _run
 
-if TYPE_CHECKING:  # torch is imported where a tensor is made (tannery.readers, tannery.requests)
+if TYPE_CHECKING:  # torch is imported where a tensor is made (tannery.dataplane.readers, tannery.rpc.requests)
     import torch
 
-    from .archive import Archive
-    from .received import TensorPiece
-    from .remote import RemoteArchive
-    from .transports import Feed
+    from tannery.archive import Archive
+    from tannery.dataplane.received import TensorPiece
+    from tannery.remote import RemoteArchive
+    from tannery.dataplane.transports import Feed
 
 # Imported on first use: catalog calls (tannery ls, show, rm) need none of these.
 _archive = lazy_module("tannery.archive")
-_readers = lazy_module("tannery.readers")
+_readers = lazy_module("tannery.dataplane.readers")
 _remote = lazy_module("tannery.remote")
 
 
@@ -56,10 +55,10 @@ class Client(CallCore):
     and Subscribe move their bytes (``TANNERY_TRANSPORT``, else ``"auto"``): ``"local"`` (the
     server's Unix socket: stored files mapped, no copy through a socket), ``"tcp"`` (its data port),
     ``"grpc"`` (the gRPC streams), or ``"auto"``, the first of these that reaches the server
-    (see :mod:`tannery.transports`); it is settled at the first Store or Fetch, and again
+    (see :mod:`tannery.dataplane.transports`); it is settled at the first Store or Fetch, and again
     after a retry. ``retries`` is how many times a call that ended UNAVAILABLE (the server
     unreachable or restarting, a connection lost mid-call) is tried again
-    (``TANNERY_RETRIES``, else 5; 0 for none; see :mod:`tannery.retries`): reads, Union,
+    (``TANNERY_RETRIES``, else 5; 0 for none; see :mod:`tannery.rpc.retries`): reads, Union,
     Delete and Store (sent again from its start), Fetch (resumed after the entries received).
     ``timeout`` applies to each attempt.
     """
@@ -116,7 +115,7 @@ class Client(CallCore):
         are kept with the archive, committed in the same Store and read back with
         :meth:`files`; at most 32 MiB each and 64 MiB in all (ArchiveError naming the file
         otherwise). They are entries on the server, never listed among the tensors (see
-        :mod:`tannery.archive_files`), so a tensor named ``@file:...`` is refused.
+        :mod:`tannery.calls.archive_files`), so a tensor named ``@file:...`` is refused.
         """
         return _run(self._store(name, value, prefix, replace, progress, metadata, skip_non_tensors, allow_empty,
                                 files))
@@ -163,7 +162,7 @@ class Client(CallCore):
     def fetch_pieces(self, name: str, names: Iterable[str] | None = None, prefix: str | None = None, *,
                      progress: Progress = None) -> Iterator[TensorPiece]:
         """The entries :meth:`fetch_iter` would yield, as the pieces of their tensor bytes that
-        each message brings (:class:`~tannery.readers.TensorPiece`: name, dtype and shape,
+        each message brings (:class:`~tannery.dataplane.readers.TensorPiece`: name, dtype and shape,
         offset, bytes), viewing the received messages: nothing is gathered or copied, so
         an entry of any size can be written to a file while only one message is held.
         """
@@ -340,60 +339,6 @@ class Watch:
 
     def __del__(self) -> None:
         self.close()
-
-
-# -- waiting, by blocking ---------------------------------------------------------------------
-
-
-def _run(steps: Steps[Any]) -> Any:
-    """The result of the core's ``steps``, each wait waited here."""
-    driven = Driven(steps)
-    for item in _drive(driven):
-        raise TypeError(f"the steps of a call gave an item: {item!r}")
-    return driven.value
-
-
-def _iterate(steps: Steps[Any]) -> Iterator[Any]:
-    """The items of the core's ``steps`` (a Fetch's entries); leaving early ends them."""
-    return _drive(Driven(steps))
-
-
-def _drive(driven: Driven) -> Iterator[Any]:
-    try:
-        for step in driven:
-            if not isinstance(step, Wait):
-                yield step
-                continue
-            try:
-                driven.answer(_WAITS[type(step)](step.fn, *step.args, **step.kwargs))
-            except BaseException as error:
-                driven.fail(error)
-    finally:
-        driven.close()
-
-
-def _status(call: Any, timeout: float) -> tuple[Any, Any, Any] | None:
-    deadline = time.monotonic() + timeout
-    while not call.done() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return (call.code(), call.details(), call.trailing_metadata()) if call.done() else None
-
-
-def _send(method: Any, messages: Iterable[bytes], options: dict[str, Any], target: str, off_loop: bool = False) -> Any:
-    return grpc_streams.send(method, messages, options, target)
-
-
-#: How each wait of :mod:`tannery.waits` is waited for: by blocking.
-_WAITS = {
-    Rpc: lambda fn, *args, **kwargs: fn(*args, **kwargs),
-    Blocking: lambda fn, *args: fn(*args),
-    Read: lambda call: next(call, END),
-    Status: _status,
-    Sleep: time.sleep,
-    Acquire: lambda lock: lock.acquire(),
-    Send: _send,
-    Upload: grpc_streams.SyncUpload,
-}
 
 
 __all__ = ["Client", "LinkSubscription", "Subscription", "Watch"]

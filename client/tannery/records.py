@@ -13,12 +13,37 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tannery_protocol.codec import format_shape
 from tannery_protocol.v1 import archives_pb2, channels_pb2
-from .file_entries import split_entry
+from tannery_protocol.names import SEPARATOR, join
 
 if TYPE_CHECKING:
-    from .archive import TensorInfo
+    from tannery.archive import TensorInfo
+
+# How the entry of a file kept with an archive is named (``@file:NAME``, under a prefix
+# ``P.@file:NAME``): read here and by :mod:`tannery.calls.archive_files` (docs/model-folders.md).
+
+#: What the entry name of a kept file starts with (after its prefix and a dot).
+MARK = "@file:"
+
+
+def entry_name(file: str, prefix: str = "") -> str:
+    """The entry that holds ``file``: ``@file:config.json``, under ``prefix`` ``enc.@file:config.json``."""
+    return join(prefix, MARK + file)
+
+
+def split_entry(name: str) -> tuple[str, str] | None:
+    """``(prefix, file)`` of an entry that holds a file, None for a tensor's entry."""
+    if name.startswith(MARK):
+        return "", name[len(MARK):]
+    at = name.find(SEPARATOR + MARK)
+    if at < 0:
+        return None
+    return name[:at], name[at + len(SEPARATOR + MARK):]
+
+
+def is_file_entry(name: str) -> bool:
+    """Whether entry ``name`` holds a kept file (and is no tensor of the archive's)."""
+    return split_entry(name) is not None
 
 
 @dataclass(frozen=True)
@@ -58,18 +83,20 @@ class EntryDescription:
 
     @property
     def info(self) -> TensorInfo:
-        from .archive import TensorInfo  # not at import: catalog calls need no archive module
+        from tannery.archive import TensorInfo  # not at import: catalog calls need no archive module
 
         return TensorInfo(self.dtype, self.shape, self.nbytes)
 
     def __str__(self) -> str:
+        from tannery_protocol.codec import format_shape  # not at import: tannery ls formats no shape
+
         return f"{self.name}: {self.dtype} {format_shape(self.shape)}"
 
 
 @dataclass(frozen=True)
 class FileDescription:
     """A file kept with the archive (a model folder's ``config.json``, say: see
-    :mod:`tannery.archive_files`): its name, the prefix it was stored under, its size in
+    :mod:`tannery.calls.archive_files`): its name, the prefix it was stored under, its size in
     bytes, the SHA-256 of its entry's payload and that entry's name."""
 
     name: str
@@ -211,5 +238,5 @@ class Published:
         return Published(message.payloads, message.bytes, message.dropped_subscribers)
 
 
-__all__ = ["Alias", "ArchiveDescription", "ArchiveInfo", "Deleted", "EntryDescription", "FileDescription", "Pruned",
-           "Published", "Tagged", "Untagged"]
+__all__ = ["MARK", "Alias", "ArchiveDescription", "ArchiveInfo", "Deleted", "EntryDescription", "FileDescription", "Pruned",
+           "Published", "Tagged", "Untagged", "entry_name", "is_file_entry", "split_entry"]

@@ -24,10 +24,10 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tannery_protocol import mismatches
-from .archive import DTypeLike, IndexedArchive, MemoryArchive, TensorInfo
+from tannery.archive import DTypeLike, IndexedArchive, MemoryArchive, TensorInfo
 from tannery_protocol.errors import ArchiveError
-from .records import ArchiveDescription, ArchiveInfo, EntryDescription
-from .requests import entry_ask
+from tannery.records import ArchiveDescription, ArchiveInfo, EntryDescription
+from tannery.rpc.requests import entry_ask
 from tannery_protocol.v1 import archives_pb2
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ def _row_bound(value: object, what: str) -> int:
 
 def _is_whole(description: ArchiveDescription) -> bool:
     """Whether a Describe's answer holds every entry of the archive (else it holds those asked);
-    the files kept with it are entries too (:mod:`tannery.archive_files`)."""
+    the files kept with it are entries too (:mod:`tannery.calls.archive_files`)."""
     return len(description.entries) + len(description.files) == description.info.entries
 
 

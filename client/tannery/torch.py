@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from tannery_protocol import codec
-from . import checkpoint
+from tannery.formats import checkpoint
 from tannery_protocol.codec import Buffer, DType, FormatError, PayloadInfo
 
 _NAMES: dict[torch.dtype, str] = {

@@ -26,6 +26,7 @@ from functools import cache, cached_property
 from typing import Sequence, Union
 
 from ._lazy import lazy_module
+from .errors import FormatError
 
 # Imported on first use, so that naming dtypes and formatting shapes (what the command's
 # ls and show do) costs no numpy import; every function that handles arrays imports it.
@@ -46,10 +47,6 @@ MAX_ARRAY_BYTES = 2**63 - 1
 ALIGNMENT = 64
 
 Buffer = Union[bytes, bytearray, memoryview]
-
-
-class FormatError(ValueError):
-    """A payload or a file that is not valid tannic data."""
 
 
 class OverLimit(FormatError):

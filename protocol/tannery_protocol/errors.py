@@ -8,7 +8,10 @@ raises the same two for the server's answers of the same kind, and one of the
 
 from __future__ import annotations
 
-from .codec import FormatError
+
+class FormatError(ValueError):
+    """A payload or a file that is not valid tannic data (raised by :mod:`.codec` and what reads
+    through it; defined here so that naming the errors imports no codec)."""
 
 
 class ArchiveError(ValueError):

@@ -2,7 +2,7 @@
 
 :class:`Deframer` splits the stream into pieces of payloads (:class:`Fragment`) without
 copying: what the server relays and stores, and what a client's
-:class:`~tannery.gathering.Reframer` gathers into whole payloads. The payload format itself
+:class:`~tannery.dataplane.gathering.Reframer` gathers into whole payloads. The payload format itself
 (headers, dtypes, numpy views) is :mod:`tannery_protocol.codec`.
 """
 

@@ -11,6 +11,7 @@ float64 memory at most, never a float64 copy of the tensor. ``min``, ``max``, ``
 from __future__ import annotations
 
 import math
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from ._lazy import lazy_module
@@ -79,4 +80,22 @@ class Summary:
         }
 
 
-__all__ = ["Summary"]
+@dataclass
+class Stats:
+    """Statistics of a tensor's elements (its keys are the JSON keys of ``tannery get --json``'s,
+    and of the web page's entry statistics): ``count`` elements; the rest as :meth:`Summary.result`."""
+
+    count: int
+    of: str
+    min: float | int | None
+    max: float | int | None
+    mean: float | None
+    std: float | None
+    nan: int | None
+    inf: int | None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+__all__ = ["Stats", "Summary"]

@@ -12,13 +12,14 @@ the metrics can count a long stream's bytes before it ends).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import inspect
 import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import grpc
 
@@ -137,36 +138,38 @@ def _start(method: str, request: Any, context: grpc.aio.ServicerContext, request
     return record
 
 
+@contextlib.contextmanager
+def _observed(method: str, request: Any, context: grpc.aio.ServicerContext, request_streaming: bool,
+              observers: Sequence[CallObserver], starters: Sequence[CallStarter] = ()) -> Iterator[CallRecord]:
+    """The record of one call (told to ``starters`` as it starts), logged (and told to
+    ``observers``) with its status once it is over."""
+    record = _start(method, request, context, request_streaming, starters)
+    started, error = time.perf_counter(), None
+    try:
+        yield record
+    except BaseException as exc:
+        error = exc
+        raise
+    finally:
+        _emit(record, _status(error, context), started, observers)
+
+
 def _wrap(behavior: Callable, method: str, request_streaming: bool, observers: Sequence[CallObserver],
           starters: Sequence[CallStarter] = ()) -> Callable:
     if inspect.isasyncgenfunction(behavior):
 
         async def streaming(request: Any, context: grpc.aio.ServicerContext):
-            record = _start(method, request, context, request_streaming, starters)
-            started, error = time.perf_counter(), None
-            try:
+            with _observed(method, request, context, request_streaming, observers, starters):
                 async for item in behavior(request, context):
                     yield item
-            except BaseException as exc:
-                error = exc
-                raise
-            finally:
-                _emit(record, _status(error, context), started, observers)
 
         return streaming
 
     async def unary(request: Any, context: grpc.aio.ServicerContext):
-        record = _start(method, request, context, request_streaming, starters)
-        started, error = time.perf_counter(), None
-        try:
+        with _observed(method, request, context, request_streaming, observers, starters) as record:
             response = await behavior(request, context)
             record.sent += _size(response)
             return response
-        except BaseException as exc:
-            error = exc
-            raise
-        finally:
-            _emit(record, _status(error, context), started, observers)
 
     return unary
 

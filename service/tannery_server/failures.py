@@ -12,86 +12,72 @@ from __future__ import annotations
 
 import grpc
 
+Code = grpc.StatusCode
+
 
 class Failure(Exception):
-    """A call that cannot succeed; the message names the problem and is sent to the client."""
+    """A call that cannot succeed; the message names the problem and is sent to the client.
 
-    code = grpc.StatusCode.UNKNOWN
+    A kind of failure names its status and, where the protocol gives one, the value of the
+    ``tannery-error`` trailing metadata in its class line: ``class Missing(Failure, code=...)``."""
+
+    code = Code.UNKNOWN
     #: Value of the ``tannery-error`` trailing metadata, if any.
     kind: str | None = None
 
+    def __init_subclass__(cls, code: grpc.StatusCode | None = None, kind: str | None = None, **rest: object) -> None:
+        super().__init_subclass__(**rest)
+        cls.code = code or cls.code
+        cls.kind = kind or cls.kind
 
-class Malformed(Failure):
+
+class Malformed(Failure, code=Code.INVALID_ARGUMENT):
     """A malformed request: a bad name, an unknown dtype, a broken stream of messages."""
 
-    code = grpc.StatusCode.INVALID_ARGUMENT
 
-
-class BadPayload(Malformed):
+class BadPayload(Malformed, kind="format"):
     """The tannic codec refused a payload."""
 
-    kind = "format"
 
-
-class LimitExceeded(Failure):
+class LimitExceeded(Failure, code=Code.RESOURCE_EXHAUSTED):
     """A configured limit, or a full disk."""
 
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
-
-class Missing(Failure):
+class Missing(Failure, code=Code.NOT_FOUND):
     """An archive, an entry or a prefix that is not there."""
 
-    code = grpc.StatusCode.NOT_FOUND
 
-
-class NameTaken(Failure):
+class NameTaken(Failure, code=Code.ALREADY_EXISTS):
     """An archive name in use (and no ``replace``)."""
 
-    code = grpc.StatusCode.ALREADY_EXISTS
 
-
-class Mismatch(Failure):
+class Mismatch(Failure, code=Code.FAILED_PRECONDITION, kind="archive"):
     """An archive entry is not what the request asked for (the archive issue's messages)."""
 
-    code = grpc.StatusCode.FAILED_PRECONDITION
-    kind = "archive"
 
-
-class AliasRefused(Failure):
+class AliasRefused(Failure, code=Code.FAILED_PRECONDITION, kind="alias"):
     """A write aliases forbid: a compare-and-set Tag whose alias moved, an alias where an archive
     is needed (or the reverse), an aliased archive deleted without ``force``."""
 
-    code = grpc.StatusCode.FAILED_PRECONDITION
-    kind = "alias"
 
-
-class Cancelled(Failure):
+class Cancelled(Failure, code=Code.CANCELLED):
     """The client cancelled the call, or its deadline passed, before it was done."""
 
-    code = grpc.StatusCode.CANCELLED
+
+class DeadlineExceeded(Failure, code=Code.DEADLINE_EXCEEDED):
+    """The call's deadline passed."""
 
 
-class DeadlineExceeded(Failure):
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
-
-
-class Unavailable(Failure):
+class Unavailable(Failure, code=Code.UNAVAILABLE):
     """Storage that cannot answer now (an I/O error, a locked database): worth a retry."""
 
-    code = grpc.StatusCode.UNAVAILABLE
 
-
-class Internal(Failure):
+class Internal(Failure, code=Code.INTERNAL):
     """A bug: the server logged the traceback."""
 
-    code = grpc.StatusCode.INTERNAL
 
-
-class DataLoss(Failure):
+class DataLoss(Failure, code=Code.DATA_LOSS):
     """A stored blob is missing or no longer matches its digest."""
-
-    code = grpc.StatusCode.DATA_LOSS
 
 
 def trailing_metadata(failure: Failure) -> tuple[tuple[str, str], ...]:

@@ -14,6 +14,7 @@ from typing import Sequence
 from grpc_health.v1 import health, health_pb2
 
 from .storage import StorageBase
+from .workers import stop_task
 
 log = logging.getLogger("tannery_server.health")
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -37,13 +38,8 @@ class StorageHealth:
         self._task = asyncio.create_task(self._watch(), name="tannery-storage-health")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        task, self._task = self._task, None
+        await stop_task(task)
 
     async def check_once(self) -> None:
         """One check, and the health set by its outcome when it changed."""

@@ -1,4 +1,5 @@
-"""The worker threads a servicer's blocking work (files, SQLite, sockets) runs on."""
+"""The worker threads a servicer's blocking work (files, SQLite, sockets) runs on, and the end of a
+background task of the event loop (:func:`stop_task`)."""
 
 from __future__ import annotations
 
@@ -41,3 +42,15 @@ async def settle(future: asyncio.Future | None) -> None:
         await asyncio.wait([future])
     if not future.cancelled():
         future.exception()
+
+
+async def stop_task(task: asyncio.Task | None) -> None:
+    """Cancel ``task`` (a background loop of the server's: a health check, the traffic sampler)
+    and wait until it has ended; nothing when there is none."""
+    if task is None:
+        return
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass

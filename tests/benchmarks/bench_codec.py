@@ -14,7 +14,7 @@ import torch
 from pytannic.torch import tensors as pytannic
 
 from tannery_protocol import framing
-from tannery import gathering
+from tannery.dataplane import gathering
 from tannery import torch as tt
 
 from .harness import (GiB, CaseResult, Options, Table, alternate, fmt_ratio, fmt_size, fmt_time, free_memory,

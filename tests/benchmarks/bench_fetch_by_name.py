@@ -23,7 +23,7 @@ import safetensors
 import torch
 
 from tannery_protocol import codec
-from tannery.safetensors_format import encode_header
+from tannery.formats.safetensors_format import encode_header
 from tannery_protocol.v1 import archives_pb2
 
 from . import clients, peers

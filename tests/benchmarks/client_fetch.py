@@ -57,7 +57,7 @@ FLIGHT = "Arrow Flight DoGet"
 BEFORE = "tannery.Client, --before tree"
 VARIANTS = [RAW, CLIENT, TCP, GRPC, AIO, ITER, HUGE, FLIGHT]
 #: A variant with this suffix runs as the one before it with the client's memory tricks off
-#: (``TANNERY_RECEIVE_TUNING=0``, :mod:`tannery.receive_memory`): what they are worth.
+#: (``TANNERY_RECEIVE_TUNING=0``, :mod:`tannery.dataplane.receive_memory`): what they are worth.
 UNTUNED = ", untuned"
 UNTUNED_VARIANTS = [v + UNTUNED for v in (CLIENT, TCP, GRPC, LOCAL, ITER)]
 
@@ -72,7 +72,7 @@ def _advise_huge_pages() -> None:
     pages (mremap keeps the advice as a map grows)."""
     import mmap
 
-    from tannery import receive_memory
+    from tannery.dataplane import receive_memory
 
     fresh = receive_memory.new_map
 

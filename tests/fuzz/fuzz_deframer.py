@@ -18,7 +18,7 @@ import atheris
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DTYPE_NAMES, codec, framing, main, reference_split  # noqa: E402
-from tannery.gathering import Reframer  # noqa: E402
+from tannery.dataplane.gathering import Reframer  # noqa: E402
 
 
 def valid_stream(fdp: atheris.FuzzedDataProvider) -> tuple[bytes, list[int]]:

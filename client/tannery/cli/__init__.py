@@ -19,7 +19,7 @@ import os
 import sys
 from typing import Callable, Sequence
 
-from .. import __version__
+from tannery import __version__
 from .connection import add_global_options, target_of, target_source, tls_options
 from .errors import Where, error_message, one_line, remedy
 from .output import Output
@@ -58,7 +58,7 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every client subcommand (``serve`` is listed; its own parser is the server's)."""
-    from . import aliases, archive_args, channels
+    from .commands import add_commands
 
     parser = argparse.ArgumentParser(prog="tannery", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=_Formatter)
@@ -72,9 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                         add_help=False)
     commands.add_parser("migrate", help="copy a data directory into a PostgreSQL catalog and a bucket "
                         "(tannery migrate --help)", add_help=False)
-    archive_args.add_commands(commands, common, _Formatter)
-    aliases.add_commands(commands, common, _Formatter)
-    channels.add_commands(commands, common, _Formatter)
+    add_commands(commands, common, _Formatter)
     return parser
 
 
@@ -113,7 +111,7 @@ def _server_command(name: str) -> Callable[[list[str]], int]:
 
 
 def _note_retries(target: str) -> None:
-    """Each retry of a call (tannery.retries logs it at INFO) as a line on stderr, so that a
+    """Each retry of a call (tannery.rpc.retries logs it at INFO) as a line on stderr, so that a
     command waiting for a restarting server says why it waits."""
     import logging
 

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import functools
 import re
 from pathlib import Path
-from typing import Any
 
-from .archives import name_arg, subcommand
 from .connection import connect
 from .errors import CommandError
 from .output import Output, human_size
@@ -32,7 +29,7 @@ def cmd_publish(args: argparse.Namespace, out: Output) -> int:
 
 def cmd_subscribe(args: argparse.Namespace, out: Output) -> int:
     from tannery_protocol.codec import format_shape
-    from ..torch import short_name
+    from tannery.torch import short_name
     from .stats import format_number, statistics
     from .tensorfiles import output_directory, save_tensor, to_numpy
 
@@ -90,34 +87,3 @@ _NOT_NPY = frozenset({"bfloat16", "float8_e4m3fn", "float8_e5m2"})
 
 def _tensors(count: int) -> str:
     return f"{count} tensor{'' if count == 1 else 's'}"
-
-
-def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type) -> None:
-    """Register the channel subcommands on ``commands`` (a subparsers action)."""
-    command = functools.partial(subcommand, commands, common, formatter)
-    publish = command(
-        "publish", "send tensors from files on a channel",
-        "Publish tensors on CHANNEL, in order, as one stream: each FILE is a .npy or .pt tensor, "
-        "or a checkpoint (.pt/.pth/.bin, .safetensors, .tannic) whose every tensor is sent (in the order of "
-        "a torch checkpoint's structure, in name order for the others). Only subscribers already subscribed "
-        "receive them. Every file is opened before the first tensor is sent.",
-        "  tannery publish activations x.npy y.npy\n  tannery publish weights model.safetensors\n",
-        cmd_publish,
-    )
-    publish.add_argument("channel", metavar="CHANNEL", type=name_arg, help="the channel's name (any name is a channel)")
-    publish.add_argument("files", metavar="FILE", nargs="+", help="tensor or checkpoint files")
-
-    subscribe = command(
-        "subscribe", "receive tensors from a channel",
-        "Subscribe to CHANNEL and print a line per tensor received (index, dtype, shape, size, "
-        "min, max, mean), or, with -o DIR, write each to DIR/000000.npy, DIR/000001.npy, ... (bfloat16 and "
-        "float8 tensors, which .npy cannot record, as .pt). Runs until COUNT tensors arrived, or Ctrl-C. "
-        "'subscribed to CHANNEL' goes to stderr once the subscription is registered.",
-        "  tannery subscribe activations\n  tannery subscribe activations -n 2 -o received/\n",
-        cmd_subscribe,
-    )
-    subscribe.add_argument("channel", metavar="CHANNEL", type=name_arg, help="the channel's name")
-    subscribe.add_argument("-n", "--count", metavar="COUNT", type=int, help="stop after COUNT tensors")
-    subscribe.add_argument("-o", "--output", metavar="DIR", help="write each tensor to DIR (created if missing)")
-    subscribe.add_argument("-f", "--force", action="store_true",
-                           help="overwrite the tensor files an earlier subscribe left in DIR (default: refuse)")

@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 
 from tannery_protocol import codec
-from ..readers import TensorPiece
-from ..atomic import Replacement
-from ..checkpoint import PairEntry, encode_metadata, file_header, pair_paths
+from tannery.dataplane.readers import TensorPiece
+from tannery.formats.atomic import Replacement
+from tannery.formats.checkpoint import PairEntry, encode_metadata, file_header, pair_paths
 from tannery_protocol.codec import format_shape
-from ..safetensors_format import CODES, encode_header
+from tannery.formats.safetensors_format import CODES, encode_header
 from .errors import CommandError
 from .tensorfiles import checkpoint_kind
 
@@ -170,7 +170,7 @@ class CheckpointWriter:
         if name in self._written:
             raise CommandError(f"{name}: received twice")
         # In ``_receiving`` already: a retried Fetch sends again from its start the entry its
-        # broken call cut off (tannery.retries); its pieces land at the same offsets again.
+        # broken call cut off (tannery.rpc.retries); its pieces land at the same offsets again.
         if (info.dtype.name, tuple(info.shape)) != (slot.entry.dtype, tuple(slot.entry.shape)):
             raise CommandError(
                 f"{name}: received {info.dtype} {format_shape(info.shape)}, described as {slot.entry.dtype} "

@@ -89,7 +89,7 @@ def _env_flag(name: str) -> bool:
 
 def tls_options(args: argparse.Namespace) -> dict[str, str] | None:
     """The TLS settings as ``TLS`` keywords (ca, cert, key: PEM file paths), None for plaintext."""
-    from ..connection import ENV_TLS
+    from tannery.rpc.connection import ENV_TLS
 
     ca, cert, key = (getattr(args, f"tls_{field}", None) or os.environ.get(ENV_TLS[field]) or None
                      for field in ("ca", "cert", "key"))
@@ -107,7 +107,7 @@ def tls_options(args: argparse.Namespace) -> dict[str, str] | None:
 
 def connect(args: argparse.Namespace) -> Any:
     """A :class:`tannery.Client` for the global options (a context manager)."""
-    from .. import Client, TLS
+    from tannery import Client, TLS
 
     tls = tls_options(args)
     token = getattr(args, "token", None) or os.environ.get("TANNERY_TOKEN") or None

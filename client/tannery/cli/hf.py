@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from tannery_protocol import codec
-from ..archive import Archive
-from ..atomic import Replacement
-from ..files import load_safetensors
-from ..readers import TensorPiece
-from ..safetensors_format import CODES, read_layout
+from tannery.archive import Archive
+from tannery.formats.atomic import Replacement
+from tannery.formats.files import load_safetensors
+from tannery.dataplane.readers import TensorPiece
+from tannery.formats.safetensors_format import CODES, read_layout
 from .checkpoint_writer import CheckpointWriter
 from .errors import CommandError
 

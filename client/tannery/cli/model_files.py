@@ -2,7 +2,7 @@
 tokenizer's files, a README: everything beside the weights that ``from_pretrained`` reads.
 
 ``tannery push DIR`` keeps them with the archive (:func:`read_files`, bounded: see
-:mod:`tannery.archive_files`), ``tannery pull NAME -o DIR/`` writes them back
+:mod:`tannery.calls.archive_files`), ``tannery pull NAME -o DIR/`` writes them back
 (:func:`write_files`), and ``tannery show`` lists them (:func:`files_rows`, :func:`files_json`).
 """
 
@@ -13,8 +13,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..archive_files import MAX_FILE_BYTES, MAX_FILES_BYTES
-from ..atomic import Replacement
+from tannery.calls.archive_files import MAX_FILE_BYTES, MAX_FILES_BYTES
+from tannery.formats.atomic import Replacement
 from .errors import CommandError
 from .output import human_size
 

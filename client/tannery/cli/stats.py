@@ -7,37 +7,12 @@ memory, not a float64 copy of itself.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-
 import numpy as np
 
-from tannery_protocol.summary import Summary
+from tannery_protocol.summary import Stats, Summary
 
 #: Elements summarised at a time.
 CHUNK = 1 << 20
-
-
-@dataclass
-class Stats:
-    """Statistics of a tensor's elements (its keys are the JSON keys of ``tannery get --json``).
-
-    ``of`` is ``"values"``, or ``"abs"`` for complex tensors (statistics of the magnitudes).
-    ``min``, ``max``, ``mean`` and ``std`` (population, ddof=0) cover the finite elements,
-    None when there is none; ``nan`` and ``inf`` count the others, None for dtypes that
-    have neither (integers, bool). Booleans count as 0 and 1.
-    """
-
-    count: int
-    of: str
-    min: float | int | None
-    max: float | int | None
-    mean: float | None
-    std: float | None
-    nan: int | None
-    inf: int | None
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def statistics(array: np.ndarray) -> Stats:

@@ -21,10 +21,10 @@ from typing import Any, Iterator
 
 from tannery_protocol import codec
 from tannery_protocol._lazy import lazy_module
-from ..archive import Archive
-from ..atomic import Replacement
-from ..files import load_safetensors, load_tannic
-from ..values import named_leaves, non_tensor_leaves
+from tannery.archive import Archive
+from tannery.formats.atomic import Replacement
+from tannery.formats.files import load_safetensors, load_tannic
+from tannery.values import named_leaves, non_tensor_leaves
 from .errors import CommandError
 
 np = lazy_module("numpy")
@@ -64,7 +64,7 @@ def check_exists(path: str | os.PathLike[str]) -> None:
     if Path(path).exists():
         return
     if Path(path).name.endswith(".tannic"):
-        from ..checkpoint import pair_paths
+        from tannery.formats.checkpoint import pair_paths
 
         if any(Path(p).exists() for p in pair_paths(path)):
             return
@@ -204,11 +204,11 @@ def check_writable(path: str | os.PathLike[str], dtypes: list[str], force: bool 
     anything is transferred, an output it could not or should not write: an unknown extension,
     a dtype the format lacks (safetensors has no complex128), a parent that is not a directory,
     or a file that exists (unless ``force``). Missing parent directories are created."""
-    from ..checkpoint import pair_paths
+    from tannery.formats.checkpoint import pair_paths
 
     kind = checkpoint_kind(path, writing=True)
     if kind == "safetensors":
-        from ..safetensors_format import CODES
+        from tannery.formats.safetensors_format import CODES
 
         for dtype in dtypes:
             if dtype not in CODES:
@@ -304,7 +304,7 @@ def to_numpy(tensor: torch.Tensor) -> np.ndarray:
 
 
 def _short(tensor: torch.Tensor) -> str:
-    from ..torch import short_name
+    from tannery.torch import short_name
 
     return short_name(tensor.dtype)
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tannery_protocol.codec import DTYPES
-from tannery_protocol.summary import Summary
+from tannery_protocol.summary import Stats, Summary
 from tannery_protocol.v1 import archives_pb2
 
 from ..dataplane.blocks import VerifiedBlob
@@ -41,18 +41,10 @@ SECONDS = 10.0
 
 
 @dataclass
-class EntryStats:
+class EntryStats(Stats):
     """What the entry page shows: the statistics (keys as ``tannery get --json``'s ``stats``),
     the histogram (``edges``, ``counts``), and how much of the entry they cover."""
 
-    count: int
-    of: str
-    min: float | int | None
-    max: float | int | None
-    mean: float | None
-    std: float | None
-    nan: int | None
-    inf: int | None
     #: Elements summarised (``count`` is the entry's), bytes of tensor data read, and of the entry.
     summarised: int
     bytes_read: int

@@ -9,6 +9,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from ..workers import stop_task
+
 #: Seconds between two samples, and samples kept (the rates' window, the plot's span).
 INTERVAL = 5.0
 KEPT = 60
@@ -96,13 +98,8 @@ class Traffic:
             self._task = asyncio.create_task(self._run(), name="tannery-web-traffic")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        task, self._task = self._task, None
+        await stop_task(task)
 
     async def _run(self) -> None:
         while True:
