@@ -141,6 +141,10 @@ class _Follower:
                 with self._lock:
                     self._newest.restore(archive, streamed)
                 raise
+            if applied is not None and streamed is not None and streamed.base is not None and \
+                    streamed.base == (self.following.version, self.following.push):
+                with self._lock:  # an older version from the store was the base this delta lacked
+                    self._newest.restore(None, streamed)
             if applied is not None:
                 return applied
 
