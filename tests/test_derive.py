@@ -196,3 +196,23 @@ def test_a_derive_of_an_alias_base_and_a_malformed_stream(srv):
     assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert [a.name for a in stub.List(pb.ListRequest()).archives] == ["B", "T"]
 
+
+
+def test_the_asyncio_client_derives(srv):
+    import asyncio
+
+    import tannery.aio
+
+    base = {"w": torch.arange(100, dtype=torch.int64)}
+    new = base["w"].clone()
+    new[[5, 50]] = -1
+    change = diff_entry("w", base["w"], new, limit=2.0)
+
+    async def scenario():
+        async with tannery.aio.Client(srv.target, retries=0) as client:
+            await client.store("B", base)
+            return await client.derive("T", "B", [(change.name, change.kind, change.digest, change.payloads)])
+
+    assert asyncio.run(scenario()).entries == 1
+    with _client(srv) as client:
+        _assert_exact(_fetched(client, "T")["w"], new)
