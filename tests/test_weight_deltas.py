@@ -478,3 +478,46 @@ def test_replica_b_relays_deltas_from_a_trainer_on_replica_a_through_nats(tmp_pa
     for following in followings:
         assert [(a.via, a.delta) for a in following.applied[1:]] == [("channel", True)] * 3
     assert all(same_bits(target, state) for target in held)
+
+
+def test_a_delta_push_stores_its_version_by_derive_bit_exact(tmp_path):
+    """A version streamed as a delta is stored by Derive from the version before (only the changes
+    travel to the store), bit-exact with what was pushed; the first version is a Store."""
+    from .test_metrics import scrape, value
+
+    trainer = RLTrainer(seed=3)
+    pushed = {}
+    with running_server(tmp_path) as srv, tannery.Client(srv.target) as client:
+        publisher = Publisher(client, "policy")
+        with Follower(client, "policy", rl_target()):
+            for version in range(3):
+                state = trainer.state() if version == 0 else trainer.step()
+                pushed[version] = {k: v.clone() for k, v in state.items()}
+                assert publisher.push(state, version).delta == (version > 0)
+        samples = scrape(srv.metrics_port)
+        assert value(samples, "tannery_calls_total", method="Derive", code="OK") == 2
+        assert value(samples, "tannery_calls_total", method="Store", code="OK") == 1
+        for version, state in pushed.items():
+            archive = client.fetch(f"policy/v{version}")
+            assert same_bits({k: archive.find(k) for k in archive.names()}, state)
+
+
+def test_a_delta_push_to_a_server_without_derive_stores_the_version_whole(tmp_path, monkeypatch):
+    import grpc
+    from tannery_server.archives import ArchivesServicer
+
+    async def unimplemented(self, requests, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
+
+    monkeypatch.setattr(ArchivesServicer, "Derive", unimplemented)
+    trainer = RLTrainer(seed=4)
+    with running_server(tmp_path) as srv, tannery.Client(srv.target) as client:
+        publisher = Publisher(client, "policy")
+        with Follower(client, "policy", rl_target()):
+            publisher.push(trainer.state(), 0)
+            for version in (1, 2):
+                state = trainer.step()
+                assert publisher.push(state, version).delta
+        assert not publisher._pushing.derives  # asked once, then whole versions
+        archive = client.fetch("policy/v2")
+        assert same_bits({k: archive.find(k) for k in archive.names()}, state)

@@ -128,6 +128,11 @@ class Client(CallCore):
         """As :meth:`tannery.Client.union`."""
         return await _run(self._union(target, sources, replace, metadata))
 
+    async def derive(self, archive: str, base: str, changes: Iterable[Any], *, replace: bool = False,
+                     metadata: Mapping[str, str] | None = None) -> ArchiveInfo:
+        """As :meth:`tannery.Client.derive`."""
+        return await _run(self._derive(archive, base, changes, metadata, replace))
+
     async def describe(self, name: str, names: Iterable[str] | None = None) -> ArchiveDescription:
         """As :meth:`tannery.Client.describe`."""
         return await _run(self._describe(name, names))

@@ -176,6 +176,18 @@ class Client(CallCore):
         with ``already_stored``; other content there raises AlreadyExists naming the entry."""
         return _run(self._union(target, sources, replace, metadata))
 
+    def derive(self, archive: str, base: str, changes: Iterable[Any], *, replace: bool = False,
+               metadata: Mapping[str, str] | None = None) -> ArchiveInfo:
+        """A new archive ``archive`` built on the server from archive (or alias) ``base`` and
+        ``changes``, each ``(name, kind, crc32c, tensors)``: kind ``"same"`` (no tensor: the base's
+        entry, its bytes reused), ``"delta"`` (flat int32/int64 indices and the new bits of those
+        elements, as the integer dtype of the element's width) or ``"whole"`` (the tensor);
+        ``crc32c`` is the CRC-32C of the entry's new bytes, checked on a delta. Every entry of
+        the new archive is named once. Only the changes travel (on gRPC); the server stores the
+        result as a Store would (``replace``, AlreadyExists, ``already_stored`` alike), or
+        nothing: InvalidArgument for a bad delta or CRC, NotFound for a missing base or entry."""
+        return _run(self._derive(archive, base, changes, metadata, replace))
+
     def describe(self, name: str, names: Iterable[str] | None = None) -> ArchiveDescription:
         """The archive's info and metadata, and every entry's name, dtype, shape, sizes and
         digest; with ``names``, only the entries of those names it holds (none for an empty

@@ -24,8 +24,9 @@ from .dataplane.fetch import serve_fetch
 from .dataplane import listeners
 from .dataplane.plane import DataPlane
 from .dataplane.store import SessionSteps, receive_store
+from .derive import DeriveSession
 from .fetching import check_request, gone_while_read
-from .handling import add_service, answering_failures
+from .handling import Undecodable, add_service, answering_failures
 from .storage import AliasRecord, ArchiveLimits, ArchiveRecord, Storage
 from .storage_failures import failure_of
 from .store_session import StoreSession
@@ -127,6 +128,44 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
             sources.append((source.archive, check_prefix(source.prefix, self.config.max_name_bytes)))
         metadata = check_metadata(request.metadata)
         record = await self._run(self.storage.union, target, sources, request.replace, self._limits, metadata)
+        return written(record)
+
+    @answering_failures
+    async def Derive(self, request_iterator: AsyncIterator, context) -> archives_pb2.ArchiveInfo:
+        """An archive built from a base and per-entry changes (:mod:`.derive`), committed as a Store is."""
+        requests = aiter(request_iterator)
+        first = await anext(requests, None)
+        if first is None:
+            await _cancellation_known(context)
+            _check_alive(context)
+            raise Malformed("Derive sent no message: the first carries begin (the archive and its base)")
+        first = _decoded(first)
+        if not first.HasField("begin"):
+            raise Malformed("the first message of Derive must carry begin (the archive and its base)")
+        name = self._archive_name(first.begin.archive)
+        base = check_archive_name(first.begin.base, self.config.max_name_bytes)
+        current_call().note("base", base)
+        derive = DeriveSession(self.storage, self.config, name, base, first.begin.replace,
+                               check_metadata(first.begin.metadata))
+        steps = SessionSteps(self.workers, derive)  # type: ignore[arg-type]  # a session's steps, as Store's
+        try:
+            await steps.run(derive.begin)
+            await steps.run(derive.message, first, True)
+            async for message in requests:
+                await steps.run(derive.message, _decoded(message), False)
+            if not derive.committed:
+                await _cancellation_known(context)
+            await _cancellation_landed(context)
+            _check_alive(context)
+            record = await steps.run(derive.finish)
+        except BaseException:
+            try:
+                await asyncio.shield(steps.abort())
+            except Exception:  # the call's own failure is what the client hears about
+                log.exception("Derive of %r: removing what the call wrote failed", name)
+            if derive.stored:
+                current_call().note("stored", "yes")
+            raise
         return written(record)
 
     @answering_failures
@@ -294,6 +333,13 @@ async def _cancellation_landed(context: grpc.aio.ServicerContext) -> None:
     except Exception:  # the server is stopping (grpc.aio refuses the read): the call is over
         raise Cancelled("the server stopped before the Store was done: nothing was stored") from None
     await asyncio.sleep(0)
+
+
+def _decoded(message):
+    """A streamed request, refused (INVALID_ARGUMENT) when its bytes were not a valid message."""
+    if isinstance(message, Undecodable):
+        raise message.failure("a Derive request")
+    return message
 
 
 def _check_alive(context: grpc.aio.ServicerContext) -> None:

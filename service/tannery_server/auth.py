@@ -3,7 +3,7 @@
 A client sends ``authorization: Bearer <token>`` metadata. Each known token has a role:
 ``read`` may call the RPCs the protos mark ``idempotency_level = NO_SIDE_EFFECTS`` (List,
 Describe, Fetch, DataPaths, Resolve, ListAliases, Watch and Subscribe); ``write`` may call
-everything (Store, Union, Delete, Tag, Untag, Publish).
+everything (Store, Union, Derive, Delete, Tag, Untag, Publish).
 Health and reflection answer without a token. With no token configured the server is
 open (and :func:`app.start` says so in a warning).
 

@@ -125,6 +125,18 @@ class StoreSession:
         if self.existing is not None:
             self._compare_entry(name)
 
+    def reuse_entry(self, record: EntryRecord, base: str) -> None:
+        """An entry taken as it is from archive ``base`` (a Derive's SAME): its blob referenced,
+        not a byte read or written. ``record`` comes from a :meth:`~.storage.StorageBase.pinned`
+        lookup whose hold lasts until :meth:`finish` or :meth:`abort`."""
+        self.begin_entry(record.name, bytes.fromhex(record.digest))
+        if not self.storage.reuse(record.blob, self._holder):
+            raise Unavailable(f"entry {record.name!r}: its blob in {base!r} was collected meanwhile ({base!r} "
+                              "deleted or replaced): nothing was stored; send it again")
+        self._entry_has_payload = True
+        self._last_size = record.payload_bytes
+        self._entries.append(record)
+
     def write(self, data: memoryview) -> None:
         """The next bytes of the current entry's payload, read whole before this returns (the
         caller may reuse or unmap ``data`` then). Its header is checked before any of its bytes

@@ -24,7 +24,7 @@ from tannery.rpc.connection import Calls, Connection, TLSLike, check_transport, 
 from tannery.records import Alias, ArchiveDescription, ArchiveInfo, Deleted, Pruned, Published, Tagged, Untagged
 from tannery.rpc.requests import Methods, Progress, describe_request, list_request, union_request
 from tannery.rpc.retries import RetryPolicy, call_name, resumed_request
-from tannery.rpc.waits import Acquire, Blocking, Rpc, Sleep, Steps
+from tannery.rpc.waits import Acquire, Blocking, Rpc, Send, Sleep, Steps
 from tannery_protocol.v1 import archives_pb2
 
 if TYPE_CHECKING:
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 # Imported on first use: catalog calls (tannery ls, show, rm) need none of these.
 _archive_files = lazy_module("tannery.calls.archive_files")
+_derives = lazy_module("tannery.calls.derive")
 _readers = lazy_module("tannery.dataplane.readers")
 _state_dict = lazy_module("tannery.calls.state_dict")
 _transports = lazy_module("tannery.dataplane.transports")  # with tannery_protocol.datalink: sockets, ssl
@@ -268,6 +269,23 @@ class CallCore:
                metadata: Mapping[str, str] | None) -> Steps[ArchiveInfo]:
         request = union_request(target, sources, replace, metadata)
         return ArchiveInfo.of((yield from self._unary(self._methods.union, request)))
+
+    def _derive(self, archive: str, base: str, changes: Iterable[Any], metadata: Mapping[str, str] | None,
+                replace: bool) -> Steps[ArchiveInfo]:
+        """Archive ``archive`` built on the server from archive ``base`` and ``changes``, each
+        ``(name, kind, crc32c, tensors)`` (:mod:`tannery.calls.derive`): only the changes
+        travel, on gRPC whatever the transport. Committed as a Store is (``replace`` and an
+        existing name alike); retried from its start after an UNAVAILABLE."""
+        changes = _derives.check_changes(changes, f"Derive of {archive!r}")
+
+        def attempt(retry: int) -> Steps[ArchiveInfo]:
+            messages = _derives.derive_messages(archive, base, changes, replace, metadata,
+                                                self._connection.chunk_size)
+            # Serializing a tensor may take a while: in asyncio, not on the event loop.
+            return ArchiveInfo.of((yield Send(self._methods.derive, messages, self._calls.options(), self.target,
+                                              off_loop=True)))
+
+        return (yield from self._retrying(f"Derive of {archive!r}", attempt))
 
     def _describe(self, name: str, names: Iterable[str] | None = None) -> Steps[ArchiveDescription]:
         request = describe_request(name, names)

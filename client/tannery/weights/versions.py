@@ -1,5 +1,6 @@
 """A weight version's steps, written once for both clients: pushed (streamed on the channel,
-stored whole, then the alias moved onto it) and applied (checked against the target, then
+stored: whole, or derived on the server from the version before when it streamed as a delta
+from it; then the alias moved onto it) and applied (checked against the target, then
 copied in place: from the channel as it came, or described and fetched from the store).
 
 A version ``N`` of weights ``name`` is the archive ``name/vN`` (:func:`version_archive`),
@@ -17,12 +18,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tannery_protocol.errors import AliasError, ArchiveError, NotFound, ResourceExhausted, Unavailable
+from tannery_protocol.errors import (AliasError, AlreadyExists, ArchiveError, Cancelled, FormatError, NotFound,
+                                     PermissionDenied, ResourceExhausted, ServiceError, Unauthenticated, Unavailable)
 from tannery.records import ArchiveDescription, ArchiveInfo
 from tannery.calls.retention import plan_prune
 from tannery_protocol._lazy import lazy_module
 from tannery.calls.state_dict import Rows, TargetPlan, plan_targets, target_tensors
-from tannery.weights.deltas import Base, apply_changes
+from tannery.weights.deltas import Base, Change, apply_changes
 from tannery.weights.stream import StreamedVersion, delta_payloads, version_payloads
 from tannery.rpc.waits import Steps
 
@@ -142,8 +144,12 @@ class Pushing:
         self.delta = delta and stream
         self.base = Base()
         self.current: str | None = None
+        #: The push id of :attr:`current` when this publisher stored it ("": not known).
+        self.current_push = ""
         self.version: int | None = None
         self.busy = False
+        #: Whether the server derives (False once it answered Derive UNIMPLEMENTED).
+        self.derives = True
 
     def learn(self, core: CallCore) -> Steps[None]:
         """Ask where the alias points, once (a publisher started again goes on from there)."""
@@ -158,7 +164,8 @@ class Pushing:
 def push_steps(core: CallCore, pushing: Pushing, state: Any, version: int) -> Steps[Pushed]:
     """Push version ``version`` of ``state``: with ``pushing.stream``, first on the channel of
     the weights' name to the followers running now (whole or not at all: :mod:`.stream`);
-    then stored as an archive (whole or not at all), the alias moved onto it if it still points
+    then stored as an archive (whole or not at all; derived on the server from the stored
+    version before when it streamed as a delta from that one), the alias moved onto it if it still points
     where this publisher left it (AliasError naming where it points otherwise: another
     publisher), and all but the newest ``pushing.keep`` versions deleted (None: keep every one).
     One push at a time per publisher (RuntimeError for a second one meanwhile)."""
@@ -177,7 +184,7 @@ def _push(core: CallCore, pushing: Pushing, state: Any, version: int) -> Steps[P
     started = time.perf_counter()
     name, current, push = pushing.name, pushing.current or "", uuid.uuid4().hex[:16]
     tensors = target_tensors(state, pushing.where)
-    streamed, changes = None, None
+    streamed, changes, base = None, None, (pushing.base.version, pushing.base.push)
     if pushing.stream:
         yield from _check_alias(core, name, current)  # before any follower sees a byte of it
         changes = pushing.base.changes(tensors) if pushing.delta else None
@@ -190,7 +197,12 @@ def _push(core: CallCore, pushing: Pushing, state: Any, version: int) -> Steps[P
         if streamed is not None and pushing.delta:
             pushing.base.take(version, push, tensors, changes)  # what the running followers hold now
     metadata = {VERSION_KEY: str(version), WEIGHTS_KEY: name, PUSH_KEY: push}
-    info = yield from core._store(version_archive(name, version), tensors, "", False, None, metadata, False, False)
+    info = None
+    if changes is not None and streamed is not None:
+        info = yield from _derived(core, pushing, version, base, changes, metadata)
+    if info is None:
+        info = yield from core._store(version_archive(name, version), tensors, "", False, None, metadata, False,
+                                      False)
     try:
         yield from core._tag(name, info.name, current)
     except AliasError:
@@ -200,12 +212,42 @@ def _push(core: CallCore, pushing: Pushing, state: Any, version: int) -> Steps[P
     except BaseException:
         pushing.current = None  # the Tag's outcome is unknown: ask where the alias points next time
         raise
-    pushing.current, pushing.version = info.name, version
+    pushing.current, pushing.current_push, pushing.version = info.name, push, version
     pruned = (yield from _prune_versions(core, name, pushing.keep)) if pushing.keep is not None else ()
     sent = 0 if streamed is None else (sum(c.nbytes for c in changes) if changes is not None
                                        else sum(t.numel() * t.element_size() for t in tensors.values()))
     return Pushed(name, version, info, time.perf_counter() - started, pruned, streamed is not None,
                   changes is not None and streamed is not None, sent)
+
+
+def _derived(core: CallCore, pushing: Pushing, version: int, base: tuple[int | None, str], changes: list[Change],
+             metadata: dict[str, str]) -> Steps[ArchiveInfo | None]:
+    """Version ``version``, streamed as ``changes`` from version ``base`` (its number and push), stored
+    by the server from the stored base and those changes (Derive: only the changes travel), when the
+    alias points at exactly that base as this publisher stored it. None when it cannot be: the
+    version is then stored whole (an older server, a base deleted meanwhile, a delta refused). A
+    refusal a Store would meet as well (the name taken, an alias there, a token's role) is raised."""
+    base_version, base_push = base
+    base_archive = version_archive(pushing.name, base_version) if base_version is not None else None
+    if not pushing.derives or base_archive is None or pushing.current != base_archive or \
+            pushing.current_push != base_push:
+        return None
+    listed = [(c.name, c.kind, c.digest, c.payloads) for c in changes]
+    try:
+        return (yield from core._derive(version_archive(pushing.name, version), base_archive, listed, metadata, False))
+    except _REFUSALS:
+        raise
+    except (ServiceError, FormatError) as error:
+        if getattr(error, "code", "") == "UNIMPLEMENTED":
+            pushing.derives = False  # a server from before Derive: whole versions from now on
+        else:
+            log.warning("%s: version %d could not be derived from version %d on the server (%s): stored whole",
+                        pushing.where, version, base_version, error)
+        return None
+
+
+#: What a Derive answers that a Store would answer too: not worth a Store of the whole version.
+_REFUSALS = (AlreadyExists, AliasError, PermissionDenied, Unauthenticated, Cancelled)
 
 
 def _prune_versions(core: CallCore, name: str, keep: int) -> Steps[tuple[str, ...]]:

@@ -2,6 +2,7 @@ import datetime
 
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -95,6 +96,65 @@ class ArchiveInfo(_message.Message):
     created: _timestamp_pb2.Timestamp
     already_stored: bool
     def __init__(self, name: _Optional[str] = ..., entries: _Optional[int] = ..., nbytes: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., created: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., already_stored: _Optional[bool] = ...) -> None: ...
+
+class DeriveBegin(_message.Message):
+    __slots__ = ("archive", "base", "replace", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ARCHIVE_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    archive: str
+    base: str
+    replace: bool
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, archive: _Optional[str] = ..., base: _Optional[str] = ..., replace: _Optional[bool] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class DeriveEntry(_message.Message):
+    __slots__ = ("name", "change", "crc32c", "payload_bytes")
+    class Change(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        CHANGE_UNSPECIFIED: _ClassVar[DeriveEntry.Change]
+        SAME: _ClassVar[DeriveEntry.Change]
+        DELTA: _ClassVar[DeriveEntry.Change]
+        WHOLE: _ClassVar[DeriveEntry.Change]
+    CHANGE_UNSPECIFIED: DeriveEntry.Change
+    SAME: DeriveEntry.Change
+    DELTA: DeriveEntry.Change
+    WHOLE: DeriveEntry.Change
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CHANGE_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    change: DeriveEntry.Change
+    crc32c: int
+    payload_bytes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., change: _Optional[_Union[DeriveEntry.Change, str]] = ..., crc32c: _Optional[int] = ..., payload_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DeriveCommit(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: int
+    def __init__(self, entries: _Optional[int] = ...) -> None: ...
+
+class DeriveRequest(_message.Message):
+    __slots__ = ("begin", "entry", "chunk", "commit")
+    BEGIN_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    begin: DeriveBegin
+    entry: DeriveEntry
+    chunk: bytes
+    commit: DeriveCommit
+    def __init__(self, begin: _Optional[_Union[DeriveBegin, _Mapping]] = ..., entry: _Optional[_Union[DeriveEntry, _Mapping]] = ..., chunk: _Optional[bytes] = ..., commit: _Optional[_Union[DeriveCommit, _Mapping]] = ...) -> None: ...
 
 class UnionSource(_message.Message):
     __slots__ = ("archive", "prefix")

@@ -44,6 +44,11 @@ class ArchivesStub:
                 request_serializer=tannery__protocol_dot_v1_dot_archives__pb2.UnionRequest.SerializeToString,
                 response_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.ArchiveInfo.FromString,
                 _registered_method=True)
+        self.Derive = channel.stream_unary(
+                '/tannery.v1.Archives/Derive',
+                request_serializer=tannery__protocol_dot_v1_dot_archives__pb2.DeriveRequest.SerializeToString,
+                response_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.ArchiveInfo.FromString,
+                _registered_method=True)
         self.Fetch = channel.unary_stream(
                 '/tannery.v1.Archives/Fetch',
                 request_serializer=tannery__protocol_dot_v1_dot_archives__pb2.FetchRequest.SerializeToString,
@@ -132,6 +137,30 @@ class ArchivesServicer:
         Store: a target that already holds exactly the entries (names and digests) and the
         metadata this union would give answers OK with `ArchiveInfo.already_stored` set;
         otherwise ALREADY_EXISTS names the first entry (or metadata key) that differs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Derive(self, request_iterator, context):
+        """A new archive derived on the server from an existing one (the base) and per-entry
+        changes, so that the client sends only what changed (weight sync stores each version so,
+        from the version before: docs/weight-sync.md, "Deltas"). The first message carries
+        `begin`; then each entry of the new archive, named exactly once, starts with a message
+        that sets `entry`, followed by the bytes of its tannic payloads in `chunk`s (the first
+        chunk may ride in the same message as `entry`); the last message carries `commit`.
+        - SAME: the base's entry of that name, its blob reused (no byte moves, as in Union).
+        - DELTA: two payloads, the flat indices (int32 or int64, 1-D) and the new bits of those
+        elements (1-D, the integer dtype of the entry's element width: uint8 for 1-byte
+        dtypes and bool, int16, int32, int64; complex128 counts as two int64 an element). The
+        server reads the base entry's payload, sets those elements, checks that the CRC-32C of
+        the new buffer (in C order; bool as one byte an element) is `crc32c`, and stores it.
+        - WHOLE: one payload, the entry as Store takes it.
+        What is built goes through Store's own checks, hashing, dedup and commit: the archive
+        appears whole or not at all, and `replace` and an existing name behave as in Store.
+        Errors: NOT_FOUND a missing base, or a SAME or DELTA entry the base lacks; INVALID_ARGUMENT
+        a malformed delta (dtypes, counts, an index out of range) or a CRC-32C that differs, naming
+        the archive, the entry and the numbers. A read of the base: an alias is resolved once.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -253,6 +282,11 @@ def add_ArchivesServicer_to_server(servicer, server):
                     request_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.UnionRequest.FromString,
                     response_serializer=tannery__protocol_dot_v1_dot_archives__pb2.ArchiveInfo.SerializeToString,
             ),
+            'Derive': grpc.stream_unary_rpc_method_handler(
+                    servicer.Derive,
+                    request_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.DeriveRequest.FromString,
+                    response_serializer=tannery__protocol_dot_v1_dot_archives__pb2.ArchiveInfo.SerializeToString,
+            ),
             'Fetch': grpc.unary_stream_rpc_method_handler(
                     servicer.Fetch,
                     request_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.FetchRequest.FromString,
@@ -357,6 +391,33 @@ class Archives:
             target,
             '/tannery.v1.Archives/Union',
             tannery__protocol_dot_v1_dot_archives__pb2.UnionRequest.SerializeToString,
+            tannery__protocol_dot_v1_dot_archives__pb2.ArchiveInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Derive(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/tannery.v1.Archives/Derive',
+            tannery__protocol_dot_v1_dot_archives__pb2.DeriveRequest.SerializeToString,
             tannery__protocol_dot_v1_dot_archives__pb2.ArchiveInfo.FromString,
             options,
             channel_credentials,

@@ -51,7 +51,8 @@ class ChannelsServicer:
 
     def Publish(self, request_iterator, context):
         """Publishes payloads on a channel: the first message names the channel, and every
-        message carries payload bytes in `chunk`.
+        message carries payload bytes in `chunk` (on a data path: none, the payloads go on
+        the data connection).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -119,6 +119,12 @@ class StorageBase(ABC):
         """Run a catalog ``lookup`` whose blobs (``digests_of(result)``) stay readable until the
         caller gives them to :meth:`release`."""
 
+    def reuse(self, digest: str, holder: str) -> bool:
+        """Hold blob ``digest``, which a :meth:`pinned` lookup found (an entry of another
+        archive), for the commit of ``holder``, which references it without writing it (a
+        Derive's SAME entry); False when it is gone. Here the lookup's pin holds it already."""
+        return True
+
     @abstractmethod
     def release(self, digests: Iterable[str], collect: bool = False, holder: str | None = None) -> Collected:
         """End the hold on ``digests`` (those of a :meth:`pinned` lookup, or sealed for ``holder``);

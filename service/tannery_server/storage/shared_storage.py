@@ -107,6 +107,15 @@ class SharedStorage(StorageBase):
             return False  # the lease stays: the upload that follows is held by it too
         return True
 
+    def reuse(self, digest: str, holder: str) -> bool:
+        """Lease blob ``digest`` for ``holder``, whose commit references it (the catalog checks the
+        leases of every blob an archive references); False when its record is gone (collected)."""
+        info = self.catalog.blob(digest)
+        if info is None:
+            return False
+        # The lease touches the row; it inserts one only when the blob was collected meanwhile.
+        return self.catalog.lease(info, self.replica, holder, time.time_ns() + self.lease_ns)
+
     def commit_archive(self, name: str, entries: Sequence[EntryRecord], blobs: Sequence[BlobInfo], replace: bool,
                        holder: str | None = None, metadata: Mapping[str, str] | None = None,
                        created_ns: int | None = None) -> ArchiveRecord:
