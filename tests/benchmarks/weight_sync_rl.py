@@ -110,7 +110,7 @@ def tannery_round(server: Any, transport: str, size: int, rep: int) -> dict[str,
                        "workers": sum(line["cpu"] - cpu for line, cpu in zip(lines, before)),
                        "trainer": time.process_time() - trainer_cpu, "density": density(previous, state),
                        "streamed": pushed.streamed_bytes if pushed.delta else float("nan"),
-                       "in": after["in"] - moved["in"], "out": after["out"] - moved["out"]}
+                       "in": after["in"] - moved["in"], "out": after["out"] - moved["out"], "push": pushed.seconds}
             client.delete(f"{name}/v2", force=True)
         return outcome
     finally:
@@ -146,7 +146,8 @@ def run(server: Any, sizes: list[int], reps: int, result: Any) -> tuple[Table, T
     times = Table(f"RL-like versions (bf16, one AdamW step at lr 1e-6) to K = {K} workers: time from push to "
                   "every worker holding version 2 (median, and range)",
                   ["size", "density", *competitors, *(f"{t} / gloo" for t in TRANSPORTS),
-                   "channel bytes per version (of the model)", "server in / out per version (of the model)"])
+                   "channel bytes per version (of the model)", "server in / out per version (of the model)",
+                   "push returns (stored, alias moved)"])
     cpu = Table("RL-like versions: CPU seconds per GiB delivered (K x size)",
                 ["size", "competitor", "server cpu-s/GiB", "workers cpu-s/GiB", "trainer cpu-s/GiB"])
     for size in sizes:
@@ -168,7 +169,8 @@ def run(server: Any, sizes: list[int], reps: int, result: Any) -> tuple[Table, T
                   *(f"{fmt_time(samples[n].median)} ({samples[n].spread()})" for n in competitors),
                   *(fmt_ratio(r) for r in ratios.values()), f"{local['streamed'] / size:.1%}",
                   " ; ".join(f"{t}: {med[f'tannery {t}']['in'] / size:.1%} / {med[f'tannery {t}']['out'] / size:.1%}"
-                             for t in TRANSPORTS))
+                             for t in TRANSPORTS),
+                  " ; ".join(f"{t}: {fmt_time(med[f'tannery {t}']['push'])}" for t in TRANSPORTS))
         delivered = K * size / GiB
         for name, got in med.items():
             cpu.add(fmt_size(size), name, f"{got['server'] / delivered:.2f}" if name.startswith("tannery") else "-",
