@@ -10,7 +10,7 @@ import asyncio
 import base64
 import binascii
 import logging
-from typing import AsyncIterator
+from typing import Any, AsyncIterator, Awaitable
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -100,24 +100,8 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
         metadata = check_metadata(first.begin.metadata)
         session = StoreSession(self.storage, self.config, name, first.begin.replace, metadata)
         steps = SessionSteps(self.workers, session)
-        try:
-            await receive_store(self.plane, steps, first, request_iterator, context)
-            # grpc.aio ends the requests of a cancelled call as if the client were done, and
-            # says it was cancelled only a moment later.
-            if not session.committed:
-                await _cancellation_known(context)
-            await _cancellation_landed(context)
-            _check_alive(context)
-            record = await steps.run(session.finish)
-        except BaseException:
-            try:
-                await asyncio.shield(steps.abort())
-            except Exception:  # the call's own failure is what the client hears about
-                log.exception("Store of %r: removing what the call wrote failed", name)
-            if session.stored:  # cancelled after the client's half-close, while the commit ran
-                current_call().note("stored", "yes")
-            raise
-        return written(record)
+        received = receive_store(self.plane, steps, first, request_iterator, context)
+        return written(await _committed(steps, session, received, context, f"Store of {name!r}"))
 
     @answering_failures
     async def Union(self, request: archives_pb2.UnionRequest, context) -> archives_pb2.ArchiveInfo:
@@ -148,25 +132,14 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
         derive = DeriveSession(self.storage, self.config, name, base, first.begin.replace,
                                check_metadata(first.begin.metadata))
         steps = SessionSteps(self.workers, derive)  # type: ignore[arg-type]  # a session's steps, as Store's
-        try:
+
+        async def received() -> None:
             await steps.run(derive.begin)
             await steps.run(derive.message, first, True)
             async for message in requests:
                 await steps.run(derive.message, _decoded(message), False)
-            if not derive.committed:
-                await _cancellation_known(context)
-            await _cancellation_landed(context)
-            _check_alive(context)
-            record = await steps.run(derive.finish)
-        except BaseException:
-            try:
-                await asyncio.shield(steps.abort())
-            except Exception:  # the call's own failure is what the client hears about
-                log.exception("Derive of %r: removing what the call wrote failed", name)
-            if derive.stored:
-                current_call().note("stored", "yes")
-            raise
-        return written(record)
+
+        return written(await _committed(steps, derive, received(), context, f"Derive of {name!r}"))
 
     @answering_failures
     async def DataPaths(self, request: archives_pb2.DataPathsRequest, context) -> archives_pb2.DataPathsResponse:
@@ -307,6 +280,28 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
     def _alias_name(self, name: str) -> str:
         current_call().note("alias", name)
         return check_archive_name(name, self.config.max_name_bytes)
+
+
+async def _committed(steps: SessionSteps, session: Any, received: Awaitable[None], context, call: str) -> Any:
+    """The record a Store-like ``session`` commits once ``received`` has taken every message, or,
+    on any failure (a cancellation included), what it wrote removed and the failure raised."""
+    try:
+        await received
+        # grpc.aio ends the requests of a cancelled call as if the client were done, and
+        # says it was cancelled only a moment later.
+        if not session.committed:
+            await _cancellation_known(context)
+        await _cancellation_landed(context)
+        _check_alive(context)
+        return await steps.run(session.finish)
+    except BaseException:
+        try:
+            await asyncio.shield(steps.abort())
+        except Exception:  # the call's own failure is what the client hears about
+            log.exception("%s: removing what the call wrote failed", call)
+        if session.stored:  # cancelled after the client's half-close, while the commit ran
+            current_call().note("stored", "yes")
+        raise
 
 
 async def _cancellation_known(context: grpc.aio.ServicerContext, wait: float = 0.25) -> None:
