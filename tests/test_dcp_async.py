@@ -130,8 +130,16 @@ def _changed_after_call_worker(rank: int, world: int, port: int, target: str, ar
     except BaseException as exc:
         results.put((rank, "failed", repr(exc)[:500]))
     finally:
+        _flush(results)  # what this rank said reaches the test even if destroying the group hangs
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _flush(results) -> None:
+    """Hand what this process put on ``results`` to the pipe now: a queue's feeder thread needs the
+    GIL, which ``destroy_process_group`` may hold while it waits for a peer that was killed."""
+    results.close()
+    results.join_thread()
 
 
 def _killed_worker(rank: int, world: int, port: int, target: str, archive: str, earlier: str, results) -> None:
@@ -156,6 +164,7 @@ def _killed_worker(rank: int, world: int, port: int, target: str, archive: str, 
     except BaseException as exc:
         results.put((rank, "failed", repr(exc)[:500]))
     finally:
+        _flush(results)  # what this rank said reaches the test even if destroying the group hangs
         if dist.is_initialized():
             dist.destroy_process_group()
 
