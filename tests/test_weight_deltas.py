@@ -180,7 +180,8 @@ def test_a_follower_that_missed_the_base_takes_the_version_whole_from_the_store(
     assert same_bits(behind, state) and same_bits(along, state)
 
 
-def test_a_delta_damaged_on_the_way_is_undone_logged_and_the_version_taken_whole(srv, caplog):
+@pytest.mark.parametrize("damage", ["a value's bit", "an index out of range"])
+def test_a_delta_damaged_on_the_way_is_undone_logged_and_the_version_taken_whole(srv, caplog, damage):
     trainer = RLTrainer(seed=0)
     first = trainer.state()
     with tannery.Client(srv.target) as client:
@@ -193,7 +194,10 @@ def test_a_delta_damaged_on_the_way_is_undone_logged_and_the_version_taken_whole
         keeper = Base()
         keeper.take(0, push, first, None)
         changes = keeper.changes(second)
-        changes[2].payloads[1][0] ^= 1  # one bit of one value, flipped on the way
+        if damage == "a value's bit":
+            changes[2].payloads[1][0] ^= 1  # one bit of one value, flipped on the way
+        else:
+            changes[2].payloads[0][-1] = 10**8  # past the tensor's end
         with caplog.at_level(logging.WARNING, logger="tannery.weights"):
             client.publish("policy", delta_payloads(1, "damaged", (0, push), second, changes))
             deadline = time.monotonic() + 10

@@ -234,8 +234,11 @@ def apply_changes(targets: Mapping[str, Any], changes: list[Change]) -> list[str
     digest: the entries whose digest failed (then every change is undone), [] when all hold.
     Entries are applied and checked on threads, as :func:`diff_version` compares them."""
     def one(change: Change) -> tuple[Undo | None, bool]:
-        with torch.no_grad():
-            undo = apply_change(targets[change.name], change)
+        try:
+            with torch.no_grad():  # an index out of range fails at the gather, before any write
+                undo = apply_change(targets[change.name], change)
+        except (IndexError, ValueError):
+            return None, False
         return undo, digest(targets[change.name]) == change.digest
 
     done = list(_pool().map(one, changes))
