@@ -20,6 +20,7 @@ completes it. So a follower applies only whole versions of one push.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -115,10 +116,7 @@ def _expected(manifest: dict[str, Any]) -> list[tuple[str, str, tuple[int, ...]]
             found = getattr(torch, dtype, None)
             if not isinstance(found, torch.dtype):
                 raise ValueError(f"{name}: unknown dtype {dtype!r}")
-            numel = 1
-            for dim in shape:
-                numel *= dim
-            element, elements = bits_layout(found, numel)
+            element, elements = bits_layout(found, math.prod(shape))
             if not 0 < count <= elements:
                 raise ValueError(f"{name}: {count} changed elements of {elements}")
             expected += [(name, _dtype_name(torch.empty(0, dtype=index_dtype(elements))), (count,)),
@@ -146,11 +144,8 @@ class StreamedVersion:
         shapes = self.shapes or {name: (_dtype_name(t), tuple(t.shape)) for name, t in self.tensors.items()}
         entries = []
         for name, (dtype, shape) in shapes.items():
-            numel = 1
-            for dim in shape:
-                numel *= dim
             itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
-            entries.append(EntryDescription(name, dtype, shape, numel * itemsize, 0, ""))
+            entries.append(EntryDescription(name, dtype, shape, math.prod(shape) * itemsize, 0, ""))
         info = ArchiveInfo(f"{self.name} (version {self.version}, streamed)", len(entries),
                            sum(e.nbytes for e in entries), 0, None)
         return ArchiveDescription(info, tuple(entries))
