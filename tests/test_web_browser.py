@@ -126,10 +126,13 @@ def _by(browser, css: str):
 
 def _wait(browser, condition, what: str) -> None:
     """Wait (at most 10 s) until ``condition(browser)``: a click that sends a form returns
-    before the next page is there."""
+    before the next page is there, so an element found on the old page may be gone by the time
+    it is read (stale): that is asked again, not a failure."""
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    WebDriverWait(browser, 10).until(condition, f"waited 10 s for {what}")
+    WebDriverWait(browser, 10, ignored_exceptions=(StaleElementReferenceException,)).until(
+        condition, f"waited 10 s for {what}")
 
 
 def _status(browser) -> str:
