@@ -227,15 +227,19 @@ class Deleted:
 
 @dataclass(frozen=True)
 class Published:
-    """What one publish call sent: payloads, their bytes, and subscribers dropped for falling behind."""
+    """What one publish call sent: payloads, their bytes, and subscribers dropped for falling
+    behind; for a publish that asked to be stored too, the archive stored, or why it was not."""
 
     payloads: int
     nbytes: int
     dropped_subscribers: int
+    stored: ArchiveInfo | None = None
+    store_error: str = ""
 
     @staticmethod
     def of(message: channels_pb2.PublishResponse) -> "Published":
-        return Published(message.payloads, message.bytes, message.dropped_subscribers)
+        stored = ArchiveInfo.of(message.stored) if message.HasField("stored") else None
+        return Published(message.payloads, message.bytes, message.dropped_subscribers, stored, message.store_error)
 
 
 __all__ = ["MARK", "Alias", "ArchiveDescription", "ArchiveInfo", "Deleted", "EntryDescription", "FileDescription", "Pruned",

@@ -221,6 +221,8 @@ async def start(config: Config) -> RunningServer:
             services.append(CHANNELS)
             # Alias moves travel between replicas with the channels' fabric (a no-op without one).
             archives_servicer.watches.announce = channels_servicer.fabric.announce
+            # A Publish may store what it relays (store_as): a publisher's bytes written once.
+            channels_servicer.published_store = archives_servicer.published_store
             channels_servicer.fabric.alias_moved = archives_servicer.watches.poke
             if metrics is not None:
                 metrics.watch_hub(channels_servicer.hub)

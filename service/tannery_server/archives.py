@@ -29,6 +29,7 @@ from .fetching import check_request, gone_while_read
 from .handling import Undecodable, add_service, answering_failures
 from .storage import AliasRecord, ArchiveLimits, ArchiveRecord, Storage
 from .storage_failures import failure_of
+from .published_store import PublishedStore
 from .store_session import StoreSession
 from .validation import check_archive_name, check_metadata, check_prefix
 from .watching import add_watch
@@ -102,6 +103,14 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
         steps = SessionSteps(self.workers, session)
         received = receive_store(self.plane, steps, first, request_iterator, context)
         return written(await _committed(steps, session, received, context, f"Store of {name!r}"))
+
+    def published_store(self, store_as: Any) -> PublishedStore:
+        """The store of a Publish that asks for one (``PublishRequest.store_as``): its payloads
+        stored as archive ``store_as.archive`` as they are relayed (Malformed for a bad name or
+        metadata, before any payload)."""
+        name = self._archive_name(store_as.archive)
+        session = StoreSession(self.storage, self.config, name, store_as.replace, check_metadata(store_as.metadata))
+        return PublishedStore(session, self.workers, list(store_as.entries), self.failure_of)
 
     @answering_failures
     async def Union(self, request: archives_pb2.UnionRequest, context) -> archives_pb2.ArchiveInfo:

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
     from tannery.calls.watches import Watched
     from tannery.dataplane.transports import Feed, Transport
+    from tannery_protocol.v1 import channels_pb2
 
 # Imported on first use: catalog calls (tannery ls, show, rm) need none of these.
 _archive_files = lazy_module("tannery.calls.archive_files")
@@ -377,10 +378,14 @@ class CallCore:
 
     # -- channels ------------------------------------------------------------------------
 
-    def _publish(self, channel: str, tensors: Iterable[Any], progress: Progress) -> Steps[Published]:
+    def _publish(self, channel: str, tensors: Iterable[Any], progress: Progress,
+                 store_as: channels_pb2.StoreAs | None = None) -> Steps[Published]:
+        """Publish ``tensors`` on ``channel``; with ``store_as``, the server stores them as that
+        archive too (``Published.stored``, or ``store_error`` saying why not)."""
         _messages.check_tensors(tensors)
         transport = yield from self._transport_now()
-        return Published.of((yield from transport.publish(self._calls, channel, tensors, progress)))
+        stored = store_as.SerializeToString() if store_as is not None else b""
+        return Published.of((yield from transport.publish(self._calls, channel, tensors, progress, stored)))
 
     def _subscribe(self, channel: str, progress: Progress) -> Steps[Feed]:
         """A subscription the server has registered (everything published afterwards arrives)."""

@@ -147,8 +147,10 @@ class Transport(Protocol):
         """The StoreResponse of one Store call of the whole archive (``batched``: the server
         reads small entries several to a gRPC message)."""
 
-    def publish(self, calls: Calls, channel: str, tensors: Iterable[Any], progress: Progress) -> Steps[Any]:
-        """The PublishResponse of one Publish call."""
+    def publish(self, calls: Calls, channel: str, tensors: Iterable[Any], progress: Progress,
+                store_as: bytes = b"") -> Steps[Any]:
+        """The PublishResponse of one Publish call (``store_as``: a serialized ``StoreAs``, the
+        archive the server stores the payloads as too; b"" for none)."""
 
     def subscribe(self, calls: Calls, channel: str, reader: PayloadReader) -> Steps[Feed]:
         """A subscription the server has registered."""
@@ -178,8 +180,9 @@ class GrpcTransport:
         # A message may wait for its entry's hash: in asyncio, not on the event loop.
         return (yield Send(calls.methods.store, messages, calls.options(), calls.target, off_loop=digests))
 
-    def publish(self, calls: Calls, channel: str, tensors: Iterable[Any], progress: Progress) -> Steps[Any]:
-        messages = publish_stream(channel, tensors, calls.connection.chunk_size, progress)
+    def publish(self, calls: Calls, channel: str, tensors: Iterable[Any], progress: Progress,
+                store_as: bytes = b"") -> Steps[Any]:
+        messages = publish_stream(channel, tensors, calls.connection.chunk_size, progress, store_as)
         return (yield Send(calls.methods.publish, messages, calls.options(), calls.target))
 
     def subscribe(self, calls: Calls, channel: str, reader: PayloadReader) -> Steps[Feed]:
@@ -271,13 +274,14 @@ class LinkTransport:
         finally:
             upload.close()
 
-    def publish(self, calls: Calls, channel: str, tensors: Iterable[Any], progress: Progress) -> Steps[Any]:
+    def publish(self, calls: Calls, channel: str, tensors: Iterable[Any], progress: Progress,
+                store_as: bytes = b"") -> Steps[Any]:
         """A Publish whose call names the channel, its payloads sent on the data path: sealed
         memory files on the same host, raw bytes over TCP (an async iterable of tensors is
         gathered first: the sending runs on a worker thread)."""
         if isinstance(tensors, AsyncIterable):
             tensors = yield Rpc(_gathered, tensors)
-        return (yield from self._upload(calls, calls.methods.publish, encode_publish_request(channel, []),
+        return (yield from self._upload(calls, calls.methods.publish, encode_publish_request(channel, [], store_as),
                                         lambda link: publish_over(link, tensors, progress)))
 
     def subscribe(self, calls: Calls, channel: str, reader: PayloadReader) -> Steps[Feed]:

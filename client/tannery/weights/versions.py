@@ -23,6 +23,7 @@ from tannery_protocol.errors import (AliasError, AlreadyExists, ArchiveError, Ca
 from tannery.records import ArchiveDescription, ArchiveInfo
 from tannery.calls.retention import plan_prune
 from tannery_protocol._lazy import lazy_module
+from tannery_protocol.v1 import channels_pb2
 from tannery.calls.state_dict import Rows, TargetPlan, plan_targets, target_tensors
 from tannery.weights.deltas import Base, Change, apply_changes
 from tannery.weights.stream import StreamedVersion, delta_payloads, version_payloads
@@ -185,19 +186,29 @@ def _push(core: CallCore, pushing: Pushing, state: Any, version: int) -> Steps[P
     name, current, push = pushing.name, pushing.current or "", uuid.uuid4().hex[:16]
     tensors = target_tensors(state, pushing.where)
     streamed, changes, base = None, None, (pushing.base.version, pushing.base.push)
+    metadata = {VERSION_KEY: str(version), WEIGHTS_KEY: name, PUSH_KEY: push}
+    info = None
     if pushing.stream:
         yield from _check_alias(core, name, current)  # before any follower sees a byte of it
         changes = pushing.base.changes(tensors) if pushing.delta else None
-        payloads = (version_payloads(version, push, tensors) if changes is None else
-                    delta_payloads(version, push, (pushing.base.version, pushing.base.push), tensors, changes))
+        if changes is None:  # whole: the server stores what the channel carries (its bytes sent once)
+            payloads = version_payloads(version, push, tensors)
+            store_as = channels_pb2.StoreAs(archive=version_archive(name, version), metadata=metadata,
+                                            entries=["", *tensors, ""])
+        else:
+            payloads = delta_payloads(version, push, (pushing.base.version, pushing.base.push), tensors, changes)
+            store_as = None
         try:
-            streamed = yield from core._publish(name, payloads, None)
+            streamed = yield from core._publish(name, payloads, None, store_as)
         except (Unavailable, ResourceExhausted):
             pass  # the channel cannot carry it now: the followers take it from the store, a moment later
         if streamed is not None and pushing.delta:
             pushing.base.take(version, push, tensors, changes)  # what the running followers hold now
-    metadata = {VERSION_KEY: str(version), WEIGHTS_KEY: name, PUSH_KEY: push}
-    info = None
+        if streamed is not None and store_as is not None:
+            info = streamed.stored
+            if info is None:
+                log.info("%s: version %d was streamed, not stored by the server (%s): storing it",
+                         pushing.where, version, streamed.store_error or "a server from before store_as")
     if changes is not None and streamed is not None:
         info = yield from _derived(core, pushing, version, base, changes, metadata)
     if info is None:
