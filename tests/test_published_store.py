@@ -163,3 +163,26 @@ def publishes_ended(srv) -> float:
     samples = scrape(srv.metrics_port)
     return sum(count for (name, labels), count in samples.items()
                if name == "tannery_calls_total" and ("method", "Publish") in labels)
+
+
+def test_a_full_disk_stops_the_store_not_the_followers_and_the_push_names_the_disk(tmp_path):
+    """On a 24 MiB tmpfs, a 32 MiB version reaches the follower on the channel; the server's
+    store of it fails (no space), removes what it wrote, and the publisher's own Store meets the
+    same refusal, which push raises: RESOURCE_EXHAUSTED naming the disk. Nothing partial stays."""
+    from .server_harness import mounted_tmpfs
+    from .test_full_disk import DISK, assert_names_the_disk
+
+    big = {f"layer.{i}": torch.randn(1 << 20) for i in range(8)}  # 32 MiB: more than the disk holds
+    with mounted_tmpfs(tmp_path / "disk", str(DISK)) as disk, running_server(tmp_path, data_dir=disk / "data") as srv:
+        with tannery.Client(srv.target) as client:
+            held = {k: torch.zeros_like(v) for k, v in big.items()}
+            with Follower(client, "policy", held) as follower:
+                with pytest.raises(tannery.ResourceExhausted) as refused:
+                    Publisher(client, "policy", delta=False).push(big, 0)
+                applied = next(iter(follower))
+                assert (applied.version, applied.via) == (0, "channel")
+                assert digests(held) == digests(big)
+            assert_names_the_disk(str(refused.value), srv.data_dir)
+            assert client.list() == []
+            assert list((srv.data_dir / "tmp").iterdir()) == []
+            assert [p for p in (srv.data_dir / "blobs").rglob("*") if p.is_file()] == []
