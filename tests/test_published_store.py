@@ -113,12 +113,12 @@ def test_a_bad_archive_name_in_store_as_refuses_the_publish_before_any_payload(s
 
 def test_a_server_that_does_not_store_what_it_relays_gets_a_store_call(tmp_path, monkeypatch):
     """A server from before store_as ignores it: the publisher stores the version itself."""
-    from tannery_server.channels import ChannelsServicer
+    import tannery_server.channels
 
-    async def not_storing(self, first):
+    async def not_storing(factory, first):
         return None
 
-    monkeypatch.setattr(ChannelsServicer, "storing", not_storing)
+    monkeypatch.setattr(tannery_server.channels, "open_store", not_storing)
     with running_server(tmp_path) as srv, tannery.Client(srv.target) as client:
         Publisher(client, "policy", delta=False).push(state(1), 0)
         assert value(scrape(srv.metrics_port), "tannery_calls_total", method="Store", code="OK") == 1

@@ -13,10 +13,10 @@ import logging
 from typing import Any, AsyncIterator, Awaitable
 
 import grpc
-from google.protobuf.timestamp_pb2 import Timestamp
 
 from tannery_protocol.v1 import archives_pb2, archives_pb2_grpc
 
+from .archive_info import alias_info, archive_info, written
 from .calllog import current_call
 from .config import Config
 from .failures import Cancelled, DeadlineExceeded, Malformed, Missing
@@ -40,29 +40,6 @@ DEFAULT_PAGE = 100
 MAX_PAGE = 1000
 
 log = logging.getLogger("tannery_server.archives")
-
-
-def archive_info(record: ArchiveRecord) -> archives_pb2.ArchiveInfo:
-    created = Timestamp()
-    created.FromNanoseconds(record.created_ns)
-    return archives_pb2.ArchiveInfo(
-        name=record.name, entries=record.entries, nbytes=record.nbytes, payload_bytes=record.payload_bytes,
-        created=created, already_stored=record.already_stored,
-    )
-
-
-def alias_info(record: AliasRecord) -> archives_pb2.Alias:
-    moved = Timestamp()
-    moved.FromNanoseconds(record.moved_ns)
-    return archives_pb2.Alias(alias=record.alias, archive=record.archive, moved=moved)
-
-
-def written(record: ArchiveRecord) -> archives_pb2.ArchiveInfo:
-    """The answer of a Store or Union; the call's log line says when it found the archive
-    already holding exactly its content (and stored nothing)."""
-    if record.already_stored:
-        current_call().note("already_stored", True)
-    return archive_info(record)
 
 
 class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import logging
 import unicodedata
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
@@ -64,12 +63,9 @@ from .dataplane.links import LINK_ERRORS, fail, link_failure
 from .dataplane.listeners import DataPaths
 from .dataplane.plane import DataPlane
 from .fabric import open_fabric
-from .archives import written
-from .published_store import PublishedStore
+from .published_store import PublishedStore, Storing, open_store, stored_answer
 from .workers import Workers
 from .hub import Channel, FellBehind, Hub, HubClosed, Piece, Relay, SubscriptionEnded
-
-log = logging.getLogger("tannery_server.channels")
 
 #: Longest channel name, in bytes of UTF-8.
 MAX_CHANNEL_NAME_BYTES = 255
@@ -182,7 +178,7 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
             raise
         finally:
             publication.release()
-        return await self._stored(publication.response(), publication.store)
+        return await stored_answer(publication.response(), publication.store)
 
     @answering_failures
     async def Subscribe(
@@ -233,7 +229,7 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
         channel = self.attach(first.channel)
         store = None
         try:
-            store = await self.storing(first)
+            store = await open_store(self.published_store, first)
             link = await self.plane.link(transport, context)
             try:
                 payloads, nbytes, dropped = await relay_publisher(link, store.channel(channel) if store else channel,
@@ -258,33 +254,7 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
             self.hub.detach_publisher(channel)
         current_call().note("data_bytes", nbytes)
         answer = channels_pb2.PublishResponse(payloads=payloads, bytes=nbytes, dropped_subscribers=dropped)
-        return await self._stored(answer, store)
-
-    async def storing(self, first: Any) -> PublishedStore | None:
-        """The store a Publish asks for in its first message (``store_as``), started; None when
-        it asks for none. Malformed for a bad archive name or metadata, before any payload."""
-        if not first.HasField("store_as"):
-            return None
-        if self.published_store is None:
-            store = None
-        else:
-            store = self.published_store(first.store_as)
-            await store.start()
-        current_call().note("store_as", first.store_as.archive)
-        return store or _NotStoring(first.store_as.archive)
-
-    async def _stored(self, answer: channels_pb2.PublishResponse,
-                      store: "PublishedStore | _NotStoring | None") -> channels_pb2.PublishResponse:
-        """The Publish's answer, with the archive its store committed, or why there is none
-        (the payloads were published all the same)."""
-        if store is None:
-            return answer
-        try:
-            answer.stored.CopyFrom(written(await store.finish()))
-        except Failure as failure:
-            log.warning("Publish stored nothing as %r (the payloads were published): %s", store.archive, failure)
-            answer.store_error = str(failure)
-        return answer
+        return await stored_answer(answer, store)
 
     async def _subscribe_link(self, transport: str, subscription, context) -> None:
         """Pass the subscription's payloads on its data connection until it ends."""
@@ -338,7 +308,7 @@ class _Publication:
         self.deframer = Deframer(servicer.limits)
         self.channel: Channel | None = None
         #: What stores the payloads too (``store_as``), and how a payload takes the channel.
-        self.store: PublishedStore | _NotStoring | None = None
+        self.store: Storing | None = None
         self.begin: Callable[[int], Awaitable[Relay]] | None = None
         #: The payload in flight, holding the channel (None between payloads).
         self.relay: Relay | None = None
@@ -357,7 +327,7 @@ class _Publication:
                 raise request.failure(f"message {self.messages} of this Publish call")
             if self.channel is None:
                 self.channel = self.servicer.attach(request.channel)
-                self.store = await self.servicer.storing(request)
+                self.store = await open_store(self.servicer.published_store, request)
                 self.begin = self.store.channel(self.channel).begin if self.store else self.channel.begin
             elif request.channel and request.channel != self.channel.name:
                 raise Malformed(
@@ -429,22 +399,6 @@ class _Publication:
             self.relay = None
         if self.channel is not None:
             self.servicer.hub.detach_publisher(self.channel)
-
-
-class _NotStoring:
-    """The store of a Publish on a server that serves no Archives: it stores nothing, says so."""
-
-    def __init__(self, archive: str) -> None:
-        self.archive = archive
-
-    def channel(self, channel: Channel) -> Channel:
-        return channel
-
-    async def finish(self) -> Any:
-        raise Unavailable("this server serves no Archives: the payloads were published, not stored")
-
-    async def abort(self) -> None:
-        pass
 
 
 async def _relay_last(relay: Relay, piece: Piece, timeout: float) -> int:

@@ -26,9 +26,13 @@ import asyncio
 import logging
 from typing import Any, Callable
 
+from tannery_protocol.v1 import channels_pb2
+
+from .archive_info import written
+from .calllog import current_call
 from .dataplane.channel_pieces import data_of
 from .dataplane.store import SessionSteps
-from .failures import Malformed
+from .failures import Failure, Malformed, Unavailable
 from .hub import Channel, Outbound, Relay
 from .storage import ArchiveRecord
 from .store_session import StoreSession
@@ -193,4 +197,52 @@ class StoringChannel:
         return relay
 
 
-__all__ = ["BACKLOG_BYTES", "PublishedStore", "StoringChannel"]
+class NotStoring:
+    """The store of a Publish on a server that serves no Archives: it stores nothing, says so."""
+
+    def __init__(self, archive: str) -> None:
+        self.archive = archive
+
+    def channel(self, channel: Channel) -> Channel:
+        return channel
+
+    async def finish(self) -> ArchiveRecord:
+        raise Unavailable("this server serves no Archives: the payloads were published, not stored")
+
+    async def abort(self) -> None:
+        pass
+
+
+#: What stores a Publish's payloads (or says why it does not).
+Storing = PublishedStore | NotStoring
+
+
+async def open_store(factory: Callable[[Any], PublishedStore] | None, first: Any) -> Storing | None:
+    """The store a Publish asks for in its first message (``store_as``), started; None when it
+    asks for none. ``factory`` (the Archives servicer's) raises Malformed for a bad archive name or
+    metadata, before any payload."""
+    if not first.HasField("store_as"):
+        return None
+    current_call().note("store_as", first.store_as.archive)
+    if factory is None:
+        return NotStoring(first.store_as.archive)
+    store = factory(first.store_as)
+    await store.start()
+    return store
+
+
+async def stored_answer(answer: channels_pb2.PublishResponse, store: Storing | None) -> channels_pb2.PublishResponse:
+    """A Publish's answer with the archive its store committed, or why there is none (the
+    payloads were published all the same)."""
+    if store is None:
+        return answer
+    try:
+        answer.stored.CopyFrom(written(await store.finish()))
+    except Failure as failure:
+        log.warning("Publish stored nothing as %r (the payloads were published): %s", store.archive, failure)
+        answer.store_error = str(failure)
+    return answer
+
+
+__all__ = ["BACKLOG_BYTES", "NotStoring", "PublishedStore", "Storing", "StoringChannel", "open_store",
+           "stored_answer"]

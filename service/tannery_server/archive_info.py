@@ -1,0 +1,36 @@
+"""The answers that describe an archive or an alias (``ArchiveInfo``, ``Alias``), made from
+the catalog's records: what Store, Union, Derive, a storing Publish and the listings answer."""
+
+from __future__ import annotations
+
+from google.protobuf.timestamp_pb2 import Timestamp
+from tannery_protocol.v1 import archives_pb2
+
+from .calllog import current_call
+from .storage import AliasRecord, ArchiveRecord
+
+
+def archive_info(record: ArchiveRecord) -> archives_pb2.ArchiveInfo:
+    created = Timestamp()
+    created.FromNanoseconds(record.created_ns)
+    return archives_pb2.ArchiveInfo(
+        name=record.name, entries=record.entries, nbytes=record.nbytes, payload_bytes=record.payload_bytes,
+        created=created, already_stored=record.already_stored,
+    )
+
+
+def alias_info(record: AliasRecord) -> archives_pb2.Alias:
+    moved = Timestamp()
+    moved.FromNanoseconds(record.moved_ns)
+    return archives_pb2.Alias(alias=record.alias, archive=record.archive, moved=moved)
+
+
+def written(record: ArchiveRecord) -> archives_pb2.ArchiveInfo:
+    """The answer of a Store or Union; the call's log line says when it found the archive
+    already holding exactly its content (and stored nothing)."""
+    if record.already_stored:
+        current_call().note("already_stored", True)
+    return archive_info(record)
+
+
+__all__ = ["alias_info", "archive_info", "written"]
