@@ -1,5 +1,5 @@
 """Every client subcommand's arguments and help (push, pull, ls, show, get, union; rm, tag,
-untag, watch, prune; publish, subscribe), apart from the code that runs them (:mod:`.archives`,
+untag, resolve, watch, prune; publish, subscribe), apart from the code that runs them (:mod:`.archives`,
 :mod:`.aliases`, :mod:`.channels`): building the parser imports none of those, and a command
 imports the one module that runs it."""
 
@@ -31,6 +31,8 @@ JSON_GET = ("get --json prints {archive, entry, dtype, shape, nbytes, stats: {co
 JSON_TAG = ("tag --json prints {alias, archive, previous, changed, moved (ISO 8601 UTC)}; previous is the archive "
             "it pointed at before (\"\" when created), changed is false when it already pointed at ARCHIVE.")
 JSON_UNTAG = "untag --json prints {alias, archive}: the alias removed and the archive it pointed at."
+JSON_RESOLVE = ("resolve --json prints {name, archive, alias}: the archive ALIAS denotes now, and whether ALIAS is "
+                "an alias (false: it is that archive's own name).")
 JSON_RM = ("rm --json prints a list of {name, blobs_removed, bytes_freed, aliases_removed}, one per archive "
            "deleted.")
 JSON_PRUNE = ("prune --json prints {prefix, keep_last, dry_run, deleted: [archive], kept: [archive]}, each "
@@ -233,6 +235,15 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
         "  tannery untag prod\n",
         "aliases.cmd_untag",
         name("alias", "ALIAS", "the alias to remove"),
+        json=JSON,
+    )
+    command(
+        "resolve", "print the archive an alias points at",
+        "Print the archive ALIAS points at now, the one a read naming ALIAS would read (an archive's own name "
+        "prints itself; a name that is neither is not found). Before tag --expect, it says what to expect. " + JSON_RESOLVE,
+        "  tannery resolve prod\n  tannery resolve prod --json\n",
+        "aliases.cmd_resolve",
+        name("alias", "ALIAS", "the alias (or an archive's name)"),
         json=JSON,
     )
     command(
