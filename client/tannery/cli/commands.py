@@ -12,13 +12,14 @@ from typing import Any
 
 JSON = "print JSON (keys above)"
 
-JSON_PUSH = ("push --json prints {name, entries, nbytes, payload_bytes, created (ISO 8601 UTC), already_stored, "
-             "skipped: [{name, type}]}; already_stored is true when the archive already held exactly this content "
-             "and nothing new was stored (created is then when it was first stored); skipped lists the torch "
-             "checkpoint's non-tensor values left out; files: [{name, size}] the files of a folder kept with the "
-             "archive (entries and nbytes count them too, as ls does).")
-JSON_LS = ("ls --json prints a list of {name, entries, nbytes, payload_bytes, created (ISO 8601 UTC), aliases: "
-           "[the aliases that point at it]}.")
+JSON_PUSH = ("push --json prints {name, entries, nbytes, payload_bytes, file_bytes, created (ISO 8601 UTC), "
+             "already_stored, skipped: [{name, type}], files: [{name, size}]}: entries and nbytes count the tensors; "
+             "files are the folder's files kept with the archive (file_bytes their bytes); already_stored is true "
+             "when the archive already held exactly this content and nothing new was stored (created is then when "
+             "it was first stored); skipped lists the torch checkpoint's non-tensor values left out.")
+JSON_LS = ("ls --json prints a list of {name, entries, nbytes, payload_bytes, files, file_bytes, created (ISO 8601 "
+           "UTC), aliases: [the aliases that point at it]}: entries and the byte counts are the tensors'; files "
+           "counts the files kept with the archive (a pushed folder's config.json...), file_bytes their bytes.")
 JSON_SHOW = ("show --json prints {name, entries: [{name, dtype, shape, nbytes, payload_bytes, digest}], "
              "nbytes, payload_bytes, metadata: {key: value}} (sizes in bytes: nbytes of tensor data, "
              "payload_bytes with headers; metadata is the archive's string map, as safetensors' __metadata__), "
@@ -157,8 +158,8 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
 
     command(
         "ls", "list archives",
-        "List the archives on the server (name, entries, size, creation time), optionally only those whose "
-        "names start with PREFIX. " + JSON_LS,
+        "List the archives on the server (name, entries: the tensors, their size, the files kept with it when "
+        "any archive has some, creation time), optionally only those whose names start with PREFIX. " + JSON_LS,
         "  tannery ls\n  tannery ls resnet --json\n",
         "archives.cmd_ls",
         option("prefix", metavar="PREFIX", nargs="?", default="", help="only archives whose names start with this"),
