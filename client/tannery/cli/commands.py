@@ -128,8 +128,9 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
     )
     pull = command(
         "pull", "write an archive (or part of it) to a file",
-        "Fetch an archive's entries and write them to FILE: a .safetensors file, or a .tannic pair "
-        "(FILE.tannic and FILE.metadata.tannic), by the extension; or, when FILE ends with a slash or is a "
+        "Fetch an archive's entries and write them to FILE: a .safetensors file, a .tannic pair "
+        "(FILE.tannic and FILE.metadata.tannic) or a torch checkpoint (.pt, .pth, .bin: torch.save of "
+        "{name: tensor}, which needs the whole archive in memory), by the extension; or, when FILE ends with a slash or is a "
         "directory, a Hugging Face checkpoint folder: shards model-00001-of-0000N.safetensors of at most "
         "--max-shard-size (whole entries in name order; an entry over it gets a shard of its own) and "
         "model.safetensors.index.json, or a single model.safetensors when everything fits in one, as "
@@ -140,11 +141,12 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
         "  tannery pull resnet50 -o resnet50.safetensors\n"
         "  tannery pull bert -o encoder.safetensors --prefix encoder\n"
         "  tannery pull bert -o two.tannic --names encoder.w,encoder.b\n"
+        "  tannery pull head -o back.pt\n"
         "  tannery pull llama3 -o ./llama-3-8b/ --max-shard-size 5GB\n",
         "transfers.cmd_pull",
         name("name", "NAME", "the archive"),
         option("-o", "--output", metavar="FILE", required=True,
-               help="the file to write (.safetensors or .tannic); missing directories are created"),
+               help="the file to write (.safetensors, .tannic or .pt); missing directories are created"),
         flag("-f", "--force", help="replace FILE if it exists (default: refuse)"),
         flag("--no-files", help="a folder: write the weights only, not the files kept with the archive"),
         option("--max-shard-size", metavar="SIZE", help="a folder's largest shard, as 5GB (the default), 500MB or 2GiB"),
