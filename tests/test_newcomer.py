@@ -62,6 +62,18 @@ def test_push_help_says_what_happens_to_non_tensor_values(cli: Cli, capsys: pyte
     assert '"skipped" with --json' in text
 
 
+def test_push_help_is_short_and_lists_every_json_key(capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+    with pytest.raises(SystemExit):
+        main(["push", "--help"])
+    text = capsys.readouterr().out
+    described = text[text.index("\n\n") + 2:text.index(" push --json prints")]  # before the JSON keys
+    assert len(described.splitlines()) <= 12, described
+    keys = text[text.index("push --json prints {"):].split("}:", 1)[0]
+    assert all(key in keys for key in ("entries", "nbytes", "skipped", "files", "already_stored"))
+
+
 def test_push_of_a_torch_file_of_no_tensors_says_what_it_holds(cli: Cli, tmp_path: Path) -> None:
     path = tmp_path / "notatensor.pt"
     torch.save("notatensor", path)

@@ -97,22 +97,14 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
 
     command(
         "push", "store a checkpoint file as an archive",
-        "Store a checkpoint file on the server as an archive of named tensors. FILE is a Hugging Face "
-        "checkpoint folder (model.safetensors.index.json and the shards it names, checked against each other, "
-        "or a model.safetensors), a .safetensors file, "
-        "a .tannic pair (model.tannic with model.metadata.tannic beside it; it stores no shapes, so its "
-        "entries are stored 1-D) or a torch checkpoint (.pt, .pth, .bin) read with "
-        "torch.load(weights_only=True): every tensor of its dicts and lists becomes an entry named by its "
-        "path (model.layers.0.weight). A safetensors file's __metadata__ (a folder's: its first shard's) is "
-        "kept as the archive's metadata. A torch checkpoint's values that are not tensors (a step count, a "
-        "name, None) cannot be entries: push stores the tensors and lists the values it left out, with their "
-        "types, on stderr (and under \"skipped\" with --json). A progress bar shows bytes, rate and time left. "
-        "Pushing again to a name that holds exactly this content (entries, bytes, metadata) succeeds and stores "
-        "nothing new (\"is already stored with this content\"); other content under that name is refused, naming "
-        "the first entry that differs. A folder's other files (config.json, generation_config.json, the "
-        "tokenizer's files, a README: every file beside the index and the shards, not its directories) are kept "
-        "with the archive, stored in the same call, at most 32 MiB each and 64 MiB in all, and pull -o DIR/ writes "
-        "them back; --exclude leaves some out, --no-files all of them. " + JSON_PUSH,
+        "Store FILE as an archive of named tensors: a .safetensors file (its __metadata__ kept), a .tannic pair "
+        "(model.tannic beside model.metadata.tannic; stored 1-D), a torch checkpoint (.pt, .pth, .bin, read "
+        "with torch.load(weights_only=True); entries named by path, model.layers.0.weight) or a Hugging Face "
+        "folder (the index and its shards, checked against each other; its other files, config.json and the "
+        "tokenizer's, kept with the archive: --exclude, --no-files). A torch checkpoint's values that are not "
+        "tensors cannot be entries: push stores the tensors and lists the values it left out, with their "
+        "types, on stderr (and under \"skipped\" with --json). The same content pushed again to the same name "
+        "stores nothing new; other content there is refused unless --replace. " + JSON_PUSH,
         "  tannery push model.safetensors --as resnet50\n"
         "  tannery push ./llama-3-8b/ --as llama3\n"
         "  tannery push encoder.pt --as bert --prefix encoder --replace\n",
