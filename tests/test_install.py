@@ -124,3 +124,15 @@ def test_the_readme_install_lines_work_in_fresh_environments(tmp_path: Path) -> 
     from_wheel = tmp_path / "from-wheel"
     _pip_install(_fresh_venv(from_wheel, deps), lines[2], clone)
     _check_installed(from_wheel, tmp_path)
+
+
+def test_the_readme_names_every_core_dependency_make_serve_installs() -> None:
+    import tomllib
+
+    core = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {re.split(r"[<>=\[ ;]", requirement)[0].lower().replace("_", "-") for requirement in core}
+    text = (ROOT / "README.md").read_text()
+    said = text[text.index("- `make serve` installs the server alone"):text.index("- `make test` (and `make setup`")]
+    said = said.lower().replace("_", "-")
+    missing = sorted(name for name in names if name not in said)
+    assert not missing, f"README's set-up leaves out core dependencies: {missing}"
