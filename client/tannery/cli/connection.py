@@ -41,8 +41,9 @@ def add_global_options(parser: argparse.ArgumentParser, *, on_subcommand: bool) 
                        help="times a call that finds the server unreachable (restarting, a connection lost "
                             "midway) is tried again, after pauses that grow to 5 s (6 to 12.5 s in all for 5); a "
                             "push is sent again from its start, a pull resumes after the entries it has; each "
-                            "retry is noted on stderr; 0 for none. Without it, at a terminal (stderr), a server "
-                            "not reached yet in this command is an error at once [env TANNERY_RETRIES; default 5]")
+                            "retry is noted on stderr; 0 for none. Given neither this nor TANNERY_RETRIES, at a "
+                            "terminal (stderr) a server this command has not reached yet is an error at once, "
+                            "with no retry [env TANNERY_RETRIES; default 5]")
     parser.add_argument("-q", "--quiet", action="store_true", default=default,
                         help="no progress bars or progress notes on stderr (results and errors still print)")
 
