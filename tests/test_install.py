@@ -23,7 +23,7 @@ import pytest
 
 from .conftest import ROOT
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
 #: What a clone holds that the build reads.
 _SOURCES = ("pyproject.toml", "README.md", "Makefile", "constraints.txt", "client", "protocol", "service")
