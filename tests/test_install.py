@@ -23,7 +23,6 @@ import pytest
 
 from .conftest import ROOT
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
 #: What a clone holds that the build reads.
 _SOURCES = ("pyproject.toml", "README.md", "Makefile", "constraints.txt", "client", "protocol", "service")
@@ -105,6 +104,8 @@ def _check_installed(venv: Path, cwd: Path) -> None:
         assert shown.returncode == 0 and shown.stdout.startswith("usage: tannery"), shown.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(60)
 def test_the_readme_install_lines_work_in_fresh_environments(tmp_path: Path) -> None:
     lines = install_lines()
     assert lines == ['pip install ".[client]"', "make dist", next(l for l in lines if ".whl" in l)], lines
