@@ -48,8 +48,9 @@ def is_file_entry(name: str) -> bool:
 
 @dataclass(frozen=True)
 class ArchiveInfo:
-    """An archive as the catalog knows it: entries, tensor bytes, payload bytes (as stored and
-    sent), and when it was created (UTC).
+    """An archive as the catalog knows it: entries (its tensors), tensor bytes, payload bytes (as
+    stored and sent), and when it was created (UTC); ``files`` and ``file_bytes`` count the files
+    kept with it (a pushed folder's config.json...) apart from the tensors.
 
     ``already_stored`` is true on what a store or union returns when the server found the
     archive already holding exactly that content (same entries, digests and metadata) and
@@ -62,12 +63,14 @@ class ArchiveInfo:
     payload_bytes: int
     created: dt.datetime
     already_stored: bool = False
+    files: int = 0
+    file_bytes: int = 0
 
     @staticmethod
     def of(message: archives_pb2.ArchiveInfo) -> "ArchiveInfo":
         created = dt.datetime.fromtimestamp(message.created.ToNanoseconds() / 1e9, dt.timezone.utc)
         return ArchiveInfo(message.name, message.entries, message.nbytes, message.payload_bytes, created,
-                           message.already_stored)
+                           message.already_stored, message.files, message.file_bytes)
 
 
 @dataclass(frozen=True)

@@ -268,8 +268,9 @@ async def start(config: Config) -> RunningServer:
                             archives_servicer.watches, web_server, closers, enders)
     security = _security_summary(config, tokens, running.target)
     metrics_at = metrics_url(config.metrics_host or config.host, metrics_port) if metrics_port else "off"
-    log.info("serving on %s (gRPC), %s, metrics %s; %s; %s", running.target, data_paths.describe(), metrics_at,
-             security, describe(config))
+    web_at = f", web page {web_server.url}" if web_server is not None else ""  # every address listened on
+    log.info("serving on %s (gRPC), %s, metrics %s%s; %s; %s", running.target, data_paths.describe(), metrics_at,
+             web_at, security, describe(config))
     return running
 
 

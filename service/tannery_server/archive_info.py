@@ -13,9 +13,10 @@ from .storage import AliasRecord, ArchiveRecord
 def archive_info(record: ArchiveRecord) -> archives_pb2.ArchiveInfo:
     created = Timestamp()
     created.FromNanoseconds(record.created_ns)
-    return archives_pb2.ArchiveInfo(
-        name=record.name, entries=record.entries, nbytes=record.nbytes, payload_bytes=record.payload_bytes,
-        created=created, already_stored=record.already_stored,
+    return archives_pb2.ArchiveInfo(  # the tensors, and the kept files apart
+        name=record.name, entries=record.tensors, nbytes=record.nbytes - record.file_nbytes,
+        payload_bytes=record.payload_bytes - record.file_payload_bytes, created=created,
+        already_stored=record.already_stored, files=record.files, file_bytes=record.file_nbytes,
     )
 
 

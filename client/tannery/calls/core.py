@@ -53,7 +53,7 @@ class CallCore:
 
     def __init__(self, target: str | None = None, *, token: str | None = None, tls: TLSLike = None,
                  chunk_size: int | None = None, timeout: float | None = None, transport: str | None = None,
-                 retries: int | None = None) -> None:
+                 retries: int | RetryPolicy | None = None) -> None:
         self._transport = check_transport(transport)
         self._retries = RetryPolicy.resolve(retries)
         self._connection = Connection(target, token=token, tls=tls, chunk_size=chunk_size, timeout=timeout)
@@ -91,6 +91,7 @@ class CallCore:
                 try:
                     self._offered = yield Rpc(self._methods.data_paths, archives_pb2.DataPathsRequest(),
                                               **self._calls.options())
+                    self._retries.contact.reached = True
                 except grpc.RpcError as error:
                     if error.code() is not grpc.StatusCode.UNIMPLEMENTED:
                         raise rpc_error(error, self.target) from None
@@ -150,7 +151,9 @@ class CallCore:
         retry = 0
         while True:
             try:
-                return (yield from attempt(retry))
+                done = yield from attempt(retry)
+                self._retries.contact.reached = True
+                return done
             except errors.ServiceError as error:
                 pause = self._retries.next_delay(retry, what, error)
             retry += 1
@@ -170,9 +173,11 @@ class CallCore:
 
     def _unary_once(self, method: Any, request: Any) -> Steps[Any]:
         try:
-            return (yield Rpc(method, request, **self._calls.options()))
+            answer = yield Rpc(method, request, **self._calls.options())
         except grpc.RpcError as error:
             raise rpc_error(error, self.target) from None
+        self._retries.contact.reached = True
+        return answer
 
     # -- archives ------------------------------------------------------------------------
 
@@ -212,8 +217,11 @@ class CallCore:
                     return noted.kept
                 transport = yield from self._transport_now()
                 yield from transport.fetch(self._calls, asked, noted)
+                self._retries.contact.reached = True
                 return noted.kept
             except errors.ServiceError as error:
+                if noted.done:  # entries came: the server was reached
+                    self._retries.contact.reached = True
                 pause = self._retries.next_delay(retry, f"Fetch of {request.archive!r}", error)
             retry += 1
             yield from self._forget(pause)

@@ -105,8 +105,9 @@ def _server_command(name: str) -> Callable[[list[str]], int]:
 
     found = entry_points(group="tannery.commands", name=name)
     if not found:
-        raise SystemExit(f"tannery {name}: the server is not installed here: pip install tannery "
-                         "(the server is in the package's core; the client extra adds torch)")
+        raise SystemExit(f"tannery {name}: the server is not installed here: pip install . in a clone of tannery, "
+                         "or the wheel make dist builds (the server is in the package's core; the client extra "
+                         "adds torch)")
     return next(iter(found)).load()
 
 

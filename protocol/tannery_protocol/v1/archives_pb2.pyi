@@ -82,20 +82,24 @@ class WholeEntry(_message.Message):
     def __init__(self, name: _Optional[str] = ..., payload: _Optional[bytes] = ..., sha256: _Optional[bytes] = ...) -> None: ...
 
 class ArchiveInfo(_message.Message):
-    __slots__ = ("name", "entries", "nbytes", "payload_bytes", "created", "already_stored")
+    __slots__ = ("name", "entries", "nbytes", "payload_bytes", "created", "already_stored", "files", "file_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
     ALREADY_STORED_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    FILE_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     entries: int
     nbytes: int
     payload_bytes: int
     created: _timestamp_pb2.Timestamp
     already_stored: bool
-    def __init__(self, name: _Optional[str] = ..., entries: _Optional[int] = ..., nbytes: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., created: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., already_stored: _Optional[bool] = ...) -> None: ...
+    files: int
+    file_bytes: int
+    def __init__(self, name: _Optional[str] = ..., entries: _Optional[int] = ..., nbytes: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., created: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., already_stored: _Optional[bool] = ..., files: _Optional[int] = ..., file_bytes: _Optional[int] = ...) -> None: ...
 
 class DeriveBegin(_message.Message):
     __slots__ = ("archive", "base", "replace", "metadata")

@@ -94,6 +94,16 @@ class ArchiveRecord:
     already_stored: bool = field(default=False, compare=False)
     #: Set on the record a Delete returns: the aliases removed with it (``force``), sorted.
     untagged: tuple[str, ...] = field(default=(), compare=False)
+    #: Of the entries, those that are files kept with the archive (``@file:NAME``; counted in
+    #: ``entries``, ``nbytes`` and ``payload_bytes`` too): how many, their bytes, their payloads'.
+    files: int = field(default=0, compare=False)
+    file_nbytes: int = field(default=0, compare=False)
+    file_payload_bytes: int = field(default=0, compare=False)
+
+    @property
+    def tensors(self) -> int:
+        """The entries that are tensors: all but the kept files."""
+        return self.entries - self.files
 
 
 @dataclass(frozen=True)
