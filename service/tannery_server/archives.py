@@ -25,6 +25,7 @@ from .dataplane import listeners
 from .dataplane.plane import DataPlane
 from .dataplane.store import SessionSteps, receive_store
 from .derive import DeriveSession
+from .diffing import diff_archives
 from .fetching import check_request, gone_while_read
 from .handling import Undecodable, add_service, answering_failures
 from .storage import AliasRecord, ArchiveLimits, ArchiveRecord, Storage
@@ -219,6 +220,20 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
             aliases_removed=record.untagged,
         )
 
+    @answering_failures
+    async def Diff(self, request: archives_pb2.DiffRequest, context) -> archives_pb2.DiffResponse:
+        """How archive b differs from a (:mod:`.diffing`), read on a worker thread that stops at
+        its next window once the call is cancelled or past its deadline."""
+        current_call().note("archive", request.a)
+        current_call().note("other", request.b)
+        for name in (request.a, request.b):
+            check_archive_name(name, self.config.max_name_bytes)
+        if request.prefix:
+            check_prefix(request.prefix, self.config.max_name_bytes)
+        answer = await self._run(diff_archives, self.storage, request, lambda: _still_wanted(context, "Diff"))
+        current_call().note("bytes_read", answer.summary.bytes_read)
+        return answer
+
     # Aliases ----------------------------------------------------------------------------
 
     @answering_failures
@@ -344,6 +359,16 @@ def _check_alive(context: grpc.aio.ServicerContext) -> None:
     remaining = context.time_remaining()
     if remaining is not None and remaining <= 0:
         raise DeadlineExceeded("the call's deadline passed before it was done: nothing was stored")
+
+
+def _still_wanted(context: grpc.aio.ServicerContext, call: str) -> None:
+    """Cancelled or DeadlineExceeded once a read-only call's client no longer waits for it (what a
+    long read checks between its steps, from its worker thread)."""
+    if context.cancelled():
+        raise Cancelled(f"the {call} was cancelled before it was done")
+    remaining = context.time_remaining()
+    if remaining is not None and remaining <= 0:
+        raise DeadlineExceeded(f"the {call}'s deadline passed before it was done: ask again with a longer timeout")
 
 
 def _encode_token(last_name: str) -> str:
