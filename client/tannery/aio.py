@@ -41,6 +41,7 @@ from tannery.calls.running import drive_async as _drive, run_async as _run
 if TYPE_CHECKING:  # torch is imported where a tensor is made (tannery.dataplane.readers, tannery.rpc.requests)
     import torch
 
+    from tannery.calls.diff import ArchiveDiff
     from tannery.dataplane.transports import Feed
 
 
@@ -136,6 +137,11 @@ class Client(CallCore):
     async def describe(self, name: str, names: Iterable[str] | None = None) -> ArchiveDescription:
         """As :meth:`tannery.Client.describe`."""
         return await _run(self._describe(name, names))
+
+    async def diff(self, a: str, b: str, *, names: Iterable[str] | None = None, prefix: str | None = None,
+                   same: bool = False) -> ArchiveDiff:
+        """As :meth:`tannery.Client.diff`."""
+        return await _run(self._diff(a, b, names, prefix, same))
 
     async def list(self, prefix: str = "") -> list[ArchiveInfo]:
         """As :meth:`tannery.Client.list`."""

@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # torch is imported where a tensor is made (tannery.dataplane
     import torch
 
     from tannery.archive import Archive
+    from tannery.calls.diff import ArchiveDiff
     from tannery.dataplane.received import TensorPiece
     from tannery.remote import RemoteArchive
     from tannery.dataplane.transports import Feed
@@ -193,6 +194,15 @@ class Client(CallCore):
         digest; with ``names``, only the entries of those names it holds (none for an empty
         list), so a few entries of a large archive are described at the cost of a few."""
         return _run(self._describe(name, names))
+
+    def diff(self, a: str, b: str, *, names: Iterable[str] | None = None, prefix: str | None = None,
+             same: bool = False) -> ArchiveDiff:
+        """How archive ``b`` differs from archive ``a`` (each an archive or an alias, resolved once),
+        entry by entry: the same by digest (no byte read), added, removed, another dtype or shape,
+        or other values, with the fraction that differ, max |b - a|, ||b - a|| / ||a|| and NaN or
+        Inf appearing, computed on the server (no tensor byte travels); and the metadata keys that
+        differ. ``names`` or ``prefix`` narrow it; ``same`` lists the entries that are the same too."""
+        return _run(self._diff(a, b, names, prefix, same))
 
     def list(self, prefix: str = "") -> list[ArchiveInfo]:
         """Every archive whose name starts with ``prefix``, sorted by name (all pages)."""

@@ -30,12 +30,14 @@ from tannery_protocol.v1 import archives_pb2
 if TYPE_CHECKING:
     import torch
 
+    from tannery.calls.diff import ArchiveDiff
     from tannery.calls.watches import Watched
     from tannery.dataplane.transports import Feed, Transport
 
 # Imported on first use: catalog calls (tannery ls, show, rm) need none of these.
 _archive_files = lazy_module("tannery.calls.archive_files")
 _derives = lazy_module("tannery.calls.derive")
+_diffs = lazy_module("tannery.calls.diff")
 _readers = lazy_module("tannery.dataplane.readers")
 _state_dict = lazy_module("tannery.calls.state_dict")
 _transports = lazy_module("tannery.dataplane.transports")  # with tannery_protocol.datalink: sockets, ssl
@@ -290,6 +292,11 @@ class CallCore:
     def _describe(self, name: str, names: Iterable[str] | None = None) -> Steps[ArchiveDescription]:
         request = describe_request(name, names)
         return ArchiveDescription.of((yield from self._unary(self._methods.describe, request)))
+
+    def _diff(self, a: str, b: str, names: Iterable[str] | None, prefix: str | None, same: bool
+              ) -> Steps[ArchiveDiff]:
+        request = _diffs.diff_request(a, b, names, prefix, same)
+        return _diffs.ArchiveDiff.of((yield from self._unary(self._methods.diff, request)))
 
     def _list(self, prefix: str) -> Steps[list[ArchiveInfo]]:
         archives: list[ArchiveInfo] = []

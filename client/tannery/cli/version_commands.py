@@ -1,0 +1,47 @@
+"""The subcommands that compare and trace versions (diff), their arguments and help, apart from
+the code that runs them (:mod:`.diffs`), as :mod:`.commands` keeps the others."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from typing import Any
+
+from .commands import JSON, name, option, subcommand
+
+JSON_DIFF = ("diff --json prints {a, b (the archives compared: an alias's target), entries: [{name, change "
+             "(same, added, removed, type: another dtype or shape, value), file (a kept file, not a tensor), "
+             "dtype_a, dtype_b, shape_a, shape_b, nbytes_a, nbytes_b, values: {elements, differing, fraction, "
+             "max_abs, relative_l2, nan_appeared, inf_appeared} or null}], metadata: {key: {a, b}} (the keys "
+             "whose values differ; null where absent), summary: {same, added, removed, type_changed, "
+             "value_changed, bytes_read}}; max_abs and relative_l2 cover the elements finite in both, "
+             "relative_l2 is ||B-A|| / ||A|| (null when A's norm is 0).")
+
+
+def add_version_commands(commands: Any, common: argparse.ArgumentParser, formatter: type) -> None:
+    """Register diff on ``commands`` (a subparsers action)."""
+    command = functools.partial(subcommand, commands, common, formatter)
+    diff = command(
+        "diff", "how archive B differs from archive A, entry by entry",
+        "Compare two archives (or aliases, each resolved once) entry by entry, on the server: entries with "
+        "the same SHA-256 are the same (no byte read), an entry in B only is added, in A only removed, one "
+        "with another dtype or shape is listed so; for the others the server reads both, block by block, and "
+        "reports the fraction of elements that differ, max |B-A|, the L2 norm of B-A relative to A's, and "
+        "NaN or Inf appearing in B (no tensor byte is sent). The files kept with the archives (config.json, "
+        "tokenizer files) that differ are listed apart, then the metadata keys that differ, then a summary. "
+        + JSON_DIFF,
+        "  tannery diff runs/7/step-1000 runs/7/step-2000\n"
+        "  tannery diff prod runs/7/step-3000 --prefix model.layers.0\n"
+        "  tannery diff a b --json | jq '.entries[] | select(.change == \"value\")'\n",
+        "diffs.cmd_diff",
+        name("a", "A", "the archive (or alias) compared from"),
+        name("b", "B", "the archive (or alias) compared to"),
+        option("--all", action="store_true", help="also list the entries that are the same"),
+        json=JSON,
+    )
+    which = diff.add_mutually_exclusive_group()
+    which.add_argument("--prefix", metavar="P", help="only the entries under P (P itself and P.*)")
+    which.add_argument("--names", metavar="A,B", help="only these entries, comma-separated")
+
+
+__all__ = ["add_version_commands"]
