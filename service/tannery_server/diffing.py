@@ -42,7 +42,7 @@ def diff_archives(storage: Storage, request: archives_pb2.DiffRequest, check: Ca
                           lambda sides: [e.blob for side in sides for e in side.entries.values()])
     try:
         if request.names:
-            _check_names(request, a, b)
+            _check_names(storage, request, a, b)
         return _answer(storage, request, a, b, check)
     finally:
         storage.release([e.blob for side in (a, b) for e in side.entries.values()])
@@ -61,12 +61,13 @@ def _side(storage: Storage, name: str, request: archives_pb2.DiffRequest) -> _Si
     return _Side(record, entries)
 
 
-def _check_names(request: archives_pb2.DiffRequest, a: _Side, b: _Side) -> None:
-    """Missing for a name asked that neither archive has."""
+def _check_names(storage: Storage, request: archives_pb2.DiffRequest, a: _Side, b: _Side) -> None:
+    """Missing for a name asked that neither archive has, with the close names either has."""
     for name in request.names:
         if name not in a.entries and name not in b.entries:
+            names = {e.name for side in (a, b) for e in storage.catalog.entries_under(side.record.name, "")}
             raise Missing(f"Diff of {a.record.name!r} and {b.record.name!r}: entry {name!r} is in neither archive"
-                          + did_you_mean(name, [*a.entries, *b.entries]))
+                          + did_you_mean(name, names))
 
 
 def _answer(storage: Storage, request: archives_pb2.DiffRequest, a: _Side, b: _Side, check: Callable[[], None]
@@ -76,26 +77,30 @@ def _answer(storage: Storage, request: archives_pb2.DiffRequest, a: _Side, b: _S
     for name in sorted(a.entries.keys() | b.entries.keys()):
         old, new = a.entries.get(name), b.entries.get(name)
         entry = _entry(name, old, new)
-        if entry.change == Change.SAME:
-            summary.same += 1
-            if not request.list_same:
-                continue
-        elif entry.change == Change.ADDED:
-            summary.added += 1
-        elif entry.change == Change.REMOVED:
-            summary.removed += 1
-        elif entry.change == Change.TYPE:
-            summary.type_changed += 1
-        else:
-            summary.value_changed += 1
-            if not entry.file:
-                assert old is not None and new is not None
-                values, read = compare_values(storage, old, new, check)
-                entry.values.CopyFrom(values)
-                summary.bytes_read += read
+        _count(summary, entry)
+        if entry.change == Change.SAME and not request.list_same:
+            continue
+        if entry.change == Change.VALUE and not entry.file:
+            assert old is not None and new is not None
+            values, read = compare_values(storage, old, new, check)
+            entry.values.CopyFrom(values)
+            summary.bytes_read += read
         answer.entries.append(entry)
     answer.metadata.extend(metadata_changes(a.record.metadata, b.record.metadata))
     return answer
+
+
+def _count(summary: archives_pb2.DiffSummary, entry: archives_pb2.EntryDiff) -> None:
+    """Count ``entry`` in the summary: a kept file apart from the tensors."""
+    if entry.file:
+        if entry.change == Change.SAME:
+            summary.files_same += 1
+        else:
+            summary.files_changed += 1
+        return
+    field = {Change.SAME: "same", Change.ADDED: "added", Change.REMOVED: "removed", Change.TYPE: "type_changed",
+             Change.VALUE: "value_changed"}[entry.change]
+    setattr(summary, field, getattr(summary, field) + 1)
 
 
 def _entry(name: str, old: EntryRecord | None, new: EntryRecord | None) -> archives_pb2.EntryDiff:

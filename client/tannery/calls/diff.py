@@ -79,7 +79,8 @@ class ArchiveDiff:
 
     ``entries`` lists every entry that differs, by name (and the same ones, when asked);
     ``metadata`` maps each key whose value differs to its ``(a, b)`` values (None where absent);
-    the counts cover every entry compared; ``bytes_read`` is the tensor data the server read."""
+    the counts cover the tensors compared, and ``files_same``/``files_changed`` the kept files
+    (added, removed or changed); ``bytes_read`` is the tensor data the server read."""
 
     a: str
     b: str
@@ -91,11 +92,14 @@ class ArchiveDiff:
     type_changed: int
     value_changed: int
     bytes_read: int
+    files_same: int = 0
+    files_changed: int = 0
 
     @property
     def identical(self) -> bool:
         """Whether nothing differs: every entry the same, and the metadata."""
-        return not (self.added or self.removed or self.type_changed or self.value_changed or self.metadata)
+        return not (self.added or self.removed or self.type_changed or self.value_changed or self.files_changed
+                    or self.metadata)
 
     def changed(self) -> list[EntryChange]:
         """The entries that differ (no "same" one)."""
@@ -108,7 +112,7 @@ class ArchiveDiff:
                     for m in message.metadata}
         return cls(message.a, message.b, tuple(EntryChange.of(e) for e in message.entries), metadata,
                    summary.same, summary.added, summary.removed, summary.type_changed, summary.value_changed,
-                   summary.bytes_read)
+                   summary.bytes_read, summary.files_same, summary.files_changed)
 
 
 __all__ = ["ArchiveDiff", "EntryChange", "ValueChange", "diff_request"]

@@ -83,12 +83,15 @@ def _file_change(entry: Any) -> str:
 
 def summary_line(diff: Any) -> str:
     """One line: what differs, how many are the same, and what the server read to say so."""
+    files = f", {diff.files_same} kept files" if diff.files_same else ""
     if diff.identical:
-        return f"identical: {diff.same} entries the same, metadata the same (nothing read)"
+        return f"identical: {diff.same} tensors{files} and the metadata the same (nothing read)"
     parts = [f"{diff.value_changed} with other values", f"{diff.type_changed} with another dtype or shape",
              f"{diff.added} added", f"{diff.removed} removed", f"{diff.same} the same"]
+    files = f"; kept files: {diff.files_changed} differ, {diff.files_same} the same" if diff.files_changed else ""
     metadata = f"; {len(diff.metadata)} metadata keys differ" if diff.metadata else ""
-    return f"{', '.join(parts)}{metadata}; the server read {human_size(diff.bytes_read)} to compare values"
+    return (f"tensors: {', '.join(parts)}{files}{metadata}; the server read {human_size(diff.bytes_read)} to "
+            "compare values")
 
 
 def diff_json(diff: Any) -> dict:
@@ -102,7 +105,8 @@ def diff_json(diff: Any) -> dict:
         "metadata": {key: {"a": a, "b": b} for key, (a, b) in diff.metadata.items()},
         "summary": {"same": diff.same, "added": diff.added, "removed": diff.removed,
                     "type_changed": diff.type_changed, "value_changed": diff.value_changed,
-                    "bytes_read": diff.bytes_read},
+                    "bytes_read": diff.bytes_read, "files_same": diff.files_same,
+                    "files_changed": diff.files_changed},
     }
 
 

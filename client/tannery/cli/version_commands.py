@@ -14,7 +14,7 @@ JSON_DIFF = ("diff --json prints {a, b (the archives compared: an alias's target
              "dtype_a, dtype_b, shape_a, shape_b, nbytes_a, nbytes_b, values: {elements, differing, fraction, "
              "max_abs, relative_l2, nan_appeared, inf_appeared} or null}], metadata: {key: {a, b}} (the keys "
              "whose values differ; null where absent), summary: {same, added, removed, type_changed, "
-             "value_changed, bytes_read}}; max_abs and relative_l2 cover the elements finite in both, "
+             "value_changed (tensors), bytes_read, files_same, files_changed (kept files)}}; max_abs and relative_l2 cover the elements finite in both, "
              "relative_l2 is ||B-A|| / ||A|| (null when A's norm is 0).")
 
 

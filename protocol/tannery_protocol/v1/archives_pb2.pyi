@@ -477,20 +477,24 @@ class MetadataChange(_message.Message):
     def __init__(self, key: _Optional[str] = ..., a: _Optional[str] = ..., b: _Optional[str] = ...) -> None: ...
 
 class DiffSummary(_message.Message):
-    __slots__ = ("same", "added", "removed", "type_changed", "value_changed", "bytes_read")
+    __slots__ = ("same", "added", "removed", "type_changed", "value_changed", "bytes_read", "files_same", "files_changed")
     SAME_FIELD_NUMBER: _ClassVar[int]
     ADDED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     TYPE_CHANGED_FIELD_NUMBER: _ClassVar[int]
     VALUE_CHANGED_FIELD_NUMBER: _ClassVar[int]
     BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    FILES_SAME_FIELD_NUMBER: _ClassVar[int]
+    FILES_CHANGED_FIELD_NUMBER: _ClassVar[int]
     same: int
     added: int
     removed: int
     type_changed: int
     value_changed: int
     bytes_read: int
-    def __init__(self, same: _Optional[int] = ..., added: _Optional[int] = ..., removed: _Optional[int] = ..., type_changed: _Optional[int] = ..., value_changed: _Optional[int] = ..., bytes_read: _Optional[int] = ...) -> None: ...
+    files_same: int
+    files_changed: int
+    def __init__(self, same: _Optional[int] = ..., added: _Optional[int] = ..., removed: _Optional[int] = ..., type_changed: _Optional[int] = ..., value_changed: _Optional[int] = ..., bytes_read: _Optional[int] = ..., files_same: _Optional[int] = ..., files_changed: _Optional[int] = ...) -> None: ...
 
 class DiffResponse(_message.Message):
     __slots__ = ("a", "b", "entries", "metadata", "summary")
