@@ -46,6 +46,7 @@ _EXPORTS = {
     "ArchiveDiff": "tannery.calls.diff",
     "EntryChange": "tannery.calls.diff",
     "ValueChange": "tannery.calls.diff",
+    "AliasMove": "tannery.calls.history",
 }
 
 

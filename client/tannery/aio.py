@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # torch is imported where a tensor is made (tannery.dataplane
     import torch
 
     from tannery.calls.diff import ArchiveDiff
+    from tannery.calls.history import AliasMove
     from tannery.dataplane.transports import Feed
 
 
@@ -158,6 +159,14 @@ class Client(CallCore):
     async def untag(self, alias: str) -> Untagged:
         """As :meth:`tannery.Client.untag`."""
         return await _run(self._untag(alias))
+
+    async def tag_back(self, alias: str) -> Tagged:
+        """As :meth:`tannery.Client.tag_back`."""
+        return await _run(self._tag_back(alias))
+
+    async def history(self, alias: str, limit: int | None = None) -> list[AliasMove]:
+        """As :meth:`tannery.Client.history`."""
+        return await _run(self._history(alias, limit))
 
     async def resolve(self, name: str) -> str:
         """As :meth:`tannery.Client.resolve`."""

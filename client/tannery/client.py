@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # torch is imported where a tensor is made (tannery.dataplane
 
     from tannery.archive import Archive
     from tannery.calls.diff import ArchiveDiff
+    from tannery.calls.history import AliasMove
     from tannery.dataplane.received import TensorPiece
     from tannery.remote import RemoteArchive
     from tannery.dataplane.transports import Feed
@@ -228,6 +229,18 @@ class Client(CallCore):
         False (so a retry after a lost answer does not fail). AliasError too when ``alias`` is
         an archive's name or ``archive`` an alias; NotFound when ``archive`` does not exist."""
         return _run(self._tag(alias, archive, expect))
+
+    def tag_back(self, alias: str) -> Tagged:
+        """Move ``alias`` back to where it pointed before its last move (a rollback), compare-and-set
+        against where it points now: AliasError when another writer moved it meanwhile, or when its
+        history has no previous target; NotFound when that archive is gone."""
+        return _run(self._tag_back(alias))
+
+    def history(self, alias: str, limit: int | None = None) -> list[AliasMove]:
+        """The moves of ``alias``, newest first (the last ``limit``; all the server keeps by
+        default): each Tag that created or moved it, each Untag or forced Delete that removed it,
+        with when and by which token. NotFound when the name was never an alias."""
+        return _run(self._history(alias, limit))
 
     def untag(self, alias: str) -> Untagged:
         """Remove ``alias`` (NotFound if there is none); the archive stays."""

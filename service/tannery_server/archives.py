@@ -18,6 +18,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from tannery_protocol.v1 import archives_pb2, archives_pb2_grpc
 
 from .calllog import current_call
+from .auth import Tokens, mover
 from .config import Config
 from .failures import Cancelled, DeadlineExceeded, Malformed, Missing
 from .dataplane.fetch import serve_fetch
@@ -28,7 +29,7 @@ from .derive import DeriveSession
 from .diffing import diff_archives
 from .fetching import check_request, gone_while_read
 from .handling import Undecodable, add_service, answering_failures
-from .storage import AliasRecord, ArchiveLimits, ArchiveRecord, Storage
+from .storage import AliasMove, AliasRecord, ArchiveLimits, ArchiveRecord, MoveNote, Storage
 from .storage_failures import failure_of
 from .store_session import StoreSession
 from .validation import check_archive_name, check_metadata, check_prefix
@@ -57,6 +58,13 @@ def alias_info(record: AliasRecord) -> archives_pb2.Alias:
     return archives_pb2.Alias(alias=record.alias, archive=record.archive, moved=moved)
 
 
+def move_info(move: AliasMove) -> archives_pb2.AliasMove:
+    moved = Timestamp()
+    moved.FromNanoseconds(move.moved_ns)
+    return archives_pb2.AliasMove(alias=move.alias, previous=move.previous, archive=move.archive, moved=moved,
+                                  by=move.by)
+
+
 def written(record: ArchiveRecord) -> archives_pb2.ArchiveInfo:
     """The answer of a Store or Union; the call's log line says when it found the archive
     already holding exactly its content (and stored nothing)."""
@@ -66,9 +74,12 @@ def written(record: ArchiveRecord) -> archives_pb2.ArchiveInfo:
 
 
 class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
-    def __init__(self, storage: Storage, config: Config, data_paths: listeners.DataPaths | None = None) -> None:
+    def __init__(self, storage: Storage, config: Config, data_paths: listeners.DataPaths | None = None,
+                 tokens: Tokens = Tokens()) -> None:
         self.storage = storage
         self.config = config
+        #: The tokens calls come with: who moved an alias, in its history.
+        self.tokens = tokens
         self.data_paths = data_paths
         self.workers = Workers(config.io_threads, "tannery-io")
         #: Where the bytes of Store and Fetch move, whatever the transport.
@@ -206,7 +217,8 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
     @answering_failures
     async def Delete(self, request: archives_pb2.DeleteRequest, context) -> archives_pb2.DeleteResponse:
         current_call().note("archive", request.archive)
-        record, collected = await self._run(self.storage.delete, request.archive, request.force)
+        record, collected = await self._run(self.storage.delete, request.archive, request.force,
+                                            self._move_note(context))
         if record is None:
             alias = await self._run(self.storage.catalog.alias, request.archive)
             if alias is not None:
@@ -243,7 +255,7 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
         expect = request.expect if request.HasField("expect") else None
         if expect:
             check_archive_name(expect, self.config.max_name_bytes)
-        record = await self._run(self.storage.tag, alias, archive, expect)
+        record = await self._run(self.storage.tag, alias, archive, expect, self._move_note(context))
         current_call().note("tagged", record.archive if record.changed else "unchanged")
         if record.changed:
             self.watches.moved(alias)
@@ -252,7 +264,7 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
     @answering_failures
     async def Untag(self, request: archives_pb2.UntagRequest, context) -> archives_pb2.UntagResponse:
         alias = self._alias_name(request.alias)
-        record = await self._run(self.storage.untag, alias)
+        record = await self._run(self.storage.untag, alias, self._move_note(context))
         if record is None:
             there = await self._run(self.storage.catalog.archive, alias)
             hint = ": it is an archive (tannery rm deletes archives)" if there is not None else ""
@@ -291,6 +303,21 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
                 raise Missing(f"alias {alias!r} not found: it is an archive's name, and an archive never moves "
                               "(watch an alias: tannery tag ALIAS ARCHIVE makes one)")
         await self.watches.serve(alias, context, self.failure_of)
+
+    @answering_failures
+    async def History(self, request: archives_pb2.HistoryRequest, context) -> archives_pb2.HistoryResponse:
+        alias = self._alias_name(request.alias)
+        moves = await self._run(self.storage.catalog.history, alias, request.limit or self.config.alias_history)
+        if not moves and await self._run(self.storage.catalog.alias, alias) is None:
+            there = await self._run(self.storage.catalog.archive, alias)
+            hint = (": it is an archive's name, and an archive never moves" if there is not None
+                    else ": tannery tag ALIAS ARCHIVE makes one, and records its moves from then on")
+            raise Missing(f"alias {alias!r} not found, and no move of it is recorded{hint}")
+        return archives_pb2.HistoryResponse(moves=[move_info(m) for m in moves])
+
+    def _move_note(self, context: grpc.aio.ServicerContext) -> MoveNote:
+        """What a call that moves aliases records in their history: who it is, and how many moves are kept."""
+        return MoveNote(mover(self.tokens, context.invocation_metadata()), self.config.alias_history)
 
     def _alias_name(self, name: str) -> str:
         current_call().note("alias", name)

@@ -1,5 +1,5 @@
-"""The subcommands that compare and trace versions (diff), their arguments and help, apart from
-the code that runs them (:mod:`.diffs`), as :mod:`.commands` keeps the others."""
+"""The subcommands that compare and trace versions (diff, log), their arguments and help, apart
+from the code that runs them (:mod:`.diffs`, :mod:`.history`), as :mod:`.commands` keeps the others."""
 
 from __future__ import annotations
 
@@ -17,9 +17,14 @@ JSON_DIFF = ("diff --json prints {a, b (the archives compared: an alias's target
              "value_changed (tensors), bytes_read, files_same, files_changed (kept files)}}; max_abs and relative_l2 cover the elements finite in both, "
              "relative_l2 is ||B-A|| / ||A|| (null when A's norm is 0).")
 
+JSON_LOG = ("log --json prints a list of {alias, previous, archive, moved (ISO 8601 UTC), by}, newest first; "
+            "previous is null when the move created the alias, archive null when it removed it (untag, rm "
+            "--force), by the token that moved it (its role and the start of its SHA-256; null on a server "
+            "without tokens).")
+
 
 def add_version_commands(commands: Any, common: argparse.ArgumentParser, formatter: type) -> None:
-    """Register diff on ``commands`` (a subparsers action)."""
+    """Register diff and log on ``commands`` (a subparsers action)."""
     command = functools.partial(subcommand, commands, common, formatter)
     diff = command(
         "diff", "how archive B differs from archive A, entry by entry",
@@ -42,6 +47,18 @@ def add_version_commands(commands: Any, common: argparse.ArgumentParser, formatt
     which = diff.add_mutually_exclusive_group()
     which.add_argument("--prefix", metavar="P", help="only the entries under P (P itself and P.*)")
     which.add_argument("--names", metavar="A,B", help="only these entries, comma-separated")
+    command(
+        "log", "an alias's moves: where from, where to, when, by whom",
+        "List the moves of ALIAS, newest first: each tag that created or moved it, each untag or rm --force "
+        "that removed it, with the local time and the token that did it (its role and the start of its "
+        "SHA-256, never the token). The server keeps the newest 1,000 moves of each alias (its "
+        "--alias-history). tannery tag ALIAS --back moves it back one step. " + JSON_LOG,
+        "  tannery log prod\n  tannery log prod -n 5 --json\n",
+        "history.cmd_log",
+        name("alias", "ALIAS", "the alias"),
+        option("-n", dest="count", metavar="N", type=int, help="only the newest N moves"),
+        json=JSON,
+    )
 
 
 __all__ = ["add_version_commands"]

@@ -509,3 +509,31 @@ class DiffResponse(_message.Message):
     metadata: _containers.RepeatedCompositeFieldContainer[MetadataChange]
     summary: DiffSummary
     def __init__(self, a: _Optional[str] = ..., b: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[EntryDiff, _Mapping]]] = ..., metadata: _Optional[_Iterable[_Union[MetadataChange, _Mapping]]] = ..., summary: _Optional[_Union[DiffSummary, _Mapping]] = ...) -> None: ...
+
+class HistoryRequest(_message.Message):
+    __slots__ = ("alias", "limit")
+    ALIAS_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    alias: str
+    limit: int
+    def __init__(self, alias: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class AliasMove(_message.Message):
+    __slots__ = ("alias", "previous", "archive", "moved", "by")
+    ALIAS_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    ARCHIVE_FIELD_NUMBER: _ClassVar[int]
+    MOVED_FIELD_NUMBER: _ClassVar[int]
+    BY_FIELD_NUMBER: _ClassVar[int]
+    alias: str
+    previous: str
+    archive: str
+    moved: _timestamp_pb2.Timestamp
+    by: str
+    def __init__(self, alias: _Optional[str] = ..., previous: _Optional[str] = ..., archive: _Optional[str] = ..., moved: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., by: _Optional[str] = ...) -> None: ...
+
+class HistoryResponse(_message.Message):
+    __slots__ = ("moves",)
+    MOVES_FIELD_NUMBER: _ClassVar[int]
+    moves: _containers.RepeatedCompositeFieldContainer[AliasMove]
+    def __init__(self, moves: _Optional[_Iterable[_Union[AliasMove, _Mapping]]] = ...) -> None: ...

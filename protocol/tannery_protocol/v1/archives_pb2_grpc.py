@@ -104,6 +104,11 @@ class ArchivesStub:
                 request_serializer=tannery__protocol_dot_v1_dot_archives__pb2.DiffRequest.SerializeToString,
                 response_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.DiffResponse.FromString,
                 _registered_method=True)
+        self.History = channel.unary_unary(
+                '/tannery.v1.Archives/History',
+                request_serializer=tannery__protocol_dot_v1_dot_archives__pb2.HistoryRequest.SerializeToString,
+                response_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.HistoryResponse.FromString,
+                _registered_method=True)
 
 
 class ArchivesServicer:
@@ -290,6 +295,17 @@ class ArchivesServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def History(self, request, context):
+        """The moves of alias `alias`, newest first: every Tag that moved it (or created it), every
+        Untag and forced Delete that removed it, with when and by which token (its role and the
+        first hex digits of its SHA-256; empty on a server without tokens). A server keeps the
+        newest moves of each alias (1,000 by default: its alias_history setting), and those of an
+        alias since removed. NOT_FOUND when the name was never an alias.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ArchivesServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -362,6 +378,11 @@ def add_ArchivesServicer_to_server(servicer, server):
                     servicer.Diff,
                     request_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.DiffRequest.FromString,
                     response_serializer=tannery__protocol_dot_v1_dot_archives__pb2.DiffResponse.SerializeToString,
+            ),
+            'History': grpc.unary_unary_rpc_method_handler(
+                    servicer.History,
+                    request_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.HistoryRequest.FromString,
+                    response_serializer=tannery__protocol_dot_v1_dot_archives__pb2.HistoryResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -742,6 +763,33 @@ class Archives:
             '/tannery.v1.Archives/Diff',
             tannery__protocol_dot_v1_dot_archives__pb2.DiffRequest.SerializeToString,
             tannery__protocol_dot_v1_dot_archives__pb2.DiffResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def History(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tannery.v1.Archives/History',
+            tannery__protocol_dot_v1_dot_archives__pb2.HistoryRequest.SerializeToString,
+            tannery__protocol_dot_v1_dot_archives__pb2.HistoryResponse.FromString,
             options,
             channel_credentials,
             insecure,
