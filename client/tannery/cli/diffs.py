@@ -89,7 +89,8 @@ def summary_line(diff: Any) -> str:
     parts = [f"{diff.value_changed} with other values", f"{diff.type_changed} with another dtype or shape",
              f"{diff.added} added", f"{diff.removed} removed", f"{diff.same} the same"]
     files = f"; kept files: {diff.files_changed} differ, {diff.files_same} the same" if diff.files_changed else ""
-    metadata = f"; {len(diff.metadata)} metadata keys differ" if diff.metadata else ""
+    count = len(diff.metadata)
+    metadata = f"; {count} metadata {'key differs' if count == 1 else 'keys differ'}" if count else ""
     return (f"tensors: {', '.join(parts)}{files}{metadata}; the server read {human_size(diff.bytes_read)} to "
             "compare values")
 
