@@ -1,7 +1,8 @@
 """The pages' HTML: Jinja2 templates with autoescape on (every name, metadata value and
-message is user data), a few formatting filters, and the inline style and script.
+message is user data) and a few formatting filters.
 
-Nothing is fetched at run time: the style, the script and the plots (inline SVG) are in the page.
+Nothing is fetched from elsewhere: the style and the script are this server's own files
+(:mod:`.assets`), the plots inline SVG; no page holds an inline script or style.
 """
 
 from __future__ import annotations
@@ -55,56 +56,15 @@ def seconds(value: float | None) -> str:
     return f"{value * 1000:.1f} ms" if value < 1 else f"{value:.2f} s"
 
 
-STYLE = """
-body{font:14px/1.45 system-ui,sans-serif;margin:0;color:#1d232a;background:#f6f7f9}
-header{background:#2b3440;color:#fff;padding:.6em 1.2em;display:flex;gap:1.5em;align-items:baseline}
-header a{color:#e8eef5;text-decoration:none}header .brand{font-weight:700;font-size:1.1em}
-main{padding:1em 1.4em;max-width:1200px}
-h1{font-size:1.35em;margin:.2em 0 .6em}h2{font-size:1.1em;margin:1.4em 0 .5em}
-table{border-collapse:collapse;background:#fff;font-size:13px}
-th,td{padding:.25em .7em;border-bottom:1px solid #e3e6ea;text-align:left;vertical-align:top}
-th{background:#eef1f4}td.n,th.n{text-align:right;font-variant-numeric:tabular-nums}
-code,pre{font-family:ui-monospace,monospace;font-size:12.5px}
-pre{background:#fff;border:1px solid #e3e6ea;padding:.6em .8em;overflow-x:auto}
-.note{color:#5b6570}.bad{color:#b3261e;font-weight:600}.good{color:#1e7b34;font-weight:600}
-.tag{display:inline-block;background:#e5eefb;color:#1f4d8f;border-radius:3px;padding:0 .4em;margin-right:.3em}
-.tree details{margin-left:1.1em}.tree>details{margin-left:0}
-.tree summary{cursor:pointer;padding:1px 0}.tree summary .n{color:#5b6570;margin-left:.6em}
-.tree{max-width:62em}.tree .leaf{display:grid;grid-template-columns:minmax(8em,1fr) 7em 10em 7em 7em;margin-left:2.2em;padding:1px 0}
-.tree .leaf>*{white-space:nowrap;overflow:hidden;text-overflow:ellipsis}
-.tree .leaf:hover{background:#eef3fa}
-form.inline{display:flex;gap:.5em;margin:.4em 0 1em}
-input[type=text],input[type=password]{padding:.3em .5em;min-width:22em}
-.box{background:#fff;border:1px solid #e3e6ea;padding:1em 1.2em;max-width:44em}
-.cols{display:flex;gap:2em;flex-wrap:wrap}
-"""
-
-SCRIPT_TREE = """
-function setAll(open){document.querySelectorAll('.tree details').forEach(function(d){d.open=open;});}
-// A node drawn without its content (data-lazy) fetches it from /tree when first opened.
-document.addEventListener('toggle', function (event) {
-  var node = event.target;
-  if (!node.open || !node.dataset || !node.dataset.lazy) return;
-  delete node.dataset.lazy;
-  var more = node.querySelector(':scope > .more');
-  var tree = document.getElementById('tree');
-  more.textContent = 'loading...';
-  fetch('/tree?name=' + encodeURIComponent(tree.dataset.archive) + '&node=' + encodeURIComponent(node.dataset.path),
-        {credentials: 'same-origin'})
-    .then(function (r) { if (!r.ok) throw new Error(r.status + ' ' + r.statusText); return r.text(); })
-    .then(function (html) { more.innerHTML = html; node.dataset.loaded = '1'; })
-    .catch(function (e) { node.dataset.lazy = '1'; more.textContent = 'could not load this node: ' + e.message + ' (reload the page)'; });
-}, true);
-"""
-
 BASE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>{% block title %}{% endblock %} · tannery</title>
-<style>{{ style }}</style></head>
+<link rel="stylesheet" href="/static/style.css"><script src="/static/page.js" defer></script></head>
 <body><header><span class="brand">tannery</span>
-<a href="/archives">Archives</a><a href="/server">Server</a>
-<span class="note">{{ where }}</span></header>
+<a href="/archives">Archives</a><a href="/diff">Diff</a><a href="/server">Server</a>
+<span class="note">{{ where }}</span>{% if signs_in %}<form method="post" action="/logout" id="logout">
+<button type="submit" id="sign-out">Sign out</button></form>{% endif %}</header>
 <main>{% block main %}{% endblock %}</main></body></html>
 """
 
@@ -147,12 +107,11 @@ ARCHIVE = """{% extends "base" %}{% block title %}{{ record.name }}{% endblock %
 <h2>Fetch it</h2>
 <pre id="cli">{{ cli }}</pre><pre id="python">{{ python }}</pre>
 <h2>Entries</h2>
-<p>{% if all_open %}<button type="button" id="expand-all" onclick="setAll(true)">expand all</button>
+<p>{% if all_open %}<button type="button" id="expand-all">expand all</button>
 {% else %}<a id="expand-all" href="/archive?name={{ archive_query }}&amp;open=all">expand all</a>{{ " " }}{% endif %}
-<button type="button" id="collapse-all" onclick="setAll(false)">collapse all</button>
+<button type="button" id="collapse-all">collapse all</button>
 <span class="note">name · dtype · shape · size · parameters; a name opens its statistics</span></p>
 <div class="tree" id="tree" data-archive="{{ record.name }}">{% include "tree_rows" %}</div>
-<script>{{ script_tree }}</script>
 {% endblock %}"""
 
 ENTRY = """{% extends "base" %}{% block title %}{{ entry.name }} · {{ archive }}{% endblock %}{% block main %}
@@ -169,7 +128,7 @@ Computed in {{ stats.seconds|seconds }} over the stored bytes, each block checke
 {% for key in ["count", "min", "max", "mean", "std", "nan", "inf"] %}{% set value = stats[key] %}
 <tr><th>{{ key }}</th><td class="n" data-key="{{ key }}" data-value="{{ 'null' if value is none else value }}">{{ value|number }}</td></tr>{% endfor %}
 </tbody></table>
-<figure style="margin:0">{{ histogram }}<figcaption class="note">Histogram of {{ stats.histogram_values|count }} values
+<figure>{{ histogram }}<figcaption class="note">Histogram of {{ stats.histogram_values|count }} values
 {% if stats.of == "abs" %}(magnitudes) {% endif %}in {{ stats.counts|length }} bins from {{ stats.min|number }} to {{ stats.max|number }}.</figcaption></figure></div>
 {% endblock %}"""
 
@@ -243,19 +202,20 @@ def environment() -> Environment:
         lstrip_blocks=True,
     )
     env.filters.update(size=size, number=number, count=count, when=when, seconds=seconds, leaf=leaf)
-    env.globals.update(style=Markup(STYLE), script_tree=Markup(SCRIPT_TREE))  # our own text, no user data
     return env
 
 
 class Renderer:
-    """Renders a page by template name; ``where`` (the server's address) is in every header."""
+    """Renders a page by template name; ``where`` (the server's address) is in every header, and
+    a sign-out button when the server ``signs_in`` (it has tokens)."""
 
-    def __init__(self, where: str) -> None:
+    def __init__(self, where: str, signs_in: bool = False) -> None:
         self.env = environment()
         self.where = where
+        self.signs_in = signs_in
 
     def page(self, name: str, **context: Any) -> str:
-        return self.env.get_template(name).render(where=self.where, **context)
+        return self.env.get_template(name).render(where=self.where, signs_in=self.signs_in, **context)
 
 
 __all__ = ["Renderer", "environment", "number", "size"]
