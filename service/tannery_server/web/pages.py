@@ -17,7 +17,7 @@ from ..config import Config
 from ..failures import Missing
 from ..storage import ArchiveRecord, Damaged, Storage
 from ..storage.factory import describe
-from . import plots, stats, tree
+from . import kept_files, plots, stats, tree
 from .inputs import PageProblem, query, required
 from .templates import Renderer
 from .traffic import INTERVAL, KEPT, Traffic
@@ -76,11 +76,13 @@ async def archives_page(request: web.Request) -> web.Response:
 
 
 async def archive_page(request: web.Request) -> web.Response:
-    """GET /archive?name=N[&open=all]: one archive (or what alias N points at): its entries as a
-    tree, the top level open; deeper nodes come without their content, fetched from /tree when
-    opened (a 10,000-entry archive's page stays small), or every node with it (open=all)."""
+    """GET /archive?name=N[&open=all][&filter=TEXT]: one archive (or what alias N points at): its
+    tensors as a tree, the top level open; deeper nodes come without their content, fetched from
+    /tree when opened (a 10,000-entry archive's page stays small), or every node with it
+    (open=all); with ``filter``, only the tensors whose names hold TEXT (any case), every node
+    open. The files kept with it are listed apart, each viewable (/file)."""
     site: Site = request.app[SITE]
-    values = query(request.query, {"name": _limit(site), "open": 3}, "archive")
+    values = query(request.query, {"name": _limit(site), "open": 3, "filter": _limit(site)}, "archive")
     name = required(values, "name", "archive", "/archive?name=resnet50")
     all_open = values.get("open", "") == "all"
     if values.get("open", "all") != "all":
@@ -93,10 +95,15 @@ async def archive_page(request: web.Request) -> web.Response:
         raise PageProblem(404, "Not Found", f"archive {record.name!r} was deleted while this page read it",
                           "reload the Archives page")
     aliases = await site.run(lambda: catalog.aliases("", record.name))
-    root = tree.build(entries)
+    tensors, files = kept_files.split(entries)
+    wanted = values.get("filter", "")
+    shown = [e for e in tensors if wanted.casefold() in e.name.casefold()] if wanted else tensors
+    all_open = all_open or bool(wanted)
+    root = tree.build(shown)
     return site.html(
-        "archive", asked=name, record=record, aliases=aliases, total_params=root.params,
-        by_dtype=tree.params_by_dtype(entries), rows=tree.rows(root, None if all_open else 1),
+        "archive", asked=name, record=record, aliases=aliases, total_params=sum(map(tree.numel, tensors)),
+        tensor_count=len(tensors), files=files, filter=wanted, shown_count=len(shown),
+        by_dtype=tree.params_by_dtype(tensors), rows=tree.rows(root, None if all_open else 1),
         open_depth=1_000_000 if all_open else 1, all_open=all_open,
         cli=_cli(site, _target(site, request), record.name), python=_python(site, _target(site, request), record.name),
         archive_query=urllib.parse.quote(record.name, safe=""))
@@ -111,7 +118,8 @@ async def tree_part(request: web.Request) -> web.Response:
     path = required(values, "node", "tree", "/tree?name=resnet50&node=layer1")
     catalog = site.storage.catalog
     record = await _archive(site, name)
-    node = tree.find(tree.build(await site.run(catalog.entries_under, record.name, path)), path)
+    entries = kept_files.tensors_only(await site.run(catalog.entries_under, record.name, path))
+    node = tree.find(tree.build(entries), path)
     if node is None:
         raise PageProblem(404, "Not Found", f"archive {record.name!r} has no entry under {path!r}",
                           f"see its entries on /archive?name={record.name}")
@@ -185,6 +193,29 @@ async def entry_page(request: web.Request) -> web.Response:
                      histogram=plots.histogram(result.edges, result.counts))
 
 
+async def file_page(request: web.Request) -> web.Response:
+    """GET /file?archive=A&name=E: a file kept with archive A (entry E, ``@file:...``) as text,
+    its first MiB (a binary file is said to be one, with its size)."""
+    site: Site = request.app[SITE]
+    values = query(request.query, {"archive": _limit(site), "name": _limit(site)}, "file")
+    archive = required(values, "archive", "file", "/file?archive=minilm&name=@file:config.json")
+    name = required(values, "name", "file", "/file?archive=minilm&name=@file:config.json")
+    record = await _archive(site, archive)
+    entry = (await site.run(site.storage.catalog.entries, record.name, [name])).get(name)
+    kept = kept_files.split([entry])[1] if entry is not None else []
+    if not kept:
+        raise PageProblem(404, "Not Found", f"archive {record.name!r} keeps no file as entry {name!r}",
+                          f"see its files on /archive?name={record.name}")
+    try:
+        shown = await site.run(kept_files.read_text, site.storage, record.name, entry)
+    except Missing as exc:
+        raise PageProblem(404, "Not Found", str(exc), "reload the archive's page") from None
+    except Damaged as exc:
+        raise PageProblem(500, "Damaged", f"the stored bytes of file {kept[0].name!r} failed their check: {exc}",
+                          "run tannery scrub to list every damaged blob; push the archive again") from None
+    return site.html("file", archive=record.name, file=kept[0], shown=shown, most=kept_files.SHOWN_BYTES)
+
+
 async def server_page(request: web.Request) -> web.Response:
     """GET /server: the health of the catalog, the blob store and NATS; traffic by RPC; channels."""
     site: Site = request.app[SITE]
@@ -248,4 +279,4 @@ def _nats(site: Site) -> _Part:
                  f"{found['payloads_in']} in")
 
 
-__all__ = ["Site", "archive_page", "archives_page", "entry_page", "server_page", "tree_part"]
+__all__ = ["Site", "archive_page", "archives_page", "entry_page", "file_page", "server_page", "tree_part"]

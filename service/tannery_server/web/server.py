@@ -13,7 +13,7 @@ from aiohttp import web
 from ..auth import Tokens
 from ..config import Config
 from ..storage import Storage, StorageUnavailable
-from . import access, assets, pages
+from . import access, assets, pages, versions
 from .inputs import PageProblem
 from .sessions import Sessions
 from .templates import Renderer
@@ -58,7 +58,7 @@ def _problems(renderer: Renderer) -> Any:
         except web.HTTPNotFound:
             response = _problem_page(renderer, PageProblem(
                 404, "Not Found", f"there is no page at {request.path[:200]!r}",
-                "the pages are /archives, /archive?name=..., /entry?archive=...&name=... and /server"))
+                "the pages are /archives, /archive?name=..., /entry?archive=...&name=..., /diff, /alias?name=... and /server"))
         except web.HTTPMethodNotAllowed:
             response = _problem_page(renderer, PageProblem(
                 405, "Method Not Allowed", f"{request.method[:20]} is not answered: these pages are read-only",
@@ -116,6 +116,9 @@ class WebServer:
         app.router.add_get("/archive", pages.archive_page)
         app.router.add_get("/entry", pages.entry_page)
         app.router.add_get("/tree", pages.tree_part)
+        app.router.add_get("/file", pages.file_page)
+        app.router.add_get("/diff", versions.diff_page)
+        app.router.add_get("/alias", versions.alias_page)
         app.router.add_get("/server", pages.server_page)
         app.router.add_get("/static/{name}", assets.static_file)
         app.router.add_post("/login", sign_in)
