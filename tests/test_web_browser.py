@@ -400,3 +400,14 @@ def test_sign_out_asks_for_the_token_again(browser, site):
     _by(browser, "#sign-out")[0].click()
     _wait(browser, lambda b: _status(b) in ("401", "403"), "the page asking for a token")
     assert browser.get_cookie("tannery_token") is None
+
+
+def test_the_log_scale_histogram_and_the_download_links(browser, site, versions):
+    browser.get(site + "/entry?archive=tiny/v1&name=head")
+    assert _by(browser, "#histogram")[0].get_attribute("data-scale") == "linear"
+    _by(browser, "#log-scale")[0].click()
+    _wait(browser, lambda b: _by(b, '#histogram[data-scale="log"]'), "the log-scale histogram")
+    href = _by(browser, "#download-npy")[0].get_attribute("href")
+    assert href.endswith("/download/entry?archive=tiny/v1&name=head")
+    browser.get(site + "/archive?name=tiny/v1")
+    assert _by(browser, "#download-safetensors")[0].get_attribute("href").endswith("/download/archive?name=tiny/v1")

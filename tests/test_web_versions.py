@@ -134,3 +134,60 @@ def test_the_alias_page_lists_its_moves_with_diff_links(store):
     assert 'href="/alias?name=prod"' in _page(store, "/archives")
     status, _, body = get(web_port(store), "/alias?name=nope", headers=READ)
     assert status == 404 and "alias 'nope' not found" in html.unescape(body)
+
+
+def _download(store, path: str) -> tuple[dict, bytes]:
+    import http.client
+
+    from .server_harness import HOST
+
+    conn = http.client.HTTPConnection(HOST, web_port(store), timeout=30)
+    try:
+        conn.request("GET", path, headers=READ)
+        response = conn.getresponse()
+        assert response.status == 200, (path, response.status)
+        return dict(response.getheaders()), response.read()
+    finally:
+        conn.close()
+
+
+def test_downloads_of_an_entry_and_of_an_archive(store, tmp_path):
+    import io
+
+    import numpy as np
+    import safetensors.torch
+
+    with tannery.Client(store.target, token=WRITE_TOKEN) as client:
+        mixed = {"mask": torch.arange(37) % 3 == 0, "big": torch.randn(3, 1 << 20), "i": torch.arange(5),
+                 "h": torch.randn(7).half(), "bf": torch.randn(9).to(torch.bfloat16)}
+        client.store("downloads", mixed, metadata={"format": "pt"}, files={"config.json": b"{}"})
+    headers, body = _download(store, "/download/entry?archive=downloads&name=big")
+    assert headers["Content-Disposition"] == 'attachment; filename="big.npy"' and int(headers["Content-Length"]) == len(body)
+    assert np.array_equal(np.load(io.BytesIO(body)), mixed["big"].numpy())
+    _, body = _download(store, "/download/entry?archive=downloads&name=mask")
+    assert np.array_equal(np.load(io.BytesIO(body)), mixed["mask"].numpy())
+    status, _, page = get(web_port(store), "/download/entry?archive=downloads&name=bf", headers=READ)
+    assert status == 400 and "which a .npy file cannot record" in page and "tannery get downloads bf -o bf.pt" in page
+    headers, body = _download(store, "/download/archive?name=downloads")
+    assert headers["Content-Disposition"] == 'attachment; filename="downloads.safetensors"'
+    (tmp_path / "a.safetensors").write_bytes(body)
+    loaded = safetensors.torch.load_file(str(tmp_path / "a.safetensors"))
+    assert set(loaded) == set(mixed)  # the kept file is no tensor
+    for name, tensor in mixed.items():
+        assert torch.equal(loaded[name], tensor), name
+    with open(tmp_path / "a.safetensors", "rb") as f:
+        from safetensors import safe_open
+
+        assert safe_open(f.name, "pt").metadata() == {"format": "pt"}
+
+
+def test_a_log_scale_histogram(store):
+    body = _page(store, "/entry?archive=model/v1&name=head.w&scale=log")
+    heights = re.search(r'data-scale="log" data-heights="([^"]+)"', body).group(1)
+    linear = re.search(r'data-scale="linear" data-heights="([^"]+)"',
+                       _page(store, "/entry?archive=model/v1&name=head.w")).group(1)
+    small = [(float(lg), float(ln)) for lg, ln in zip(heights.split(","), linear.split(",")) if 0 < float(ln) < 20]
+    assert small and all(lg > ln for lg, ln in small)  # the tail's short bars grow on a log scale
+    assert 'id="linear-scale"' in body
+    status, _, page = get(web_port(store), "/entry?archive=model/v1&name=head.w&scale=cubic", headers=READ)
+    assert status == 400 and "scale=log" in page

@@ -89,7 +89,7 @@ async def archive_page(request: web.Request) -> web.Response:
         raise PageProblem(400, "Bad Request", f"parameter 'open' is {values['open']!r}",
                           "give open=all for every node opened, or leave it out")
     catalog = site.storage.catalog
-    record = await _archive(site, name)
+    record = await find_archive(site, name)
     entries = await site.run(catalog.entries_under, record.name, "")
     if not entries and record.entries:
         raise PageProblem(404, "Not Found", f"archive {record.name!r} was deleted while this page read it",
@@ -117,7 +117,7 @@ async def tree_part(request: web.Request) -> web.Response:
     name = required(values, "name", "tree", "/tree?name=resnet50&node=layer1")
     path = required(values, "node", "tree", "/tree?name=resnet50&node=layer1")
     catalog = site.storage.catalog
-    record = await _archive(site, name)
+    record = await find_archive(site, name)
     entries = kept_files.tensors_only(await site.run(catalog.entries_under, record.name, path))
     node = tree.find(tree.build(entries), path)
     if node is None:
@@ -128,7 +128,7 @@ async def tree_part(request: web.Request) -> web.Response:
     return web.Response(text=html, content_type="text/html")
 
 
-async def _archive(site: Site, name: str) -> ArchiveRecord:
+async def find_archive(site: Site, name: str) -> ArchiveRecord:
     """The archive ``name`` denotes now (an archive, or what an alias points at), or a 404 page naming it."""
     record = await site.run(site.storage.catalog.lookup, name)
     if record is None:
@@ -171,11 +171,15 @@ def _has_tokens(config: Config) -> bool:
 async def entry_page(request: web.Request) -> web.Response:
     """GET /entry?archive=A&name=E: one entry and its statistics, computed now over its stored bytes."""
     site: Site = request.app[SITE]
-    values = query(request.query, {"archive": _limit(site), "name": _limit(site)}, "entry")
+    values = query(request.query, {"archive": _limit(site), "name": _limit(site), "scale": 6}, "entry")
+    log_scale = values.get("scale", "linear") == "log"
+    if values.get("scale", "linear") not in ("linear", "log"):
+        raise PageProblem(400, "Bad Request", f"parameter 'scale' is {values['scale']!r}",
+                          "give scale=log for a log-scale histogram, scale=linear (or nothing) for a linear one")
     archive = required(values, "archive", "entry", "/entry?archive=resnet50&name=fc.weight")
     name = required(values, "name", "entry", "/entry?archive=resnet50&name=fc.weight")
     catalog = site.storage.catalog
-    record = await _archive(site, archive)
+    record = await find_archive(site, archive)
     found = await site.run(catalog.entries, record.name, [name])
     entry = found.get(name)
     if entry is None:
@@ -189,8 +193,8 @@ async def entry_page(request: web.Request) -> web.Response:
     except Damaged as exc:
         raise PageProblem(500, "Damaged", f"the stored bytes of entry {name!r} failed their check: {exc}",
                           "run tannery scrub to list every damaged blob; push the archive again") from None
-    return site.html("entry", archive=record.name, entry=entry, stats=result.__dict__,
-                     histogram=plots.histogram(result.edges, result.counts))
+    return site.html("entry", archive=record.name, entry=entry, stats=result.__dict__, log_scale=log_scale,
+                     histogram=plots.histogram(result.edges, result.counts, log_scale))
 
 
 async def file_page(request: web.Request) -> web.Response:
@@ -200,7 +204,7 @@ async def file_page(request: web.Request) -> web.Response:
     values = query(request.query, {"archive": _limit(site), "name": _limit(site)}, "file")
     archive = required(values, "archive", "file", "/file?archive=minilm&name=@file:config.json")
     name = required(values, "name", "file", "/file?archive=minilm&name=@file:config.json")
-    record = await _archive(site, archive)
+    record = await find_archive(site, archive)
     entry = (await site.run(site.storage.catalog.entries, record.name, [name])).get(name)
     kept = kept_files.split([entry])[1] if entry is not None else []
     if not kept:

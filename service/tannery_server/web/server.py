@@ -13,7 +13,7 @@ from aiohttp import web
 from ..auth import Tokens
 from ..config import Config
 from ..storage import Storage, StorageUnavailable
-from . import access, assets, pages, versions
+from . import access, assets, downloads, pages, versions
 from .inputs import PageProblem
 from .sessions import Sessions
 from .templates import Renderer
@@ -119,6 +119,8 @@ class WebServer:
         app.router.add_get("/file", pages.file_page)
         app.router.add_get("/diff", versions.diff_page)
         app.router.add_get("/alias", versions.alias_page)
+        app.router.add_get("/download/entry", downloads.entry_download)
+        app.router.add_get("/download/archive", downloads.archive_download)
         app.router.add_get("/server", pages.server_page)
         app.router.add_get("/static/{name}", assets.static_file)
         app.router.add_post("/login", sign_in)

@@ -112,6 +112,8 @@ ARCHIVE = """{% extends "base" %}{% block title %}{{ record.name }}{% endblock %
 <td>{% if f.prefix %}<code>{{ f.prefix }}</code>{% else %}<span class="note">none</span>{% endif %}</td><td class="n" data-value="{{ f.size }}">{{ f.size|size }}</td></tr>
 {% endfor %}</tbody></table>{% endif %}
 <h2>Fetch it</h2>
+<p><a id="download-safetensors" href="/download/archive?name={{ record.name|urlencode }}">download its tensors as .safetensors</a>
+<span class="note">(streamed; the kept files are on their own pages)</span></p>
 <pre id="cli">{{ cli }}</pre><pre id="python">{{ python }}</pre>
 <h2>Tensors</h2>
 <form class="inline" method="get" action="/archive" id="filter-form"><input type="hidden" name="name" value="{{ asked }}">
@@ -130,6 +132,7 @@ ENTRY = """{% extends "base" %}{% block title %}{{ entry.name }} · {{ archive }
 <table id="info"><tbody><tr><th>dtype</th><td>{{ entry.dtype }}</td></tr>
 <tr><th>shape</th><td>[{{ entry.shape|join(', ') }}]</td></tr><tr><th>size</th><td>{{ entry.nbytes|size }}</td></tr>
 <tr><th>sha256</th><td><code>{{ entry.digest }}</code></td></tr></tbody></table>
+<p><a id="download-npy" href="/download/entry?archive={{ archive|urlencode }}&amp;name={{ entry.name|urlencode }}">download .npy</a></p>
 <h2>Statistics</h2>
 <p id="coverage" class="note">{% if stats.sampled %}<span class="bad">Sampled:</span> {{ stats.bytes_read|size }} of {{ stats.data_bytes|size }} read
 ({{ stats.summarised|count }} of {{ stats.count|count }} elements{% if stats.cut_short %}, stopped at the time limit{% else %}, in evenly spread windows{% endif %}); every statistic below is of the sample.
@@ -140,7 +143,9 @@ Computed in {{ stats.seconds|seconds }} over the stored bytes, each block checke
 <tr><th>{{ key }}</th><td class="n" data-key="{{ key }}" data-value="{{ 'null' if value is none else value }}">{{ value|number }}</td></tr>{% endfor %}
 </tbody></table>
 <figure>{{ histogram }}<figcaption class="note">Histogram of {{ stats.histogram_values|count }} values
-{% if stats.of == "abs" %}(magnitudes) {% endif %}in {{ stats.counts|length }} bins from {{ stats.min|number }} to {{ stats.max|number }}.</figcaption></figure></div>
+{% if stats.of == "abs" %}(magnitudes) {% endif %}in {{ stats.counts|length }} bins from {{ stats.min|number }} to {{ stats.max|number }};
+{% if log_scale %}heights on a log scale (<a id="linear-scale" href="/entry?archive={{ archive|urlencode }}&amp;name={{ entry.name|urlencode }}">linear</a>){% else %}heights linear
+(<a id="log-scale" href="/entry?archive={{ archive|urlencode }}&amp;name={{ entry.name|urlencode }}&amp;scale=log">log scale</a>){% endif %}.</figcaption></figure></div>
 {% endblock %}"""
 
 TREE_ROWS = """
