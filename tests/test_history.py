@@ -162,3 +162,18 @@ def test_log_and_tag_back_on_the_command_line(tmp_path, capsys, monkeypatch):
         assert "takes no ARCHIVE and no --expect" in capsys.readouterr().err
         assert main([*run, "tag", "prod"]) == 1
         assert "give ARCHIVE, or --back" in capsys.readouterr().err
+
+
+def test_a_dcp_writers_moves_are_recorded_with_its_token(srv):
+    import torch.distributed.checkpoint as dcp
+
+    import tannery.dcp
+
+    model = torch.nn.Linear(4, 2)
+    with _client(srv, "ingest") as client:
+        for step in (1, 2):
+            writer = tannery.dcp.Writer(client, f"runs/9/step-{step}", alias="runs/9/latest")
+            dcp.save(model.state_dict(), storage_writer=writer)
+        moves = client.history("runs/9/latest")
+    assert [(m.previous, m.archive, m.by) for m in moves] == [
+        ("runs/9/step-1", "runs/9/step-2", _by(TOKENS["ingest"])), ("", "runs/9/step-1", _by(TOKENS["ingest"]))]
