@@ -253,3 +253,32 @@ def test_the_command_prints_a_table_and_json(srv, capsys, monkeypatch):
     assert entries["zero"]["values"]["relative_l2"] is None  # infinite: A's norm is 0
     assert entries["f32"]["values"]["differing"] == expected(a["f32"], b["f32"])["differing"]
     assert got["summary"]["value_changed"] == 2
+
+
+def test_a_damaged_block_is_data_loss_naming_the_entry(tmp_path):
+    with running_server(tmp_path) as server, tannery.Client(server.target, retries=0) as client:
+        a = {"big": torch.randn(1 << 20), "small": torch.ones(3)}
+        client.store("A", a)
+        client.store("B", {"big": a["big"] + 1, "small": torch.zeros(3)})
+        digest = next(e.digest for e in client.describe("B").entries if e.name == "big")
+        blob = next(p for p in (server.data_dir / "blobs").rglob(digest))
+        with open(blob, "r+b") as f:  # one bit of B's second block flipped
+            f.seek((1 << 20) + 5)
+            byte = f.read(1)
+            f.seek((1 << 20) + 5)
+            f.write(bytes([byte[0] ^ 1]))
+        with pytest.raises(tannery.DataLoss, match="entry 'big'"):
+            client.diff("A", "B")
+        assert client.diff("A", "B", names=["small"]).value_changed == 1  # the rest still compares
+
+
+def test_a_diff_past_its_deadline_stops(tmp_path):
+    with running_server(tmp_path) as server, tannery.Client(server.target, retries=0, timeout=0.05) as quick:
+        with tannery.Client(server.target, retries=0) as client:
+            a = torch.randn(64 << 20)
+            client.store("A", {"w": a})
+            client.store("B", {"w": a + 1})
+        with pytest.raises(tannery.ServiceError, match="[Dd]eadline"):
+            quick.diff("A", "B")
+        with tannery.Client(server.target, retries=0) as client:  # the server answers the next call
+            assert client.diff("A", "B").value_changed == 1
