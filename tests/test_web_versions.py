@@ -85,6 +85,7 @@ def test_kept_files_are_apart_from_the_tensors_and_shown_as_text(store):
     assert f'id="param-total" data-value="{params}"' in body and 'id="entry-count">3<' in body
     assert 'data-dtype="uint8"' not in body and "@file:" not in body.split('id="tree"')[1]
     assert 'data-file="config.json"' in body and 'data-file="README.md"' in body
+    assert f'id="tensor-bytes" data-value="{params * 4}"' in body  # float32: the files' bytes are not counted
     tree = _page(store, "/tree?name=model/v1&node=enc")
     assert "@file" not in tree
     shown = _page(store, "/file?archive=model/v1&name=%40file%3Aconfig.json")

@@ -102,7 +102,7 @@ async def archive_page(request: web.Request) -> web.Response:
     root = tree.build(shown)
     return site.html(
         "archive", asked=name, record=record, aliases=aliases, total_params=sum(map(tree.numel, tensors)),
-        tensor_count=len(tensors), files=files, filter=wanted, shown_count=len(shown),
+        tensor_count=len(tensors), tensor_bytes=sum(e.nbytes for e in tensors), files=files, filter=wanted, shown_count=len(shown),
         by_dtype=tree.params_by_dtype(tensors), rows=tree.rows(root, None if all_open else 1),
         open_depth=1_000_000 if all_open else 1, all_open=all_open,
         cli=_cli(site, _target(site, request), record.name), python=_python(site, _target(site, request), record.name),

@@ -95,7 +95,7 @@ ARCHIVE = """{% extends "base" %}{% block title %}{{ record.name }}{% endblock %
 <tr><th>tensors</th><td class="n" id="entry-count">{{ tensor_count|count }}</td></tr>
 {% if files %}<tr><th>kept files</th><td class="n" id="file-count">{{ files|length|count }}</td></tr>{% endif %}
 <tr><th>parameters</th><td class="n" id="param-total" data-value="{{ total_params }}">{{ total_params|count }}</td></tr>
-<tr><th>size</th><td class="n">{{ record.nbytes|size }} <span class="note">({{ record.payload_bytes|size }} stored with headers)</span></td></tr>
+<tr><th>size</th><td class="n" id="tensor-bytes" data-value="{{ tensor_bytes }}">{{ tensor_bytes|size }} <span class="note">({{ record.payload_bytes|size }} stored with headers{% if files %}, kept files included{% endif %})</span></td></tr>
 <tr><th>created (UTC)</th><td>{{ record.created_ns|when }}</td></tr>
 <tr><th>aliases</th><td id="aliases">{% for a in aliases %}<a class="tag" href="/alias?name={{ a.alias|urlencode }}">{{ a.alias }}</a>{% else %}<span class="note">none</span>{% endfor %}</td></tr>
 </tbody></table></div><div>
@@ -190,7 +190,7 @@ DIFF = """{% extends "base" %}{% block title %}Diff{% endblock %}{% block main %
 <input type="text" name="b" id="diff-b" value="{{ b }}" placeholder="archive or alias B">
 <button type="submit" id="compare">Compare</button></form>
 {% if diff is not none %}{% set s = diff.summary %}
-<p id="diff-names">B <a href="/archive?name={{ diff.b|urlencode }}"><code>{{ diff.b }}</code></a>{% if b != diff.b %} (alias <code>{{ b }}</code>){% endif %}
+<p id="diff-names">B <a href="/archive?name={{ diff.b|urlencode }}"><code>{{ diff.b }}</code></a>{% if b != diff.b %} (alias <code>{{ b }}</code>){% endif %}{{ " " }}
 against A <a href="/archive?name={{ diff.a|urlencode }}"><code>{{ diff.a }}</code></a>{% if a != diff.a %} (alias <code>{{ a }}</code>){% endif %}.</p>
 <p id="diff-summary" data-same="{{ s.same }}" data-value-changed="{{ s.value_changed }}" data-type-changed="{{ s.type_changed }}"
  data-added="{{ s.added }}" data-removed="{{ s.removed }}" data-files-changed="{{ s.files_changed }}">Tensors: {{ s.value_changed }} with other values,
@@ -198,9 +198,10 @@ against A <a href="/archive?name={{ diff.a|urlencode }}"><code>{{ diff.a }}</cod
 kept files: {{ s.files_changed }} differ, {{ s.files_same }} the same; {{ s.bytes_read|size }} read to compare values.</p>
 {% if changed %}<table id="changed"><thead><tr><th>entry</th><th>change</th><th>dtype</th><th>shape</th>
 <th class="n">differ</th><th class="n">max |B−A|</th><th class="n">‖B−A‖/‖A‖</th><th class="n">new NaN/Inf</th></tr></thead><tbody>
-{% for e in changed %}<tr class="changed" data-entry="{{ e.name }}" data-change="{{ words[e.change] }}"><td>{% if e.file %}file {% endif %}{{ e.name }}</td><td>{{ words[e.change] }}</td>
-<td>{{ e.dtype_a or e.dtype_b }}{% if e.dtype_a and e.dtype_b and e.dtype_a != e.dtype_b %} → {{ e.dtype_b }}{% endif %}</td>
-<td>{% if e.dtype_a %}[{{ e.shape_a|join(', ') }}]{% endif %}{% if e.dtype_a and e.dtype_b and e.shape_a != e.shape_b %} → {% endif %}{% if e.dtype_b and (not e.dtype_a or e.shape_a != e.shape_b) %}[{{ e.shape_b|join(', ') }}]{% endif %}</td>
+{% for e in changed %}<tr class="changed" data-entry="{{ e.name }}" data-change="{{ words[e.change] }}"><td>{{ e.name }}</td><td>{{ words[e.change] }}</td>
+{% if e.file %}<td>file</td><td>{{ (e.nbytes_a|size) if e.dtype_a else "-" }} → {{ (e.nbytes_b|size) if e.dtype_b else "-" }}</td>
+{% else %}<td>{{ e.dtype_a or e.dtype_b }}{% if e.dtype_a and e.dtype_b and e.dtype_a != e.dtype_b %} → {{ e.dtype_b }}{% endif %}</td>
+<td>{% if e.dtype_a %}[{{ e.shape_a|join(', ') }}]{% endif %}{% if e.dtype_a and e.dtype_b and e.shape_a != e.shape_b %} → {% endif %}{% if e.dtype_b and (not e.dtype_a or e.shape_a != e.shape_b) %}[{{ e.shape_b|join(', ') }}]{% endif %}</td>{% endif %}
 {% if e.HasField("values") %}{% set v = e.values %}<td class="n" data-key="differing" data-value="{{ v.differing }}">{{ "%.3g"|format(100 * v.differing / (v.elements or 1)) }}%</td>
 <td class="n" data-key="max_abs" data-value="{{ v.max_abs }}">{{ v.max_abs|number }}</td><td class="n" data-key="relative_l2" data-value="{{ v.relative_l2 }}">{{ v.relative_l2|number }}</td>
 <td class="n">{{ v.nan_appeared }}/{{ v.inf_appeared }}</td>{% else %}<td></td><td></td><td></td><td></td>{% endif %}</tr>
