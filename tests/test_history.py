@@ -177,3 +177,25 @@ def test_a_dcp_writers_moves_are_recorded_with_its_token(srv):
         moves = client.history("runs/9/latest")
     assert [(m.previous, m.archive, m.by) for m in moves] == [
         ("runs/9/step-1", "runs/9/step-2", _by(TOKENS["ingest"])), ("", "runs/9/step-1", _by(TOKENS["ingest"]))]
+
+
+def test_the_asyncio_twins(srv):
+    import asyncio
+
+    import tannery.aio
+
+    with _client(srv) as client:
+        client.store("a", {"w": torch.ones(1)})
+        client.store("b", {"w": torch.zeros(1)})
+        client.tag("prod", "a")
+        client.tag("prod", "b")
+
+    async def run():
+        async with tannery.aio.Client(srv.target, token=TOKENS["deploy"], retries=0) as client:
+            back = await client.tag_back("prod")
+            return back, await client.history("prod", 2)
+
+    back, moves = asyncio.run(run())
+    assert (back.previous, back.alias.archive) == ("b", "a")
+    assert [(m.previous, m.archive, m.by) for m in moves] == [("b", "a", _by(TOKENS["deploy"])),
+                                                             ("a", "b", _by(TOKENS["ops"]))]
