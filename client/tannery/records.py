@@ -14,37 +14,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tannery_protocol.v1 import archives_pb2, channels_pb2
-from tannery_protocol.names import SEPARATOR, join
+# How a kept file's entry is named (``@file:NAME``, ``P.@file:NAME``): one rule for the client and
+# the server (docs/model-folders.md); re-exported here, where the client always read it.
+from tannery_protocol.kept_files import MARK, entry_name, is_file_entry, split_entry
 
 if TYPE_CHECKING:
     from tannery.archive import TensorInfo
-
-# How the entry of a file kept with an archive is named (``@file:NAME``, under a prefix
-# ``P.@file:NAME``): read here and by :mod:`tannery.calls.archive_files` (docs/model-folders.md).
-
-#: What the entry name of a kept file starts with (after its prefix and a dot).
-MARK = "@file:"
-
-
-def entry_name(file: str, prefix: str = "") -> str:
-    """The entry that holds ``file``: ``@file:config.json``, under ``prefix`` ``enc.@file:config.json``."""
-    return join(prefix, MARK + file)
-
-
-def split_entry(name: str) -> tuple[str, str] | None:
-    """``(prefix, file)`` of an entry that holds a file, None for a tensor's entry."""
-    if name.startswith(MARK):
-        return "", name[len(MARK):]
-    at = name.find(SEPARATOR + MARK)
-    if at < 0:
-        return None
-    return name[:at], name[at + len(SEPARATOR + MARK):]
-
-
-def is_file_entry(name: str) -> bool:
-    """Whether entry ``name`` holds a kept file (and is no tensor of the archive's)."""
-    return split_entry(name) is not None
-
 
 @dataclass(frozen=True)
 class ArchiveInfo:

@@ -210,7 +210,7 @@ async def start(config: Config) -> RunningServer:
         data_paths = DataPaths(config)
         data_paths.start()
         closers.append(data_paths.close)
-        archives_servicer = archives.ArchivesServicer(storage, config, data_paths)
+        archives_servicer = archives.ArchivesServicer(storage, config, data_paths, tokens)
         archives.add_to_server(archives_servicer, server)
         closers.append(archives_servicer.close)
         enders.append(archives_servicer.watches.close)  # watch streams never end by themselves

@@ -1,4 +1,4 @@
-"""The answers that describe an archive or an alias (``ArchiveInfo``, ``Alias``), made from
+"""The answers that describe an archive or an alias (``ArchiveInfo``, ``Alias``, ``AliasMove``), made from
 the catalog's records: what Store, Union, Derive, a storing Publish and the listings answer."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from tannery_protocol.v1 import archives_pb2
 
 from .calllog import current_call
-from .storage import AliasRecord, ArchiveRecord
+from .storage import AliasMove, AliasRecord, ArchiveRecord
 
 
 def archive_info(record: ArchiveRecord) -> archives_pb2.ArchiveInfo:
@@ -26,6 +26,13 @@ def alias_info(record: AliasRecord) -> archives_pb2.Alias:
     return archives_pb2.Alias(alias=record.alias, archive=record.archive, moved=moved)
 
 
+def move_info(move: AliasMove) -> archives_pb2.AliasMove:
+    moved = Timestamp()
+    moved.FromNanoseconds(move.moved_ns)
+    return archives_pb2.AliasMove(alias=move.alias, previous=move.previous, archive=move.archive, moved=moved,
+                                  by=move.by)
+
+
 def written(record: ArchiveRecord) -> archives_pb2.ArchiveInfo:
     """The answer of a Store or Union; the call's log line says when it found the archive
     already holding exactly its content (and stored nothing)."""
@@ -34,4 +41,4 @@ def written(record: ArchiveRecord) -> archives_pb2.ArchiveInfo:
     return archive_info(record)
 
 
-__all__ = ["alias_info", "archive_info", "written"]
+__all__ = ["alias_info", "archive_info", "move_info", "written"]

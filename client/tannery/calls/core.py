@@ -30,6 +30,8 @@ from tannery_protocol.v1 import archives_pb2
 if TYPE_CHECKING:
     import torch
 
+    from tannery.calls.diff import ArchiveDiff
+    from tannery.calls.history import AliasMove
     from tannery.calls.watches import Watched
     from tannery.dataplane.transports import Feed, Transport
     from tannery_protocol.v1 import channels_pb2
@@ -37,6 +39,8 @@ if TYPE_CHECKING:
 # Imported on first use: catalog calls (tannery ls, show, rm) need none of these.
 _archive_files = lazy_module("tannery.calls.archive_files")
 _derives = lazy_module("tannery.calls.derive")
+_diffs = lazy_module("tannery.calls.diff")
+_histories = lazy_module("tannery.calls.history")
 _readers = lazy_module("tannery.dataplane.readers")
 _state_dict = lazy_module("tannery.calls.state_dict")
 _transports = lazy_module("tannery.dataplane.transports")  # with tannery_protocol.datalink: sockets, ssl
@@ -300,6 +304,11 @@ class CallCore:
         request = describe_request(name, names)
         return ArchiveDescription.of((yield from self._unary(self._methods.describe, request)))
 
+    def _diff(self, a: str, b: str, names: Iterable[str] | None, prefix: str | None, same: bool
+              ) -> Steps[ArchiveDiff]:
+        request = _diffs.diff_request(a, b, names, prefix, same)
+        return _diffs.ArchiveDiff.of((yield from self._unary(self._methods.diff, request)))
+
     def _list(self, prefix: str) -> Steps[list[ArchiveInfo]]:
         archives: list[ArchiveInfo] = []
         token = ""
@@ -341,6 +350,19 @@ class CallCore:
         # Retried as it is: a Tag whose lost attempt moved the alias finds it there and answers OK.
         return Tagged.of((yield from self._retrying(f"Tag of {alias!r}",
                                                     lambda retry: self._unary_once(self._methods.tag, request))))
+
+    def _history(self, alias: str, limit: int | None) -> Steps[list[AliasMove]]:
+        request = _histories.history_request(alias, limit)
+        return [_histories.AliasMove.of(m) for m in (yield from self._unary(self._methods.history, request)).moves]
+
+    def _tag_back(self, alias: str) -> Steps[Tagged]:
+        """Move ``alias`` to its target before its last move, compare-and-set against its target now."""
+        previous, current = _histories.back_move(alias, (yield from self._history(alias, 1)))
+        try:
+            return (yield from self._tag(alias, previous, current))
+        except errors.NotFound as error:
+            raise errors.NotFound(f"alias {alias!r} cannot go back from {current!r} to {previous!r}: {error}; tag it "
+                                  "to another archive by name") from None
 
     def _untag(self, alias: str) -> Steps[Untagged]:
         request = archives_pb2.UntagRequest(alias=alias)

@@ -59,6 +59,7 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every client subcommand (``serve`` is listed; its own parser is the server's)."""
     from .commands import add_commands
+    from .version_commands import add_version_commands
 
     parser = argparse.ArgumentParser(prog="tannery", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=_Formatter)
@@ -73,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("migrate", help="copy a data directory into a PostgreSQL catalog and a bucket "
                         "(tannery migrate --help)", add_help=False)
     add_commands(commands, common, _Formatter)
+    add_version_commands(commands, common, _Formatter)
     return parser
 
 

@@ -16,8 +16,15 @@ from .errors import CommandError
 from .output import Output, human_size, iso_time, local_time, shorten
 
 def cmd_tag(args: argparse.Namespace, out: Output) -> int:
+    if args.back and (args.archive is not None or args.expect is not None):
+        raise CommandError(f"tag {args.alias} --back moves the alias to its previous target, checked against its "
+                           "target now: it takes no ARCHIVE and no --expect",
+                           hint=f"tannery tag {args.alias} --back, or tannery tag {args.alias} ARCHIVE")
+    if not args.back and args.archive is None:
+        raise CommandError(f"tag {args.alias}: which archive? give ARCHIVE, or --back for its previous target",
+                           hint=f"tannery log {args.alias} lists where it pointed")
     with connect(args) as client:
-        tagged = client.tag(args.alias, args.archive, expect=args.expect)
+        tagged = client.tag_back(args.alias) if args.back else client.tag(args.alias, args.archive, expect=args.expect)
     alias = tagged.alias
     if args.json:
         out.json({"alias": alias.alias, "archive": alias.archive, "previous": tagged.previous,

@@ -214,14 +214,19 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
         "then on, and a read that began before reads the old archive whole. Aliases and archives share one "
         "namespace: ALIAS cannot be an archive's name, and ARCHIVE must be an archive, not another alias. "
         "--expect OLD moves the alias only if it points at OLD now (--expect '' only if it does not exist "
-        "yet): two operators moving one alias at once cannot both win. " + JSON_TAG,
+        "yet): two operators moving one alias at once cannot both win. --back (no ARCHIVE) moves ALIAS back "
+        "to where it pointed before its last move (tannery log ALIAS shows them), only if no one moved it "
+        "meanwhile. " + JSON_TAG,
         "  tannery tag prod runs/7/step-2000\n"
-        "  tannery tag prod runs/7/step-3000 --expect runs/7/step-2000\n",
+        "  tannery tag prod runs/7/step-3000 --expect runs/7/step-2000\n"
+        "  tannery tag prod --back\n",
         "aliases.cmd_tag",
         name("alias", "ALIAS", "the alias to create or move"),
-        name("archive", "ARCHIVE", "the archive it points at from now on"),
+        name("archive", "ARCHIVE", "the archive it points at from now on (none with --back)", nargs="?"),
         option("--expect", metavar="OLD",
                help="move only if ALIAS points at OLD now ('' : only if ALIAS does not exist yet)"),
+        option("--back", action="store_true",
+               help="move ALIAS back to its target before its last move (compare-and-set against its target now)"),
         json=JSON,
     )
     command(
