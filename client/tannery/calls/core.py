@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from tannery.calls.history import AliasMove
     from tannery.calls.watches import Watched
     from tannery.dataplane.transports import Feed, Transport
+    from tannery.dataplane.memory_files import MemoryFiles
     from tannery_protocol.v1 import channels_pb2
 
 # Imported on first use: catalog calls (tannery ls, show, rm) need none of these.
@@ -409,13 +410,14 @@ class CallCore:
     # -- channels ------------------------------------------------------------------------
 
     def _publish(self, channel: str, tensors: Iterable[Any], progress: Progress,
-                 store_as: channels_pb2.StoreAs | None = None) -> Steps[Published]:
+                 store_as: channels_pb2.StoreAs | None = None, files: MemoryFiles | None = None) -> Steps[Published]:
         """Publish ``tensors`` on ``channel``; with ``store_as``, the server stores them as that
-        archive too (``Published.stored``, or ``store_error`` saying why not)."""
+        archive too (``Published.stored``, or ``store_error`` saying why not). ``files``: on the
+        same host, memory files made ready for the payloads (a publisher sending versions)."""
         _messages.check_tensors(tensors)
         transport = yield from self._transport_now()
         stored = store_as.SerializeToString() if store_as is not None else b""
-        return Published.of((yield from transport.publish(self._calls, channel, tensors, progress, stored)))
+        return Published.of((yield from transport.publish(self._calls, channel, tensors, progress, stored, files)))
 
     def _subscribe(self, channel: str, progress: Progress) -> Steps[Feed]:
         """A subscription the server has registered (everything published afterwards arrives)."""

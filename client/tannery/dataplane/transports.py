@@ -46,6 +46,7 @@ from tannery_protocol.wire import ABANDONED, encode_publish_request, encode_stor
 if TYPE_CHECKING:
     from tannery.archive import Archive
     from tannery.rpc.connection import TLS
+    from tannery.dataplane.memory_files import MemoryFiles
     from tannery.dataplane.readers import PayloadReader
     from tannery_protocol.v1.archives_pb2 import DataPathsResponse
 
@@ -148,9 +149,10 @@ class Transport(Protocol):
         reads small entries several to a gRPC message)."""
 
     def publish(self, calls: Calls, channel: str, tensors: Iterable[Any], progress: Progress,
-                store_as: bytes = b"") -> Steps[Any]:
+                store_as: bytes = b"", files: MemoryFiles | None = None) -> Steps[Any]:
         """The PublishResponse of one Publish call (``store_as``: a serialized ``StoreAs``, the
-        archive the server stores the payloads as too; b"" for none)."""
+        archive the server stores the payloads as too; b"" for none; ``files``: memory files
+        made ready for the same host's sealed payloads, and made ready again for the next call)."""
 
     def subscribe(self, calls: Calls, channel: str, reader: PayloadReader) -> Steps[Feed]:
         """A subscription the server has registered."""
@@ -181,7 +183,7 @@ class GrpcTransport:
         return (yield Send(calls.methods.store, messages, calls.options(), calls.target, off_loop=digests))
 
     def publish(self, calls: Calls, channel: str, tensors: Iterable[Any], progress: Progress,
-                store_as: bytes = b"") -> Steps[Any]:
+                store_as: bytes = b"", files: MemoryFiles | None = None) -> Steps[Any]:
         messages = publish_stream(channel, tensors, calls.connection.chunk_size, progress, store_as)
         return (yield Send(calls.methods.publish, messages, calls.options(), calls.target))
 
@@ -275,14 +277,14 @@ class LinkTransport:
             upload.close()
 
     def publish(self, calls: Calls, channel: str, tensors: Iterable[Any], progress: Progress,
-                store_as: bytes = b"") -> Steps[Any]:
+                store_as: bytes = b"", files: MemoryFiles | None = None) -> Steps[Any]:
         """A Publish whose call names the channel, its payloads sent on the data path: sealed
         memory files on the same host, raw bytes over TCP (an async iterable of tensors is
         gathered first: the sending runs on a worker thread)."""
         if isinstance(tensors, AsyncIterable):
             tensors = yield Rpc(_gathered, tensors)
         return (yield from self._upload(calls, calls.methods.publish, encode_publish_request(channel, [], store_as),
-                                        lambda link: publish_over(link, tensors, progress)))
+                                        lambda link: publish_over(link, tensors, progress, files)))
 
     def subscribe(self, calls: Calls, channel: str, reader: PayloadReader) -> Steps[Feed]:
         """A subscription registered over gRPC whose payloads come on the data connection."""

@@ -25,6 +25,7 @@ from tannery.calls.retention import plan_prune
 from tannery_protocol._lazy import lazy_module
 from tannery_protocol.v1 import channels_pb2
 from tannery.calls.state_dict import Rows, TargetPlan, plan_targets, target_tensors
+from tannery.dataplane.memory_files import DEFAULT_BUDGET, MemoryFiles
 from tannery.weights.deltas import Base, Change, apply_changes
 from tannery.weights.stream import StreamedVersion, delta_payloads, version_payloads
 from tannery.rpc.waits import Steps
@@ -135,7 +136,8 @@ class Pushing:
     stream (and deltas), the alias's target as it left it (None: not asked yet; "": nothing
     pushed), and the version it streamed last, to send the next as a delta from it."""
 
-    def __init__(self, name: str, keep: bool | int, stream: bool, delta: bool = True) -> None:
+    def __init__(self, name: str, keep: bool | int, stream: bool, delta: bool = True,
+                 ready_bytes: int = DEFAULT_BUDGET) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"Publisher: the weights' name is a non-empty str, not {name!r}")
         self.name = name
@@ -151,6 +153,8 @@ class Pushing:
         self.busy = False
         #: Whether the server derives (False once it answered Derive UNIMPLEMENTED).
         self.derives = True
+        #: On the same host: memory files made ready, between pushes, for the next version's payloads.
+        self.files = MemoryFiles(ready_bytes) if stream and ready_bytes > 0 else None
 
     def learn(self, core: CallCore) -> Steps[None]:
         """Ask where the alias points, once (a publisher started again goes on from there)."""
@@ -199,7 +203,7 @@ def _push(core: CallCore, pushing: Pushing, state: Any, version: int) -> Steps[P
             payloads = delta_payloads(version, push, (pushing.base.version, pushing.base.push), tensors, changes)
             store_as = None
         try:
-            streamed = yield from core._publish(name, payloads, None, store_as)
+            streamed = yield from core._publish(name, payloads, None, store_as, pushing.files)
         except (Unavailable, ResourceExhausted):
             pass  # the channel cannot carry it now: the followers take it from the store, a moment later
         if streamed is not None and pushing.delta:
