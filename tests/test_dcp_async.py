@@ -169,6 +169,10 @@ def _killed_worker(rank: int, world: int, port: int, target: str, archive: str, 
             dist.destroy_process_group()
 
 
+#: What a worker says last: its save ended, or failed.
+FINAL = ("ok", "failed")
+
+
 def _run(worker, world: int, *args) -> dict[int, list[tuple[str, object]]]:
     """``worker(rank, world, port, *args, results)`` in ``world`` spawned processes: what each
     rank put, in order. A rank that says "uploading" is killed (SIGKILL) at once."""
@@ -179,9 +183,17 @@ def _run(worker, world: int, *args) -> dict[int, list[tuple[str, object]]]:
     for proc in procs:
         proc.start()
     said: dict[int, list[tuple[str, object]]] = {rank: [] for rank in range(world)}
-    deadline = time.monotonic() + 2 * TIMEOUT
+    # Each rank waits at most TIMEOUT for each of its two saves: the deadline leaves them that,
+    # after a start (spawn, torch, the process group) that takes long on a loaded machine.
+    deadline = time.monotonic() + 3 * TIMEOUT
+
+    def waiting(rank: int) -> bool:
+        """Whether rank ``rank`` may still say something: alive, its last word not yet said (a
+        rank that said it may hang destroying its group when a peer was killed)."""
+        return procs[rank].is_alive() and not (said[rank] and said[rank][-1][0] in FINAL)
+
     try:
-        while time.monotonic() < deadline and any(proc.is_alive() for proc in procs):
+        while time.monotonic() < deadline and any(waiting(rank) for rank in range(world)):
             try:
                 rank, status, answer = results.get(timeout=0.5)
             except queue.Empty:
