@@ -21,7 +21,9 @@ import grpc
 from tannery_protocol import errors
 from tannery_protocol._lazy import lazy_module
 from tannery.rpc.connection import Calls, Connection, TLSLike, check_transport, rpc_error
-from tannery.records import Alias, ArchiveDescription, ArchiveInfo, Deleted, Pruned, Published, Tagged, Untagged
+from tannery.records import (
+    Alias, ArchiveDescription, ArchiveInfo, Deleted, Pruned, Published, Tagged, Untagged, is_kept_entry,
+)
 from tannery.rpc.requests import Methods, Progress, describe_request, list_request, union_request
 from tannery.rpc.retries import RetryPolicy, call_name, resumed_request
 from tannery.rpc.waits import Acquire, Blocking, Rpc, Send, Sleep, Steps
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
 
 # Imported on first use: catalog calls (tannery ls, show, rm) need none of these.
 _archive_files = lazy_module("tannery.calls.archive_files")
+_archive_values = lazy_module("tannery.calls.archive_values")
 _derives = lazy_module("tannery.calls.derive")
 _readers = lazy_module("tannery.dataplane.readers")
 _state_dict = lazy_module("tannery.calls.state_dict")
@@ -182,6 +185,8 @@ class CallCore:
                                          allow_empty=allow_empty or bool(files))
         where = f"Client.store({name!r})"
         _archive_files.refuse_file_names(archive, where)
+        _archive_values.refuse_values_names(archive, where)
+        archive = _archive_values.with_values(archive, where)
         if files:
             archive = _archive_files.with_files(archive, rest, prefix, _archive_files.check_files(files, where))
 
@@ -396,7 +401,7 @@ class _Noted:
         self.reader, self.pieces, self.pool = reader, reader.pieces, reader.pool
         self.done: list[str] = []
         self.kept: list[Any] | None = [] if keep else None
-        #: Leave out the files kept with the archive (a Fetch of every entry gives the tensors).
+        #: Leave out the files and plain values kept with the archive (a Fetch of every entry gives the tensors).
         self.hide_files = hide_files
 
     def feed(self, message: Any) -> Sequence[Any]:
@@ -414,7 +419,7 @@ class _Noted:
             if whole is not None:
                 self.done.append(whole)
         if self.hide_files:
-            items = [item for item in items if not _archive_files.is_file_entry(_item_name(item))]
+            items = [item for item in items if not is_kept_entry(_item_name(item))]
         if self.kept is None:
             return items
         self.kept.extend(items)
