@@ -300,11 +300,10 @@ class Archive(ABC):
 def archive_of_value(value: Any, prefix: str, skip_non_tensors: bool, where: str) -> Archive:
     """:meth:`Archive.of_value`, its messages prefixed by ``where`` (``Client.store`` says its own)."""
     if skip_non_tensors:
-        leaves, tree = named_leaves(value, prefix, where), None
+        leaves, trees = named_leaves(value, prefix, where), {}
     else:
-        leaves, tree = plain.split(value, prefix, where)
-    tensors = {name: as_tensor(leaf, name, where) for name, leaf in leaves.items()}
-    return MemoryArchive(tensors, {} if tree is None else {prefix: tree})
+        leaves, trees = plain.split(value, prefix, where)
+    return MemoryArchive({name: as_tensor(leaf, name, where) for name, leaf in leaves.items()}, trees)
 
 
 def tensor_info(tensor: torch.Tensor) -> TensorInfo:

@@ -128,9 +128,9 @@ class _Splitter:
                         "kept dicts are str or int, so that they come back as they were: convert it")
 
 
-def split(value: Any, prefix: str, where: str) -> tuple[dict[str, Any], Node | None]:
-    """The tensor leaves of ``value`` by name (under ``prefix``), and its tree when it holds
-    plain values (None when the entry names say all). TypeError naming the path for a leaf
+def split(value: Any, prefix: str, where: str) -> tuple[dict[str, Any], dict[str, Node]]:
+    """The tensor leaves of ``value`` by name (under ``prefix``), and its tree by its prefix
+    when it holds plain values (none when the entry names say all). TypeError naming the path for a leaf
     neither kept nor a tensor, or a key neither str nor int; ValueError for nesting deeper than
     :data:`MAX_DEPTH` or a plain value named like a tensor; ArchiveError over :data:`MAX_BYTES`."""
     splitter = _Splitter(prefix, where)
@@ -140,9 +140,9 @@ def split(value: Any, prefix: str, where: str) -> tuple[dict[str, Any], Node | N
         raise ValueError(f"{where}: {clash[0]}: a tensor and a plain value have this name (a dict with both the "
                          "int key and the str key?); rename one")
     if not splitter.plain_names and not (splitter.empties and splitter.tensors):
-        return splitter.tensors, None  # the entry names say all (or there is nothing at all)
+        return splitter.tensors, {}  # the entry names say all (or there is nothing at all)
     encode(tree, where)  # refused here, before anything is sent, when over the bound
-    return splitter.tensors, tree
+    return splitter.tensors, {prefix: tree}
 
 
 def _float_node(value: Any) -> Node:
