@@ -141,7 +141,7 @@ def split(value: Any, prefix: str, where: str) -> tuple[dict[str, Any], dict[str
                          "int key and the str key?); rename one")
     if not splitter.plain_names and not (splitter.empties and splitter.tensors):
         return splitter.tensors, {}  # the entry names say all (or there is nothing at all)
-    encode(tree, where)  # refused here, before anything is sent, when over the bound
+    encode(tree, where, prefix)  # refused here, before anything is sent, when over the bound
     return splitter.tensors, {prefix: tree}
 
 
@@ -151,13 +151,13 @@ def _float_node(value: Any) -> Node:
     return value
 
 
-def encode(tree: Node, where: str = "plain values") -> bytes:
-    """The document of ``tree``: UTF-8 JSON of plain ASCII, at most :data:`MAX_BYTES` bytes
-    (ArchiveError naming the largest leaf otherwise)."""
+def encode(tree: Node, where: str = "plain values", prefix: str = "") -> bytes:
+    """The document of ``tree`` (kept under ``prefix``): UTF-8 JSON of plain ASCII, at most
+    :data:`MAX_BYTES` bytes (ArchiveError naming the largest leaf otherwise)."""
     data = json.dumps({"format": FORMAT, "version": VERSION, "value": tree}, ensure_ascii=True,
                       separators=(",", ":"), allow_nan=False).encode("ascii")
     if len(data) > MAX_BYTES:
-        size, name = max(_leaf_sizes(tree, ()), default=(0, "?"))
+        size, name = max(_leaf_sizes(tree, (prefix,) if prefix else ()), default=(0, "?"))
         raise ArchiveError(f"{where}: the plain values come to {len(data)} bytes encoded, over the bound of "
                            f"{MAX_BYTES} bytes; the largest leaf is {name} ({size} bytes): store large data as "
                            "a tensor (a numpy array), or leave it out")
@@ -313,9 +313,9 @@ def at(tree: Node, keys: tuple[Any, ...]) -> tuple[bool, Node]:
     return True, node
 
 
-def as_tensor(tree: Node, where: str) -> Any:
+def as_tensor(tree: Node, where: str, prefix: str = "") -> Any:
     """The entry that keeps ``tree`` on a server: a 1-D uint8 tensor of its document."""
-    return torch.frombuffer(bytearray(encode(tree, where)), dtype=torch.uint8)
+    return torch.frombuffer(bytearray(encode(tree, where, prefix)), dtype=torch.uint8)
 
 
 def of_tensor(tensor: Any, where: str) -> Node:

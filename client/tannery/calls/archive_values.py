@@ -35,7 +35,7 @@ def with_values(archive: Archive, where: str) -> Archive:
     trees = archive._plain()
     if not trees:
         return archive
-    entries = {values_entry(prefix): plain.as_tensor(tree, where) for prefix, tree in trees.items()}
+    entries = {values_entry(prefix): plain.as_tensor(tree, where, prefix) for prefix, tree in trees.items()}
     return Archive.union([archive, MemoryArchive(entries)])
 
 

@@ -129,7 +129,7 @@ def load_safetensors(path: PathLike) -> MappedArchive:
 
 def values_metadata(archive: Archive, where: str) -> dict[str, str]:
     """The plain values of ``archive`` as safetensors metadata: a document per prefix, under ``P.@values``."""
-    return {values_entry(prefix): plain.encode(tree, where).decode("ascii") for prefix, tree in archive._plain().items()}
+    return {values_entry(prefix): plain.encode(tree, where, prefix).decode("ascii") for prefix, tree in archive._plain().items()}
 
 
 def save_safetensors(path: PathLike, archive: Archive) -> None:
@@ -182,7 +182,7 @@ def save_tannic(path: PathLike, archive: Archive, codes: str = "seed") -> None:
         for name, t in zip(names, archive._fetch(names) if names else [])
     ]
     for prefix, tree in archive._plain().items():
-        document = plain.as_tensor(tree, "save_tannic")
+        document = plain.as_tensor(tree, "save_tannic", prefix)
         items.append((values_entry(prefix), tensors.codec_dtype(document.dtype), [tensors.buffer_of(document)]))
     checkpoint.write_pair(path, sorted(items, key=lambda item: item[0]), codes)
 
