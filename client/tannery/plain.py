@@ -369,51 +369,10 @@ def _no_tensor(name: str) -> Any:
     raise AssertionError(f"{name}: no tensor is read here")
 
 
-def render(node: Node, prefix: str = "", limit: int = 100) -> str:
-    """``node`` (kept under ``prefix``) as Python would print its value, tensors as ``<tensor NAME>`` by
-    their entry names, cut to about
-    ``limit`` characters with ``...`` (what ``tannery show`` prints; no tensor is read)."""
-    parts: list[str] = []
-    size = 0
-
-    def put(text: str) -> None:
-        nonlocal size
-        if size <= limit:
-            parts.append(text)
-        size += len(text)
-
-    def walk(node: Node) -> None:
-        if size > limit:
-            return
-        if isinstance(node, list) or isinstance(node, dict) and "tuple" in node:
-            items = node if isinstance(node, list) else node["tuple"]
-            put("[" if isinstance(node, list) else "(")
-            for i, item in enumerate(items):
-                put(", " if i else "")
-                walk(item)
-            put("]" if isinstance(node, list) else ("," if len(items) == 1 else "") + ")")
-        elif isinstance(node, dict) and "dict" in node:
-            put("{")
-            for i, (key, item) in enumerate(node["dict"]):
-                put((", " if i else "") + repr(key) + ": ")
-                walk(item)
-            put("}")
-        elif isinstance(node, dict) and "tensor" in node:
-            put(f"<{'numpy array' if node.get('numpy') else 'tensor'} {join(prefix, node['tensor'])}>")
-        elif isinstance(node, dict) and "numpy" in node:
-            put(f"np.{node['numpy']}({build(node['value'], '', _no_tensor)!r})")
-        else:
-            put(repr(build(node, "", _no_tensor)))
-
-    walk(node)
-    text = "".join(parts)
-    return text if size <= limit else text[:limit] + "..."
-
-
 def owned_trees(trees: Mapping[str, Node], prefix: str) -> dict[str, Node]:
     """The trees kept under ``prefix`` or a prefix it owns."""
     return {at_prefix: tree for at_prefix, tree in trees.items() if owns(prefix, at_prefix)}
 
 
 __all__ = ["FORMAT", "MAX_BYTES", "MAX_DEPTH", "VERSION", "Node", "as_tensor", "at", "build", "check_clash", "decode", "encode",
-           "filler", "leaf_names", "of_tensor", "owned_trees", "render", "split", "tensor_names"]
+           "filler", "leaf_names", "of_tensor", "owned_trees", "split", "tensor_names"]

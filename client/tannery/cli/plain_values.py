@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from tannery import plain
-from tannery_protocol.names import owns
+from tannery_protocol.names import join, owns
 
 
 def kept_values(description: Any, prefix: str = "") -> list[Any]:
@@ -42,14 +42,59 @@ def as_metadata(client: Any, name: str, kept: list[Any]) -> dict[str, str]:
     return {values_entry(prefix): data.decode("ascii") for prefix, data in documents_.items()}
 
 
+def render(node: plain.Node, prefix: str = "", limit: int = 100) -> str:
+    """``node`` (kept under ``prefix``) as Python would print its value, tensors as ``<tensor NAME>`` by
+    their entry names, cut to about
+    ``limit`` characters with ``...`` (what ``tannery show`` prints; no tensor is read)."""
+    parts: list[str] = []
+    size = 0
+
+    def put(text: str) -> None:
+        nonlocal size
+        if size <= limit:
+            parts.append(text)
+        size += len(text)
+
+    def walk(node: plain.Node) -> None:
+        if size > limit:
+            return
+        if isinstance(node, list) or isinstance(node, dict) and "tuple" in node:
+            items = node if isinstance(node, list) else node["tuple"]
+            put("[" if isinstance(node, list) else "(")
+            for i, item in enumerate(items):
+                put(", " if i else "")
+                walk(item)
+            put("]" if isinstance(node, list) else ("," if len(items) == 1 else "") + ")")
+        elif isinstance(node, dict) and "dict" in node:
+            put("{")
+            for i, (key, item) in enumerate(node["dict"]):
+                put((", " if i else "") + repr(key) + ": ")
+                walk(item)
+            put("}")
+        elif isinstance(node, dict) and "tensor" in node:
+            put(f"<{'numpy array' if node.get('numpy') else 'tensor'} {join(prefix, node['tensor'])}>")
+        elif isinstance(node, dict) and "numpy" in node:
+            put(f"np.{node['numpy']}({plain.build(node['value'], '', _no_tensor)!r})")
+        else:
+            put(repr(plain.build(node, "", _no_tensor)))
+
+    walk(node)
+    text = "".join(parts)
+    return text if size <= limit else text[:limit] + "..."
+
+
+def _no_tensor(name: str) -> Any:
+    raise AssertionError(f"{name}: show reads no tensor")
+
+
 def lines(kept: dict[str, plain.Node]) -> list[str]:
     """``show``'s lines: under each prefix, each top-level item of the value, cut short."""
     out: list[str] = []
     for prefix, tree in sorted(kept.items()):
         items = tree["dict"] if isinstance(tree, dict) and "dict" in tree else [[None, tree]]
         out.append(f"plain values{f' under {prefix!r}' if prefix else ''}:")
-        out.extend(f"  {'' if key is None else f'{key!r}: '}{plain.render(item, prefix)}" for key, item in items)
+        out.extend(f"  {'' if key is None else f'{key!r}: '}{render(item, prefix)}" for key, item in items)
     return out
 
 
-__all__ = ["as_metadata", "documents", "kept_values", "lines", "trees"]
+__all__ = ["as_metadata", "documents", "kept_values", "lines", "render", "trees"]
