@@ -202,3 +202,15 @@ def test_on_a_server_values_are_described_shown_fetched_and_pulled(server, capsy
     assert cli.json("show", "ckpt")["values"]["run"]["dict"][2] == ["step", 2**70]
     cli.ok("pull", "ckpt", "-o", str(tmp_path / "c.safetensors"))
     assert same(load_safetensors(tmp_path / "c.safetensors").to_value(prefix="run"), value)
+
+
+def test_a_union_on_the_server_carries_the_plain_values_under_its_prefixes(server):
+    with tannery.Client(server.target) as client:
+        client.store("a", {"w": torch.ones(1), "step": 1})
+        client.store("b", {"w": torch.ones(2), "lr": 0.5})
+        client.union("u", {"x": "a", "y": "b"})
+        back = client.archive("u").to_value()
+        assert back["x"]["step"] == 1 and back["y"]["lr"] == 0.5 and torch.equal(back["y"]["w"], torch.ones(2))
+        assert client.archive("u").to_value(prefix="y")["lr"] == 0.5
+        with pytest.raises(tannery.InvalidArgument, match="'@values' is in two sources, 'a' and 'b'"):
+            client.union("v", ["a", "b"])  # two values at one root: give each a prefix
