@@ -107,9 +107,13 @@ class Client(CallCore):
         ``metadata``, a small mapping of str to str (safetensors' ``__metadata__``), is kept
         with the archive and returned by :meth:`describe`.
 
-        Nothing vanishes silently: a leaf of ``value`` that is not a tensor (a step count,
-        None) is a TypeError naming its path unless ``skip_non_tensors`` (then it is left
-        out), and an archive of no entries is an ArchiveError unless ``allow_empty``.
+        Plain values (a step count, a learning rate, None, RNG states: :mod:`tannery.plain`)
+        are kept beside the tensors, typed exactly and never pickled, committed in the same
+        Store as an entry ``P.@values`` (so a tensor named so is refused), and given back by
+        ``archive(name).to_value()``. Nothing vanishes silently: any other leaf (an object, a
+        function) is a TypeError naming its path unless ``skip_non_tensors`` (then every leaf
+        that is not a tensor is left out), and an archive of no entries is an ArchiveError
+        unless ``allow_empty``.
 
         ``files`` (file name to bytes: a model folder's ``config.json``, its tokenizer's files)
         are kept with the archive, committed in the same Store and read back with
