@@ -338,6 +338,7 @@ def test_store_keeps_plain_values_and_refuses_any_other_leaf_naming_its_path(cli
     assert list(back) == ["optimizer.state.0.exp_avg"] and torch.equal(back["optimizer.state.0.exp_avg"], torch.ones(2))
     assert client.store("x3", {"m": [torch.ones(1), None], "a": "text"}, prefix="ckpt").entries == 2  # and @values
     assert client.fetch("x3").names() == ["ckpt.m.0"]
+    assert client.fetch("x3").to_value(prefix="ckpt")["a"] == "text"  # a fetch keeps the plain values too
     back = client.archive("x3").to_value(prefix="ckpt")
     assert back["a"] == "text" and back["m"][1] is None and torch.equal(back["m"][0], torch.ones(1))
 

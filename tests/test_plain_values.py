@@ -192,6 +192,10 @@ def test_on_a_server_values_are_described_shown_fetched_and_pulled(server, capsy
         assert info.entries == len(description.entries) + 1  # the tensors and the document of plain values
         assert [(v.prefix, v.entry) for v in description.values] == [("run", "run.@values")]
         assert "run.@values" not in client.fetch("ckpt").names()
+        assert same(client.fetch("ckpt").to_value(prefix="run"), value)  # an in-memory fetch keeps them too
+        narrower = client.fetch("ckpt", prefix="run.optim").to_value()  # not the values kept under a wider prefix
+        assert list(narrower) == ["run.optim.state.0.exp_avg", "run.optim.state.0.step"]
+        assert "run.@values" not in [name for name, _ in client.fetch_iter("ckpt")]  # entries: tensors alone
         assert same(client.archive("ckpt").to_value(prefix="run"), value)
     cli = Cli(server.target, capsys)
     shown = cli.ok("show", "ckpt")

@@ -38,7 +38,6 @@ if TYPE_CHECKING:  # torch is imported where a tensor is made (tannery.dataplane
     from tannery.dataplane.transports import Feed
 
 # Imported on first use: catalog calls (tannery ls, show, rm) need none of these.
-_archive = lazy_module("tannery.archive")
 _readers = lazy_module("tannery.dataplane.readers")
 _remote = lazy_module("tannery.remote")
 
@@ -148,8 +147,9 @@ class Client(CallCore):
     def fetch(self, name: str, names: Iterable[str] | None = None, prefix: str | None = None, *,
               progress: Progress = None) -> Archive:
         """Entries of archive ``name`` in memory: those named (NotFound for one it lacks), or
-        those ``prefix`` owns, or all of them; in one call."""
-        return _archive.MemoryArchive(dict(_run(self._fetched(fetch_request(name, names, prefix), progress))))
+        those ``prefix`` owns, or all of them, with the plain values kept under what they
+        cover; in one call."""
+        return _run(self._fetched_archive(fetch_request(name, names, prefix), progress))
 
     def fetch_iter(self, name: str, names: Iterable[str] | None = None, prefix: str | None = None, *,
                    progress: Progress = None) -> Iterator[tuple[str, torch.Tensor]]:

@@ -8,7 +8,8 @@ every entry leaves them out, and a remote archive reads them back (:mod:`tannery
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from tannery_protocol import errors
 
@@ -39,4 +40,18 @@ def with_values(archive: Archive, where: str) -> Archive:
     return Archive.union([archive, MemoryArchive(entries)])
 
 
-__all__ = ["refuse_values_names", "with_values"]
+def fetched_archive(pairs: Iterable[tuple[str, Any]], where: str) -> Archive:
+    """The in-memory archive of fetched ``(name, tensor)`` pairs, the plain values lifted out of their entries."""
+    from tannery.archive import MemoryArchive
+
+    tensors, trees = {}, {}
+    for name, tensor in pairs:
+        prefix = values_prefix(name)
+        if prefix is None:
+            tensors[name] = tensor
+        else:
+            trees[prefix] = plain.of_tensor(tensor, f"{where}: entry {name!r}")
+    return MemoryArchive(tensors, trees)
+
+
+__all__ = ["fetched_archive", "refuse_values_names", "with_values"]
