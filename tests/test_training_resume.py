@@ -115,7 +115,8 @@ def test_a_resumed_loop_takes_the_very_step_of_one_that_never_stopped(tmp_path, 
         resumed = Run(seed=2)  # another model, other RNG states: everything must come from the store
         resumed.step(inputs, targets)
         back = client.archive("run/ckpt").to_value()
-    assert info.entries == len(back["model"]) + 3 * len(back["optim"]["state"]) + 2 + 1  # rng.torch, numpy's key, @values
+    # The entries: the model's, 3 per parameter's AdamW state, the torch and numpy RNG states, and @values.
+    assert info.entries == len(back["model"]) + 3 * len(back["optim"]["state"]) + 2 + 1
     assert back["optim"]["param_groups"][0]["betas"] == (0.85, 0.99) and back["step"] == STEPS_BEFORE
     assert resumed.resume(back) == STEPS_BEFORE
     assert tannery.torch.serialize(resumed.step(inputs, targets)) == tannery.torch.serialize(loss)

@@ -261,7 +261,8 @@ class Archive(ABC):
     def _rebuilt(self, prefix: str, where: str) -> Any:
         """The value kept under ``prefix``, without a like (see :meth:`to_value`)."""
         trees = plain.owned_trees(self._plain(), prefix)
-        referred = {name: at_prefix for at_prefix, tree in trees.items() for name in plain.tensor_names(tree, at_prefix)}
+        referred = {name: at_prefix for at_prefix, tree in trees.items()
+                    for name in plain.tensor_names(tree, at_prefix)}
         for name, at_prefix in referred.items():
             if self._info(name) is None:
                 raise ArchiveError(f"{where}: {name}: the structure kept under {at_prefix!r} holds this tensor, "

@@ -26,6 +26,7 @@ import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
+from tannery_protocol import codec
 from tannery_protocol._lazy import lazy_module
 from tannery_protocol.errors import ArchiveError, FormatError
 from tannery_protocol.names import join, owns
@@ -40,6 +41,8 @@ FORMAT, VERSION = "tannery.values", 1
 MAX_BYTES = 16 << 20
 #: The deepest nesting kept (a training state nests 5 levels; deeper is refused, never a RecursionError).
 MAX_DEPTH = 100
+#: The largest int kept (in bits): Python reads ints of at most 4300 digits from text.
+MAX_INT_BITS = 14_000
 #: A JSON-able node of a tree (see the module's docstring).
 Node = Any
 
@@ -91,6 +94,10 @@ class _Splitter:
 
     def _tensor(self, value: Any, path: tuple[str, ...]) -> Node:
         name = self._leaf_name(path)
+        if isinstance(value, np.ndarray) and not _has_entry_dtype(value):
+            raise TypeError(f"{self.where}: {name} is a numpy array of dtype {value.dtype}, which no entry holds; "
+                            "convert it (array.tolist() keeps it as plain values), or give skip_non_tensors=True "
+                            "to store the tensors alone")
         if name in self.tensors:
             raise ValueError(f"{self.where}: {name}: two leaves have this name")
         self.tensors[name] = value
@@ -116,16 +123,34 @@ class _Splitter:
             raise TypeError(f"{self.where}: {self._at(path)} is {what}, neither a tensor nor a plain value (kept: "
                             f"{_KEPT}); {remedy}, or give skip_non_tensors=True to store the tensors alone")
         self._note_plain(path)
+        if type(value) is int:
+            self._int(value, path)
         return _float_node(value) if type(value) is float else value
+
+    def _int(self, value: int, path: tuple[str, ...]) -> None:
+        if value.bit_length() > MAX_INT_BITS:
+            raise ValueError(f"{self.where}: {self._at(path)}: an int of {value.bit_length()} bits, over the bound of "
+                             f"{MAX_INT_BITS} bits for a plain value (JSON's text of it would be thousands of "
+                             "digits); store it as a tensor of its bytes, or leave it out")
 
     def _note_plain(self, path: tuple[str, ...]) -> None:
         self.plain_names.add(self._leaf_name(path))
 
     def _key(self, key: Any, path: tuple[str, ...]) -> str | int:
+        if type(key) is int:
+            self._int(key, path)
         if type(key) is str or type(key) is int:
             return key
         raise TypeError(f"{self.where}: {self._at(path)}: a key {key!r} of type {type(key).__name__}; the keys of "
                         "kept dicts are str or int, so that they come back as they were: convert it")
+
+
+def _has_entry_dtype(array: Any) -> bool:
+    try:
+        codec.dtype_of_numpy(array.dtype)
+    except TypeError:
+        return False
+    return True
 
 
 def split(value: Any, prefix: str, where: str) -> tuple[dict[str, Any], dict[str, Node]]:
@@ -374,5 +399,7 @@ def owned_trees(trees: Mapping[str, Node], prefix: str) -> dict[str, Node]:
     return {at_prefix: tree for at_prefix, tree in trees.items() if owns(prefix, at_prefix)}
 
 
-__all__ = ["FORMAT", "MAX_BYTES", "MAX_DEPTH", "VERSION", "Node", "as_tensor", "at", "build", "check_clash", "decode", "encode",
-           "filler", "leaf_names", "of_tensor", "owned_trees", "split", "tensor_names"]
+__all__ = [
+    "FORMAT", "MAX_BYTES", "MAX_DEPTH", "MAX_INT_BITS", "VERSION", "Node", "as_tensor", "at", "build", "check_clash",
+    "decode", "encode", "filler", "leaf_names", "of_tensor", "owned_trees", "split", "tensor_names",
+]

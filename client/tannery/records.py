@@ -280,6 +280,8 @@ class Published:
         return Published(message.payloads, message.bytes, message.dropped_subscribers)
 
 
-__all__ = ["MARK", "Alias", "ArchiveDescription", "ArchiveInfo", "Deleted", "EntryDescription", "FileDescription", "Pruned",
-           "Published", "Tagged", "Untagged", "VALUES", "ValuesDescription", "entry_name", "is_file_entry", "is_kept_entry",
-           "split_entry", "values_entry", "values_prefix"]
+__all__ = [
+    "MARK", "VALUES", "Alias", "ArchiveDescription", "ArchiveInfo", "Deleted", "EntryDescription", "FileDescription",
+    "Pruned", "Published", "Tagged", "Untagged", "ValuesDescription", "entry_name", "is_file_entry", "is_kept_entry",
+    "split_entry", "values_entry", "values_prefix",
+]

@@ -337,7 +337,7 @@ class AsyncRemoteArchive:
     async def to_value(self, like: Any = None, prefix: str = "") -> Any:
         planner = self._planner
         if planner._trees is None:  # the plain values first: which tensors a rebuild needs may depend on them
-            await self._answer(lambda archive: archive._plain(), lambda names, tensors: planner._keep_plain(names, tensors))
+            await self._answer(lambda archive: archive._plain(), planner._keep_plain)
 
         def finish(names: list[str], tensors: list[torch.Tensor]) -> Any:
             # The fetched entries are exactly those read: the checks pass again, and the

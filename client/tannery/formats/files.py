@@ -129,7 +129,8 @@ def load_safetensors(path: PathLike) -> MappedArchive:
 
 def values_metadata(archive: Archive, where: str) -> dict[str, str]:
     """The plain values of ``archive`` as safetensors metadata: a document per prefix, under ``P.@values``."""
-    return {values_entry(prefix): plain.encode(tree, where, prefix).decode("ascii") for prefix, tree in archive._plain().items()}
+    return {values_entry(prefix): plain.encode(tree, where, prefix).decode("ascii")
+            for prefix, tree in archive._plain().items()}
 
 
 def save_safetensors(path: PathLike, archive: Archive) -> None:
@@ -206,7 +207,8 @@ def load_tannic(path: PathLike, like: Any = None, prefix: str = "") -> MappedArc
         at_prefix = values_prefix(entry.name)
         if at_prefix is not None:
             if entry.dtype.name != "uint8":
-                raise FormatError(f"load_tannic: entry {entry.name!r}: {entry.dtype}, not the uint8 bytes of plain values")
+                raise FormatError(f"load_tannic: entry {entry.name!r}: {entry.dtype}, not the uint8 bytes of plain "
+                                  "values; the pair was not written by tannery: rename that entry")
             start = pair.data_start + entry.offset
             trees[at_prefix] = plain.decode(pair.data[start:start + entry.nbytes], f"load_tannic: entry {entry.name!r}")
             continue
