@@ -211,6 +211,10 @@ def test_on_a_server_values_are_described_shown_fetched_and_pulled(server, capsy
     assert cli.json("show", "ckpt")["values"]["run"]["dict"][2] == ["step", 2**70]
     cli.ok("pull", "ckpt", "-o", str(tmp_path / "c.safetensors"))
     assert same(load_safetensors(tmp_path / "c.safetensors").to_value(prefix="run"), value)
+    cli.ok("push", str(tmp_path / "c.safetensors"), "--as", "again")  # and back: the values with the archive
+    with tannery.Client(server.target) as client:
+        assert same(client.archive("again").to_value(prefix="run"), value)
+        assert client.describe("again").metadata == {}
 
 
 def test_a_union_on_the_server_carries_the_plain_values_under_its_prefixes(server):
