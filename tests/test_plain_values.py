@@ -86,6 +86,8 @@ def test_a_like_takes_the_plain_values_kept_and_keeps_its_own_elsewhere():
     ({"a": {(1, 2): 3}}, r"^Archive.of_value: run.a: a key \(1, 2\) of type tuple; the keys of kept dicts are str "),
     ({"a": {True: 3}}, r"^Archive.of_value: run.a: a key True of type bool; "),
     ({"a": [print]}, r"^Archive.of_value: run.a.0 is a builtin_function_or_method, neither a tensor nor a plain value"),
+    ({"a": np.longdouble(1)}, r"^Archive.of_value: run.a is a numpy float128 scalar, which is not kept"),
+    ({"a": np.complex64(1)}, r"^Archive.of_value: run.a is a numpy complex64 scalar, which is not kept"),
     ({"a": np.array(["x"])}, r"^Archive.of_value: run.a is a numpy array of dtype <U1, which no entry holds; "
                              r"convert it \(array.tolist\(\) keeps it as plain values\)"),
     ({"a": [2**20_000]}, r"^Archive.of_value: run.a.0: an int of 20001 bits, over the bound of 14000 bits"),

@@ -4,9 +4,9 @@ scheduler state and RNG states, typed exactly and never pickled.
 A value given to :meth:`Archive.of_value` is split in two: its tensors (entries, named by
 their paths) and a *tree*, the whole structure as JSON-able nodes in which each tensor is a
 reference to its entry. The tree is kept only when the value holds something the entry names
-alone cannot say (a plain leaf or an empty container), and is written as a small JSON
-document (:func:`encode`), read back by :func:`decode`, which checks every node: reading a
-document never runs code and never builds anything but the types below.
+alone cannot say (a plain leaf, or an empty container beside tensors), and is written as a
+small JSON document (:func:`encode`), read back by :func:`decode`, which checks every node:
+reading a document never runs code and never builds anything but the types below.
 
 Nodes: ``null``, ``true``/``false``, JSON ints, strings, finite floats as JSON numbers (Python
 writes the shortest text that reads back to the same bits); and objects of exactly one tag:
@@ -15,7 +15,8 @@ writes the shortest text that reads back to the same bits); and objects of exact
 tensor's entry, by its name under the tree's prefix; ``"numpy": true`` for a numpy array), and
 ``{"numpy": dtype, "value": node}`` (a numpy scalar). Lists are JSON arrays.
 
-Torch-free: numpy is read only for numpy leaves.
+Reading a document imports neither torch nor (but for its numpy scalars) numpy: ``tannery
+show`` stays torch-free.
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ MAX_INT_BITS = 14_000
 Node = Any
 
 _SCALARS = (type(None), bool, int, float, str)
-_NUMPY_KINDS = "biuf"  # numpy scalars kept: bool, ints, unsigned ints, floats
 _TAGS = {"float": {"float"}, "tuple": {"tuple"}, "dict": {"dict"}, "tensor": {"tensor", "numpy"},
          "numpy": {"numpy", "value"}}
 _KEPT = ("None, bool, int, float, str, numpy scalars, and dicts (str or int keys), lists and tuples of them; "
@@ -107,7 +107,7 @@ class _Splitter:
         return node
 
     def _numpy_scalar(self, value: Any, path: tuple[str, ...]) -> Node:
-        if value.dtype.kind not in _NUMPY_KINDS:
+        if value.dtype.name not in _numpy_names():  # float128 would lose bits through a Python float
             raise TypeError(f"{self.where}: {self._at(path)} is a numpy {value.dtype} scalar, which is not kept "
                             f"(kept: {_KEPT}); convert it, or give skip_non_tensors=True to leave it out")
         self._note_plain(path)
@@ -265,6 +265,7 @@ def _valid(tag: str, node: dict) -> bool:
 
 
 def _numpy_names() -> set[str]:
+    """The numpy scalar types kept: bool, the ints and the floats up to float64 (a Python float)."""
     return {np.dtype(code).name for code in "?bhilqBHILQefd"}
 
 
