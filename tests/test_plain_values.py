@@ -80,6 +80,7 @@ def test_a_like_takes_the_plain_values_kept_and_keeps_its_own_elsewhere():
     archive = Archive.of_value({"w": torch.ones(2), "lr": 0.5, "betas": (0.8, 0.9)}, "opt")
     got = archive.to_value({"w": torch.empty(2), "lr": 0.1, "betas": None, "mine": "kept"}, prefix="opt")
     assert got["lr"] == 0.5 and got["betas"] == (0.8, 0.9) and got["mine"] == "kept"
+    assert Archive.of_value(None, "nothing").to_value("a like's own", prefix="nothing") is None  # a null kept
 
 
 @pytest.mark.parametrize("value, message", [
@@ -154,7 +155,8 @@ def test_documents_are_checked_and_a_newer_version_is_refused():
                                           r"tannery reads \(up to 1\): upgrade tannery to read them$"):
         plain.decode(json.dumps({**document, "version": 2}), "x")
     hostile = ({"object": "os.system"}, {"dict": [[1.5, 2]]}, {"float": "nan"}, {"tensor": 3},
-               {"numpy": "object", "value": 1}, {"tuple": [], "dict": []})
+               {"numpy": "object", "value": 1}, {"tuple": [], "dict": []}, {"numpy": "int8", "value": 300},
+               {"numpy": "float32", "value": ["float"]}, {"numpy": "bool", "value": {"float": "zz"}})
     for node in hostile:
         with pytest.raises(FormatError, match="is not a node of plain values"):
             plain.decode(json.dumps({**document, "value": node}), "x")

@@ -260,8 +260,16 @@ def _valid(tag: str, node: dict) -> bool:
             isinstance(pair, list) and len(pair) == 2 and type(pair[0]) in (str, int) for pair in body)
     if tag == "tensor":
         return isinstance(body, str) and node.get("numpy", True) is True
-    return (isinstance(body, str) and body in _numpy_names() and "value" in node
-            and (type(node["value"]) in (bool, int, float) or set(node["value"]) == {"float"}))
+    value = node.get("value")
+    if isinstance(value, dict) and set(value) == {"float"} and _valid("float", value):
+        value = build(value, "", _no_tensor)
+    if not (isinstance(body, str) and body in _numpy_names() and type(value) in (bool, int, float)):
+        return False
+    try:
+        np.dtype(body).type(value)  # an int out of the type's range, say
+    except (OverflowError, ValueError, TypeError):
+        return False
+    return True
 
 
 def _numpy_names() -> set[str]:
@@ -380,10 +388,10 @@ def filler(trees: Mapping[str, Node], prefix: str) -> Callable[[tuple[str, ...],
     replaced by the plain value ``trees`` keep there (one free of tensors), or left as it is."""
     def fill(path: tuple[str, ...], keys: tuple[Any, ...], leaf: Any) -> Any:
         for depth in range(len(path) + 1):
-            tree = trees.get(join(prefix, *path[:depth]))
-            if tree is None:
+            at_prefix = join(prefix, *path[:depth])
+            if at_prefix not in trees:
                 continue
-            found, node = at(tree, keys[depth:])
+            found, node = at(trees[at_prefix], keys[depth:])
             if found and not tensor_names(node, ""):
                 return build(node, "", _no_tensor)
         return leaf
