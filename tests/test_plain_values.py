@@ -74,6 +74,14 @@ def test_a_training_state_comes_back_whole_and_typed_in_memory():
     assert list(back["optim"]["state"]) == [0, 1]  # int keys stay ints
     np.random.RandomState().set_state(back["numpy_rng"])
     random.Random().setstate(back["python_rng"])
+    # A part of the state, by its prefix: the optimizer's, a scalar, one tensor of a tuple.
+    assert same(archive.to_value(prefix="ck.optim"), value["optim"])
+    assert archive.to_value(prefix="ck.step") == 2**70
+    assert same(archive.to_value(prefix="ck.numpy_rng.1"), value["numpy_rng"][1])
+    optim_like = {"state": {0: {"step": torch.empty(()), "exp_avg": torch.empty(3)}, 1: {}},
+                  "param_groups": [{"lr": 0.0, "betas": None, "params": [9, 9], "foreach": None, "amsgrad": True}]}
+    group = archive.to_value(optim_like, prefix="ck.optim")["param_groups"][0]  # the like's keys, the kept values
+    assert same(group, {key: value["optim"]["param_groups"][0][key] for key in optim_like["param_groups"][0]})
 
 
 def test_a_like_takes_the_plain_values_kept_and_keeps_its_own_elsewhere():
@@ -206,6 +214,7 @@ def test_on_a_server_values_are_described_shown_fetched_and_pulled(server, capsy
         assert list(narrower) == ["run.optim.state.0.exp_avg", "run.optim.state.0.step"]
         assert "run.@values" not in [name for name, _ in client.fetch_iter("ckpt")]  # entries: tensors alone
         assert same(client.archive("ckpt").to_value(prefix="run"), value)
+        assert same(client.archive("ckpt").to_value(prefix="run.optim"), value["optim"])
     cli = Cli(server.target, capsys)
     shown = cli.ok("show", "ckpt")
     assert "plain values under 'run':\n" in shown

@@ -404,8 +404,42 @@ def _no_tensor(name: str) -> Any:
 
 
 def owned_trees(trees: Mapping[str, Node], prefix: str) -> dict[str, Node]:
-    """The trees kept under ``prefix`` or a prefix it owns."""
-    return {at_prefix: tree for at_prefix, tree in trees.items() if owns(prefix, at_prefix)}
+    """The trees kept under ``prefix`` or a prefix it owns, and the part under ``prefix`` of a
+    tree kept under a shorter one (``optim`` of a whole training state), by their prefixes."""
+    owned = {at_prefix: tree for at_prefix, tree in trees.items() if owns(prefix, at_prefix)}
+    for at_prefix, tree in trees.items():
+        if at_prefix != prefix and owns(at_prefix, prefix):
+            found = _part(tree, at_prefix, prefix)
+            if found is not None:
+                owned[prefix] = found
+    return owned
+
+
+def _part(tree: Node, at_prefix: str, prefix: str) -> Node | None:
+    """The node of ``tree`` (kept under ``at_prefix``) whose name is ``prefix``, its tensors
+    named again under ``prefix``; None when the tree has no container or leaf of that name."""
+    stack = [((), tree)]
+    while stack:
+        path, node = stack.pop()
+        name = join(at_prefix, *path)
+        if name == prefix:
+            return _renamed(node, len(join("", *path)) + 1 if path else 0)
+        if owns(name, prefix):
+            stack.extend((sub, child) for sub, child in _children(node, path) if sub is not None)
+    return None
+
+
+def _renamed(node: Node, cut: int) -> Node:
+    """``node`` with each tensor's name cut by its first ``cut`` characters (the path above it)."""
+    if isinstance(node, dict) and "tensor" in node:
+        return {**node, "tensor": node["tensor"][cut:]}
+    if isinstance(node, list):
+        return [_renamed(item, cut) for item in node]
+    if isinstance(node, dict) and "tuple" in node:
+        return {"tuple": [_renamed(item, cut) for item in node["tuple"]]}
+    if isinstance(node, dict) and "dict" in node:
+        return {"dict": [[key, _renamed(item, cut)] for key, item in node["dict"]]}
+    return node
 
 
 __all__ = [
