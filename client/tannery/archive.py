@@ -217,8 +217,9 @@ class Archive(ABC):
         with each tensor replaced by the archive's entry of its name.
 
         Without ``like``, the structure kept under ``prefix`` (dicts, lists, tuples, plain
-        values and tensors where each was: :meth:`of_value`) comes back as it was, its tensors
-        as stored (numpy arrays where numpy arrays were given). An archive that keeps no
+        values and tensors where each was: :meth:`of_value`), or the part of one that
+        ``prefix`` names (``"optim"`` of a whole training state), comes back as it was, its
+        tensors as stored (numpy arrays where numpy arrays were given). An archive that keeps no
         structure there (tensors alone) gives a dict of each entry ``prefix`` owns by its
         name under ``prefix``, and of each structure kept under a longer prefix.
 
