@@ -240,3 +240,23 @@ def test_a_union_on_the_server_carries_the_plain_values_under_its_prefixes(serve
         assert client.archive("u").to_value(prefix="y")["lr"] == 0.5
         with pytest.raises(tannery.InvalidArgument, match="'@values' is in two sources, 'a' and 'b'"):
             client.union("v", ["a", "b"])  # two values at one root: give each a prefix
+
+
+def test_the_aio_client_gives_the_plain_values_back_too(server):
+    import asyncio
+
+    import tannery.aio
+
+    value = state()
+
+    async def round_trip() -> tuple:
+        async with tannery.aio.Client(server.target) as client:
+            await client.store("aio", value, prefix="run")
+            remote = await client.archive("aio")
+            whole = await remote.to_value(prefix="run")
+            lr = (await remote.to_value({"lr": 0.0}, prefix="run.optim.param_groups.0"))["lr"]
+            fetched = (await client.fetch("aio")).to_value(prefix="run")
+            return whole, lr, fetched
+
+    whole, lr, fetched = asyncio.run(round_trip())
+    assert same(whole, value) and same(fetched, value) and lr == 1e-3
