@@ -27,7 +27,7 @@ from tannery_protocol._lazy import lazy_module
 from tannery_protocol.codec import FLOAT_NAMES, format_shape
 from tannery_protocol.errors import ArchiveError
 from tannery_protocol.names import did_you_mean, join, owned, owns
-from tannery import plain
+from tannery import plain, plain_trees
 from tannery.values import (
     DTypeLike, TensorLike, as_tensor, dtype_name, is_tensor_leaf, leaf_dtype, named_leaves, rebuild,
 )
@@ -105,7 +105,7 @@ class Archive(ABC):
         may have its server cast)."""
         return self._fetch([name])[0].to(torch_codec.torch_dtype(dtype))
 
-    def _plain(self) -> Mapping[str, plain.Node]:
+    def _plain(self) -> Mapping[str, plain_trees.Node]:
         """The plain values kept with the archive: a tree (:mod:`tannery.plain`) by the prefix
         it was given under; none by default."""
         return {}
@@ -146,7 +146,7 @@ class Archive(ABC):
     def union(archives: Iterable[Archive]) -> Archive:
         """The entries of all of ``archives``, none of them read; ValueError for a name in two."""
         sources: dict[str, Archive] = {}
-        trees: dict[str, plain.Node] = {}
+        trees: dict[str, plain_trees.Node] = {}
         for archive in archives:
             if not isinstance(archive, Archive):
                 raise TypeError(f"Archive.union: {type(archive).__name__} is not an Archive")
@@ -160,7 +160,7 @@ class Archive(ABC):
                     raise ValueError(f"Archive.union: plain values kept under {held!r} and under {at_prefix!r}: "
                                      "one would hold the other; union archives whose values lie apart")
                 trees[at_prefix] = tree
-        plain.check_clash(trees, sources, "Archive.union")
+        plain_trees.check_clash(trees, sources, "Archive.union")
         return UnionArchive(sources, trees)
 
     # -- reading -------------------------------------------------------------------------
@@ -256,14 +256,14 @@ class Archive(ABC):
             device = leaf.device if isinstance(leaf, torch.Tensor) else torch.device("cpu")
             return entry if device.type == "meta" else entry.to(device)
 
-        trees = plain.owned_trees(self._plain(), prefix)
-        return rebuild(like, (), replace, plain.filler(trees, prefix) if trees else None)
+        trees = plain_trees.owned_trees(self._plain(), prefix)
+        return rebuild(like, (), replace, plain_trees.filler(trees, prefix) if trees else None)
 
     def _rebuilt(self, prefix: str, where: str) -> Any:
         """The value kept under ``prefix``, without a like (see :meth:`to_value`)."""
-        trees = plain.owned_trees(self._plain(), prefix)
+        trees = plain_trees.owned_trees(self._plain(), prefix)
         referred = {name: at_prefix for at_prefix, tree in trees.items()
-                    for name in plain.tensor_names(tree, at_prefix)}
+                    for name in plain_trees.tensor_names(tree, at_prefix)}
         for name, at_prefix in referred.items():
             if self._info(name) is None:
                 raise ArchiveError(f"{where}: {name}: the structure kept under {at_prefix!r} holds this tensor, "
@@ -275,13 +275,13 @@ class Archive(ABC):
         names = list(referred) + loose
         entries = dict(zip(names, self._fetch(names))) if names else {}
         if prefix in trees:
-            return plain.build(trees[prefix], prefix, entries.__getitem__)
+            return plain_trees.build(trees[prefix], prefix, entries.__getitem__)
         if loose == [prefix] and not trees:
             return entries[prefix]
         under = len(prefix) + 1 if prefix else 0
         value: dict[str, Any] = {name[under:]: entries[name] for name in loose}
         for at_prefix, tree in sorted(trees.items()):
-            value[at_prefix[under:]] = plain.build(tree, at_prefix, entries.__getitem__)
+            value[at_prefix[under:]] = plain_trees.build(tree, at_prefix, entries.__getitem__)
         return value
 
     def _lookup(self, where: str, name: str, shape: tuple[int, ...] | None = None) -> TensorInfo:
@@ -331,12 +331,12 @@ class MemoryArchive(_KeyedArchive):
 
     __slots__ = ("_tensors", "_trees")
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], trees: Mapping[str, plain.Node] | None = None) -> None:
+    def __init__(self, tensors: Mapping[str, torch.Tensor], trees: Mapping[str, plain_trees.Node] | None = None) -> None:
         self._tensors = dict(tensors)
         self._trees = dict(trees or {})
         super().__init__(self._tensors)
 
-    def _plain(self) -> Mapping[str, plain.Node]:
+    def _plain(self) -> Mapping[str, plain_trees.Node]:
         return self._trees
 
     def _info(self, name: str) -> TensorInfo | None:
@@ -368,12 +368,12 @@ class UnionArchive(_KeyedArchive):
 
     __slots__ = ("_sources", "_trees")
 
-    def __init__(self, sources: Mapping[str, Archive], trees: Mapping[str, plain.Node] | None = None) -> None:
+    def __init__(self, sources: Mapping[str, Archive], trees: Mapping[str, plain_trees.Node] | None = None) -> None:
         self._sources = dict(sources)
         self._trees = dict(trees or {})
         super().__init__(self._sources)
 
-    def _plain(self) -> Mapping[str, plain.Node]:
+    def _plain(self) -> Mapping[str, plain_trees.Node]:
         return self._trees
 
     def _info(self, name: str) -> TensorInfo | None:

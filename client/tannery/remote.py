@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from tannery_protocol import mismatches
 from tannery.archive import DTypeLike, IndexedArchive, MemoryArchive, TensorInfo
 from tannery_protocol.errors import ArchiveError
-from tannery import plain
+from tannery import plain, plain_trees
 from tannery.records import ArchiveDescription, ArchiveInfo, EntryDescription, values_prefix
 from tannery.rpc.requests import entry_ask
 from tannery_protocol.v1 import archives_pb2
@@ -86,7 +86,7 @@ class RemoteArchive(IndexedArchive):
         self._absent: set[str] = set()
         self._describe = describe
         self._transfer = transfer
-        self._trees: dict[str, plain.Node] | None = None
+        self._trees: dict[str, plain_trees.Node] | None = None
 
     @property
     def name(self) -> str:
@@ -168,7 +168,7 @@ class RemoteArchive(IndexedArchive):
     def _fetch(self, names: Sequence[str]) -> list[torch.Tensor]:
         return self._transfer([entry_ask(self._entries[name]) for name in names])
 
-    def _plain(self) -> dict[str, plain.Node]:
+    def _plain(self) -> dict[str, plain_trees.Node]:
         """The plain values kept with the archive: their entries read once (one Fetch), when it has any."""
         if self._trees is None:
             self._names()  # the whole description: the entries of the plain values among it

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tannery import plain
+from tannery import plain, plain_trees
 from tannery_protocol.names import join, owns
 
 
@@ -25,7 +25,7 @@ def documents(client: Any, name: str, kept: list[Any]) -> dict[str, bytes]:
     return {prefixes[entry]: b"".join(parts) for entry, parts in chunks.items()}
 
 
-def trees(client: Any, name: str, kept: list[Any]) -> dict[str, plain.Node]:
+def trees(client: Any, name: str, kept: list[Any]) -> dict[str, plain_trees.Node]:
     """The trees of ``kept``, each checked (FormatError for a damaged or newer document)."""
     return {prefix: plain.decode(data, f"{name}: plain values under {prefix!r}")
             for prefix, data in documents(client, name, kept).items()}
@@ -42,7 +42,7 @@ def as_metadata(client: Any, name: str, kept: list[Any]) -> dict[str, str]:
     return {values_entry(prefix): data.decode("ascii") for prefix, data in documents_.items()}
 
 
-def render(node: plain.Node, prefix: str = "", limit: int = 100) -> str:
+def render(node: plain_trees.Node, prefix: str = "", limit: int = 100) -> str:
     """``node`` (kept under ``prefix``) as Python would print its value, tensors as ``<tensor NAME>`` by
     their entry names, cut to about
     ``limit`` characters with ``...`` (what ``tannery show`` prints; no tensor is read)."""
@@ -55,7 +55,7 @@ def render(node: plain.Node, prefix: str = "", limit: int = 100) -> str:
             parts.append(text)
         size += len(text)
 
-    def walk(node: plain.Node) -> None:
+    def walk(node: plain_trees.Node) -> None:
         if size > limit:
             return
         if isinstance(node, list) or isinstance(node, dict) and "tuple" in node:
@@ -74,20 +74,16 @@ def render(node: plain.Node, prefix: str = "", limit: int = 100) -> str:
         elif isinstance(node, dict) and "tensor" in node:
             put(f"<{'numpy array' if node.get('numpy') else 'tensor'} {join(prefix, node['tensor'])}>")
         elif isinstance(node, dict) and "numpy" in node:
-            put(f"np.{node['numpy']}({plain.build(node['value'], '', _no_tensor)!r})")
+            put(f"np.{node['numpy']}({plain_trees.build(node['value'], '', plain_trees.no_tensor)!r})")
         else:
-            put(repr(plain.build(node, "", _no_tensor)))
+            put(repr(plain_trees.build(node, "", plain_trees.no_tensor)))
 
     walk(node)
     text = "".join(parts)
     return text if size <= limit else text[:limit] + "..."
 
 
-def _no_tensor(name: str) -> Any:
-    raise AssertionError(f"{name}: show reads no tensor")
-
-
-def lines(kept: dict[str, plain.Node]) -> list[str]:
+def lines(kept: dict[str, plain_trees.Node]) -> list[str]:
     """``show``'s lines: under each prefix, each top-level item of the value, cut short."""
     out: list[str] = []
     for prefix, tree in sorted(kept.items()):

@@ -31,7 +31,7 @@ from typing import Any
 from tannery_protocol import codec
 from tannery.formats import checkpoint
 from tannery_protocol._lazy import lazy_module
-from tannery import plain
+from tannery import plain, plain_trees
 from tannery.archive import Archive, IndexedArchive, TensorInfo
 from tannery.records import values_entry, values_prefix
 from tannery.formats.atomic import Replacement
@@ -64,14 +64,14 @@ class MappedArchive(IndexedArchive):
     __slots__ = ("path", "_map", "_tensors", "_trees")
 
     def __init__(self, path: PathLike, data: mmap.mmap, entries: Mapping[str, MappedEntry],
-                 trees: Mapping[str, plain.Node] | None = None) -> None:
+                 trees: Mapping[str, plain_trees.Node] | None = None) -> None:
         super().__init__(entries)
         self.path = Path(path)
         self._map = data
         self._tensors: dict[str, torch.Tensor] = {}
         self._trees = dict(trees or {})
 
-    def _plain(self) -> Mapping[str, plain.Node]:
+    def _plain(self) -> Mapping[str, plain_trees.Node]:
         return self._trees
 
     def _fetch(self, names: Sequence[str]) -> list[torch.Tensor]:
