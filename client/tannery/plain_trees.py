@@ -110,11 +110,11 @@ def leaf_names(tree: Node, prefix: str) -> Iterator[str]:
     """The entry-like name of each plain leaf of ``tree`` kept under ``prefix``."""
     if isinstance(tree, dict) and "tensor" in tree:
         return
-    children = list(children(tree, ()))
-    if isinstance(tree, dict) and "numpy" in tree or children == [(None, tree)]:
+    items = list(children(tree, ()))
+    if isinstance(tree, dict) and "numpy" in tree or items == [(None, tree)]:
         yield prefix
         return
-    for sub, child in children:
+    for sub, child in items:
         yield from leaf_names(child, join(prefix, *sub[-1:]))
 
 
