@@ -106,14 +106,18 @@ def test_a_resumed_loop_takes_the_very_step_of_one_that_never_stopped(tmp_path, 
     unbroken = Run(seed=1)
     for _ in range(STEPS_BEFORE):
         unbroken.step(inputs, targets)
-    with running_server(tmp_path, **backend) as server, tannery.Client(server.target, transport=transport) as client:
-        info = client.store("run/ckpt", unbroken.state(STEPS_BEFORE))  # no skip_non_tensors: every value kept
-        assert client.describe("run/ckpt").values[0].entry == "@values"
-        loss = unbroken.step(inputs, targets)  # the loop that never stopped goes on
-        expected = unbroken.snapshot()
+    checkpoint = copy.deepcopy(unbroken.state(STEPS_BEFORE))  # what the loop stores now
+    loss = unbroken.step(inputs, targets)  # the loop that never stopped goes on
+    expected = unbroken.snapshot()
+    resumed = Run(seed=2)  # another model, other RNG states: everything must come from the store
+    resumed.step(inputs, targets)
 
-        resumed = Run(seed=2)  # another model, other RNG states: everything must come from the store
-        resumed.step(inputs, targets)
+    # The server runs in this process, and its libraries (a connection pool's jitter, say) may draw
+    # from Python's global RNG: so both loops take their step while no server runs, as a job resumed
+    # in a process of its own would.
+    with running_server(tmp_path, **backend) as server, tannery.Client(server.target, transport=transport) as client:
+        info = client.store("run/ckpt", checkpoint)  # no skip_non_tensors: every value kept
+        assert client.describe("run/ckpt").values[0].entry == "@values"
         back = client.archive("run/ckpt").to_value()
     # The entries: the model's, 3 per parameter's AdamW state, the torch and numpy RNG states, and @values.
     assert info.entries == len(back["model"]) + 3 * len(back["optim"]["state"]) + 2 + 1
