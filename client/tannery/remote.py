@@ -149,9 +149,9 @@ class RemoteArchive(IndexedArchive):
         return None if entry is None else entry.info
 
     def __len__(self) -> int:
-        if self._whole is not None:  # exact: the tensors, without the files kept with the archive
+        if self._whole is not None:  # exact: the tensors, without the files and plain values kept with them
             return len(self._whole.entries)
-        return self._opened.info.entries  # the info's count, which counts those files too
+        return self._opened.info.entries  # the info's count, which counts those entries too
 
     def entry(self, name: str) -> EntryDescription:
         """The stored entry's description (payload size and digest included); ArchiveError when absent."""
