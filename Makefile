@@ -12,7 +12,7 @@ SERVER_STAMP := $(VENV)/.server-stamp
 STAMP := $(VENV)/.dev-stamp
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: setup serve test test-quick postgresql nats-server chromium container bench bench-docs fuzz proto clean
+.PHONY: setup serve dist test test-quick postgresql nats-server chromium container bench bench-docs fuzz proto clean
 
 setup: $(STAMP)
 
@@ -58,6 +58,17 @@ $(STAMP): $(SERVER_STAMP) pyproject.toml constraints.txt
 # The server alone: it never needs what STAMP adds (tests/test_cli_process.py runs it without torch).
 serve: $(SERVER_STAMP)
 	$(VENV)/bin/tannery serve
+
+# A wheel of the project in $(DIST)/ (tannery-<version>-py3-none-any.whl), to install elsewhere with
+# its extras: pip install "dist/tannery-0.1.0-py3-none-any.whl[client]" (README, "Install without
+# make"). Built with .venv's setuptools, no download; build/ first emptied, so that no module
+# deleted since an earlier build slips into the wheel.
+DIST ?= dist
+dist: $(SERVER_STAMP)
+	rm -rf build
+	$(PIP) "setuptools>=70.1"
+	$(PY) -m pip wheel --quiet --disable-pip-version-check --no-deps --no-build-isolation -w $(DIST) .
+	@ls $(DIST)/tannery-*.whl
 
 # The whole suite (what CI runs: .ci/run).
 test: $(STAMP) postgresql nats-server chromium container
@@ -152,4 +163,4 @@ proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Itannery_protocol/v1=protos/tannery/v1 --python_out=protocol --pyi_out=protocol --grpc_python_out=protocol protos/tannery/v1/*.proto
 
 clean:
-	rm -rf $(VENV) $(LOCK) build *.egg-info .fuzz-work
+	rm -rf $(VENV) $(LOCK) build dist *.egg-info .fuzz-work

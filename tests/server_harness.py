@@ -64,7 +64,20 @@ class InProcessServer:
         self._channels: list[grpc.Channel] = []
 
     def _call(self, coroutine, timeout: float | None = 60) -> Any:
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+        """Run ``coroutine`` on the server's loop; past ``timeout``, every thread's stack and the
+        loop's tasks are printed (a hung stop says where it hangs), then TimeoutError."""
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            import faulthandler
+            import sys
+
+            print(f"server_harness: {coroutine} took over {timeout} s; the threads and tasks now:", file=sys.stderr)
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            for task in asyncio.all_tasks(self._loop):
+                task.print_stack(limit=8, file=sys.stderr)
+            raise
 
     @property
     def storage(self):

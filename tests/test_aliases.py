@@ -224,6 +224,22 @@ def test_each_bad_input_is_refused_naming_the_problem_and_the_remedy(srv, capsys
         assert client.aliases() == []
 
 
+def test_a_lost_compare_and_set_names_tannery_resolve_which_answers(srv, capsys):
+    with tannery.Client(srv.target) as client:
+        versions(client, "v1", "v2")
+        client.tag("prod", "v1")
+    code, _out, err = cli(srv, capsys, "tag", "prod", "v2", "--expect", "v0")
+    assert code == 1 and "(tannery resolve)" in err
+    code, out, _ = cli(srv, capsys, "resolve", "prod")
+    assert (code, out) == (0, "v1\n")
+    code, out, _ = cli(srv, capsys, "resolve", "prod", "--json")
+    assert json.loads(out) == {"name": "prod", "archive": "v1", "alias": True}
+    code, out, _ = cli(srv, capsys, "resolve", "v2", "--json")
+    assert json.loads(out) == {"name": "v2", "archive": "v2", "alias": False}
+    code, out, err = cli(srv, capsys, "resolve", "gone")
+    assert (code, out) == (1, "") and "tannery resolve: error: no archive or alias 'gone'" in err
+
+
 def test_the_read_token_cannot_tag_untag_or_prune(tmp_path):
     from tannery_server.auth import READ_METHODS
 

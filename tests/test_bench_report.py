@@ -138,3 +138,18 @@ def test_the_plots_are_drawn_where_asked(tmp_path: Path) -> None:
          "data": {"series": {"upload": series, "download": series}, "sizes": [1 << 20, 1 << 25]}}))
     assert plots.draw(results, results, ["transport", "codec"]) == [results / "transport_throughput.png"]
     assert (results / "transport_throughput.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_quick_run_labels_its_missed_targets_informational() -> None:
+    from tests.benchmarks.harness import CaseResult
+
+    result = CaseResult("transport", "Transport", "intro")
+    result.target("TCP Fetch at 32 MiB vs Flight", 0.39, 1.0)
+    result.target("local Fetch vs Flight", 9.3, 1.0)
+    assert "**missed**" in result.markdown("full mode") and "informational" not in result.markdown("full mode")
+    result.quick, result.load = True, "6.10 5.02 4.33"
+    shown = result.markdown("quick mode")
+    assert "### Targets (informational in a --quick run)" in shown
+    assert "load average 6.10 5.02 4.33" in shown and "docs/benchmarks.md" in shown
+    assert "**missed**" not in shown and "0.39x** (target ≥ 1x): missed (informational: --quick)" in shown
+    assert "9.30x** (target ≥ 1x): met" in shown

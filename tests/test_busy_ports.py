@@ -22,7 +22,8 @@ def _refused_without_a_token(target: str) -> bool:
     return False
 
 
-@pytest.mark.skipif(not busy_ports.wanted(), reason="TANNERY_CI_BUSY_PORTS=1 holds the default ports (.ci/run sets it)")
+@pytest.mark.skipif(not busy_ports.wanted(), reason="runs only under TANNERY_CI_BUSY_PORTS=1, not set here (.ci/run "
+                                                   "sets it, to hold the default ports for the whole session)")
 def test_the_default_ports_are_busy_the_whole_session(pytestconfig: pytest.Config) -> None:
     """What .ci/run relies on: every test of the run ran beside these busy ports."""
     busy = pytestconfig.stash[busy_ports._KEY]

@@ -309,7 +309,7 @@ def test_ls_table_and_json(cli: Cli, tmp_path: Path) -> None:
     assert [line.split()[:4] for line in lines[1:]] == [[n, "1", "6.0", "MiB"] for n in ("resnet-a", "resnet-b", "vit")]
     listed = cli.json("ls", "resnet")
     assert [a["name"] for a in listed] == ["resnet-a", "resnet-b"]
-    assert set(listed[0]) == {"name", "entries", "nbytes", "payload_bytes", "created", "aliases"}
+    assert set(listed[0]) == {"name", "entries", "nbytes", "payload_bytes", "files", "file_bytes", "created", "aliases"}
     assert listed[0]["aliases"] == []  # the aliases pointing at it (tests/test_aliases.py)
     assert listed[0]["nbytes"] == 1024 * 1536 * 4 and listed[0]["payload_bytes"] == 1024 * 1536 * 4 + 49
     assert listed[0]["created"].endswith("Z")

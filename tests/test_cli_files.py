@@ -123,8 +123,9 @@ def test_check_writable(tmp_path: Path) -> None:
     check_writable(tmp_path / "a.tannic", ["complex128"])
     with pytest.raises(CommandError, match="safetensors has no complex128"):
         check_writable(tmp_path / "a.safetensors", ["complex128", "float32"])
+    assert check_writable(tmp_path / "a.pt", ["complex128", "bfloat16"]) == [tmp_path / "a.pt"]  # torch has them all
     with pytest.raises(CommandError, match="cannot tell the format"):
-        check_writable(tmp_path / "a.pt", ["float32"])
+        check_writable(tmp_path / "a.csv", ["float32"])
     assert check_writable(tmp_path / "missing" / "a.safetensors", ["float32"]) == [tmp_path / "missing" / "a.safetensors"]
     assert (tmp_path / "missing").is_dir()  # made, as every command makes its output directories
     assert check_writable(tmp_path / "p.tannic", ["int8"]) == [tmp_path / "p.tannic", tmp_path / "p.metadata.tannic"]

@@ -91,7 +91,8 @@ def test_a_client_command_without_torch_says_which_extra_to_install(tmp_path: Pa
                              str(tmp_path / "x.npy")], capture_output=True, text=True, timeout=60, env=_env())
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.splitlines() == ["tannery publish: error: torch is not installed, and this command needs it",
-                                          'hint: install the client extra: pip install "tannery[client]"']
+                                          'hint: install the client extra: pip install ".[client]" in a clone of tannery, or '
+                                          'the wheel make dist builds with [client] (README: "Install without make")']
 
 
 def test_serve_runs_without_torch(tmp_path: Path) -> None:

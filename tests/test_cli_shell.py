@@ -86,7 +86,7 @@ def model(server, tmp_path: Path) -> str:
 
 #: Commands that only talk to the catalog: no torch, no safetensors, and no numpy or rich either.
 CATALOG_COMMANDS = [["ls"], ["ls", "--json"], ["show", "{m}"], ["show", "{m}", "--json"], ["union", "{m}-u", "{m}"],
-                    ["rm", "{m}-u"]]
+                    ["rm", "{m}-u"], ["diff", "{m}", "{m}"], ["diff", "{m}", "{m}", "--json"]]
 
 
 @pytest.mark.parametrize("argv", CATALOG_COMMANDS, ids=" ".join)

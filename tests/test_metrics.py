@@ -187,8 +187,10 @@ def test_bytes_moved_on_the_data_paths_are_counted_by_method_and_transport(tmp_p
                 client.store(f"moved-{transport}", {"w": __import__("torch").from_numpy(tensor)})
                 client.fetch(f"moved-{transport}", ["w"])
         assert wait_for(lambda: value(scrape(server.metrics_port), "tannery_data_path_bytes_total",
-                                      method="Fetch", transport="tcp") is not None)
+                                      method="Fetch", transport="tcp", direction="out") is not None)
         samples = scrape(server.metrics_port)
         for transport in ("local", "tcp"):
-            assert value(samples, "tannery_data_path_bytes_total", method="Store", transport=transport) == payload_bytes
-            assert value(samples, "tannery_data_path_bytes_total", method="Fetch", transport=transport) == payload_bytes
+            assert value(samples, "tannery_data_path_bytes_total", method="Store", transport=transport,
+                         direction="in") == payload_bytes
+            assert value(samples, "tannery_data_path_bytes_total", method="Fetch", transport=transport,
+                         direction="out") == payload_bytes

@@ -62,6 +62,18 @@ def test_push_help_says_what_happens_to_non_tensor_values(cli: Cli, capsys: pyte
     assert '"skipped" with --json' in text
 
 
+def test_push_help_is_short_and_lists_every_json_key(capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+    with pytest.raises(SystemExit):
+        main(["push", "--help"])
+    text = capsys.readouterr().out
+    described = text[text.index("\n\n") + 2:text.index(" push --json prints")]  # before the JSON keys
+    assert len(described.splitlines()) <= 12, described
+    keys = text[text.index("push --json prints {"):].split("}:", 1)[0]
+    assert all(key in keys for key in ("entries", "nbytes", "skipped", "files", "already_stored"))
+
+
 def test_push_of_a_torch_file_of_no_tensors_says_what_it_holds(cli: Cli, tmp_path: Path) -> None:
     path = tmp_path / "notatensor.pt"
     torch.save("notatensor", path)
@@ -217,3 +229,25 @@ def test_as_takes_a_name_that_starts_with_a_dash(cli: Cli, tmp_path: Path) -> No
     torch.save({"w": torch.ones(1)}, tmp_path / "s.pt")
     assert cli.ok("push", str(tmp_path / "s.pt"), "--as", "-dash").startswith(f"pushed {tmp_path / 's.pt'} as -dash:")
     assert [a["name"] for a in cli.json("ls")] == ["-dash"]
+
+
+# -- pull -o FILE.pt, as push FILE.pt and get -o FILE.pt ---------------------------------------------
+
+
+def test_pull_writes_a_torch_checkpoint_that_pushes_back_the_same(cli: Cli, tmp_path: Path) -> None:
+    state = {"layer.weight": torch.randn(3, 4), "layer.bias": torch.zeros(3, dtype=torch.bfloat16),
+             "mask": torch.tensor([True, False, True, True, False, False, True, False, True]),
+             "z": torch.tensor([1 + 2j], dtype=torch.complex64)}
+    torch.save(state, tmp_path / "head.pt")
+    cli.ok("push", str(tmp_path / "head.pt"), "--as", "head")
+    out = cli.ok("pull", "head", "-o", str(tmp_path / "back" / "back.pt"))
+    assert out == f"pulled head into {tmp_path / 'back' / 'back.pt'}: 4 entries, 64 B\n"
+    back = torch.load(tmp_path / "back" / "back.pt", weights_only=True)
+    assert list(back) == sorted(state) and all(torch.equal(back[k], v) and back[k].dtype == v.dtype
+                                               for k, v in state.items())
+    assert not [p.name for p in (tmp_path / "back").iterdir() if p.name != "back.pt"]  # no staging file left
+    assert "already stored with this content" in cli.ok("push", str(tmp_path / "back" / "back.pt"), "--as", "head")
+    assert "exists" in cli.fails("pull", "head", "-o", str(tmp_path / "back" / "back.pt"))
+    only = cli.ok("pull", "head", "-o", str(tmp_path / "bias.pth"), "--names", "layer.bias")
+    assert only.endswith(": 1 entry, 6 B\n")
+    assert list(torch.load(tmp_path / "bias.pth", weights_only=True)) == ["layer.bias"]

@@ -1,6 +1,7 @@
 """The README's quick start, run block by block as a new user would (the ``sh`` blocks in a
 shell, against a real server), each block's output checked against the ``text`` block that
-follows it, and the directory checked to be as empty at the end as it was at the start."""
+follows it, and the directory checked to be as empty at the end as it was at the start; then
+followed again, top to bottom, against the same server, with the same output."""
 
 from __future__ import annotations
 
@@ -40,45 +41,51 @@ def _same(shown: str, expected: str) -> bool:
     return _TIME.sub("<time>", shown).rstrip("\n") == _TIME.sub("<time>", expected).rstrip("\n")
 
 
+def _follow(scratch: Path, env: dict[str, str]) -> None:
+    """Run the quick start's blocks in order in ``scratch``, each output checked."""
+    blocks = quickstart_blocks()
+    subscriber = None
+    index = 0
+    while index < len(blocks):
+        kind, block = blocks[index]
+        assert kind == "sh", f"block {index}: a text block with no commands before it"
+        commands = _commands(block)
+        expected = blocks[index + 1][1] if index + 1 < len(blocks) and blocks[index + 1][0] == "text" else None
+        index += 2 if expected is not None else 1
+        if not commands.strip():
+            continue
+        if "tannery subscribe" in commands:  # terminal 3: runs while the next block publishes
+            subscriber = subprocess.Popen(["bash", "-c", commands], cwd=scratch, env=env, text=True,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            ready, _, _ = select.select([subscriber.stderr], [], [], 120)
+            assert ready, "subscribe printed nothing"
+            assert expected is not None and _same(subscriber.stderr.readline(), expected)
+            continue
+        result = subprocess.run(["bash", "-c", commands], cwd=scratch, env=env, text=True, timeout=300,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        assert result.returncode == 0, f"{commands}\n{result.stdout}"
+        if subscriber is not None:  # the block after subscribe: its output is the subscriber's
+            out, err = subscriber.communicate(timeout=120)
+            assert subscriber.returncode == 0, err
+            assert expected is not None and _same(out, expected), out
+            subscriber = None
+            continue
+        if expected is not None:
+            assert _same(result.stdout, expected), f"{commands}\n--- shown:\n{result.stdout}--- in the README:\n{expected}"
+
+
 @pytest.mark.slow
-def test_the_quick_start_runs_as_written_and_cleans_up(tmp_path: Path) -> None:
+def test_the_quick_start_runs_as_written_and_cleans_up_twice(tmp_path: Path) -> None:
     scratch = tmp_path / "clone"
     scratch.mkdir()
     with running_server(tmp_path) as server:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TANNERY_")}
         env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}", TANNERY_TARGET=server.target,
                    PYTHONUNBUFFERED="1")
-        blocks = quickstart_blocks()
-        subscriber = None
-        index = 0
-        while index < len(blocks):
-            kind, block = blocks[index]
-            assert kind == "sh", f"block {index}: a text block with no commands before it"
-            commands = _commands(block)
-            expected = blocks[index + 1][1] if index + 1 < len(blocks) and blocks[index + 1][0] == "text" else None
-            index += 2 if expected is not None else 1
-            if not commands.strip():
-                continue
-            if "tannery subscribe" in commands:  # terminal 3: runs while the next block publishes
-                subscriber = subprocess.Popen(["bash", "-c", commands], cwd=scratch, env=env, text=True,
-                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-                ready, _, _ = select.select([subscriber.stderr], [], [], 120)
-                assert ready, "subscribe printed nothing"
-                assert expected is not None and _same(subscriber.stderr.readline(), expected)
-                continue
-            result = subprocess.run(["bash", "-c", commands], cwd=scratch, env=env, text=True, timeout=300,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-            assert result.returncode == 0, f"{commands}\n{result.stdout}"
-            if subscriber is not None:  # the block after subscribe: its output is the subscriber's
-                out, err = subscriber.communicate(timeout=120)
-                assert subscriber.returncode == 0, err
-                assert expected is not None and _same(out, expected), out
-                subscriber = None
-                continue
-            if expected is not None:
-                assert _same(result.stdout, expected), f"{commands}\n--- shown:\n{result.stdout}--- in the README:\n{expected}"
         from tannery import Client
 
-        with Client(server.target) as client:
-            assert client.list() == [], "the quick start left archives behind"
-    assert sorted(p.name for p in scratch.iterdir()) == [], "the quick start left files behind"
+        for run in (1, 2):
+            _follow(scratch, env)
+            with Client(server.target) as client:
+                assert client.list() == [], f"run {run}: the quick start left archives behind"
+            assert sorted(p.name for p in scratch.iterdir()) == [], f"run {run}: the quick start left files behind"

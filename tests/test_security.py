@@ -370,6 +370,18 @@ def _watch(channel, metadata):
     return _code(lambda: list(stub.Watch(pb.WatchRequest(alias=alias), timeout=0.5, metadata=metadata)))
 
 
+def _diff(channel, metadata):
+    stub = archives_pb2_grpc.ArchivesStub(channel)
+    return _code(lambda: stub.Diff(pb.DiffRequest(a="base", b="base"), timeout=10, metadata=metadata))
+
+
+def _history(channel, metadata):
+    alias = _unique("traced")
+    stub = archives_pb2_grpc.ArchivesStub(channel)
+    stub.Tag(pb.TagRequest(alias=alias, archive="base"), timeout=10, metadata=(("authorization", f"Bearer {WRITE_TOKEN}"),))
+    return _code(lambda: stub.History(pb.HistoryRequest(alias=alias), timeout=10, metadata=metadata))
+
+
 def _data_paths(channel, metadata):
     stub = archives_pb2_grpc.ArchivesStub(channel)
     return _code(lambda: stub.DataPaths(pb.DataPathsRequest(), timeout=10, metadata=metadata))
@@ -401,10 +413,12 @@ RPCS = [
     Rpc("Resolve", _resolve, Code.OK),
     Rpc("ListAliases", _list_aliases, Code.OK),
     Rpc("Watch", _watch, Code.DEADLINE_EXCEEDED),
+    Rpc("Diff", _diff, Code.OK),
+    Rpc("History", _history, Code.OK),
     Rpc("Publish", _publish, Code.OK),
     Rpc("Subscribe", _subscribe, Code.DEADLINE_EXCEEDED),
 ]
-READERS = {"List", "Describe", "Fetch", "Subscribe", "DataPaths", "Resolve", "ListAliases", "Watch"}
+READERS = {"List", "Describe", "Fetch", "Subscribe", "DataPaths", "Resolve", "ListAliases", "Watch", "Diff", "History"}
 
 #: (case, metadata, role the server should grant: None, "read" or "write")
 TOKEN_CASES = [

@@ -221,7 +221,7 @@ class ArchiveFuzzer:
         self.store = channel.stream_unary(ARCHIVES + "Store", request_serializer=identity,
                                           response_deserializer=pb.ArchiveInfo.FromString)
         self.raw = {m: channel.unary_unary(ARCHIVES + m, request_serializer=identity, response_deserializer=identity)
-                    for m in ("Union", "Fetch", "Describe", "List", "Delete")}
+                    for m in ("Union", "Fetch", "Describe", "List", "Delete", "Diff", "History")}
         self.raw_fetch = channel.unary_stream(ARCHIVES + "Fetch", request_serializer=identity,
                                               response_deserializer=pb.FetchResponse.FromString)
         #: Case kind -> (weight, method).
@@ -655,7 +655,7 @@ class ArchiveFuzzer:
     def unary_garbage(self) -> None:
         """Random bytes as the request of a unary RPC; those that would decode to a mutating
         request get an undecodable tail (a length-delimited field cut short)."""
-        method = self.rng.choice(["Union", "Fetch", "Describe", "List", "Delete"])
+        method = self.rng.choice(["Union", "Fetch", "Describe", "List", "Delete", "Diff", "History"])
         data = self.rng.randbytes(self.rng.randint(0, 64))
         if self.rng.random() < 0.3:
             data = mutate(self.rng, pb.UnionRequest(target="fuzz/a", sources=[pb.UnionSource(archive="fuzz/b")])

@@ -128,7 +128,8 @@ def test_the_docker_files_keep_their_fixed_ports():
 
 #: The start line: every address the server listens on, with the ports actually bound.
 START_LINE = re.compile(r"serving on 127\.0\.0\.1:(?P<grpc>\d+) \(gRPC\), data port (?:127\.0\.0\.1:(?P<data>\d+)|off), "
-                        r"socket (?P<socket>\S+), metrics (?:http://127\.0\.0\.1:(?P<metrics>\d+)/metrics|off); ")
+                        r"socket (?P<socket>\S+), metrics (?:http://127\.0\.0\.1:(?P<metrics>\d+)/metrics|off)"
+                        r"(?:, web page http://127\.0\.0\.1:(?P<web>\d+)/)?; ")
 
 
 def _listeners(process: ServerProcess) -> dict[str, str | None]:
@@ -192,9 +193,20 @@ def test_servers_differing_only_in_port_all_start_each_listener_on_a_port_of_its
             process.kill()
 
 
+def test_the_start_line_names_the_web_page_when_it_is_on(tmp_path):
+    import urllib.request
+
+    with ServerProcess(tmp_path / "web", web_port=0) as server:
+        at = _listeners(server)
+        assert at["web"] is not None and int(at["web"]) not in (0, int(at["grpc"]), int(at["metrics"]))
+        with urllib.request.urlopen(f"http://{HOST}:{at['web']}/", timeout=10) as page:
+            assert page.status == 200
+
+
 def test_off_turns_a_side_listener_off_and_0_picks_a_free_port(tmp_path):
     with ServerProcess(tmp_path / "off", data_port="off", metrics_port="off", socket="off") as off:
-        assert _listeners(off) == {"grpc": off.target.rsplit(":", 1)[1], "data": None, "socket": "off", "metrics": None}
+        assert _listeners(off) == {"grpc": off.target.rsplit(":", 1)[1], "data": None, "socket": "off", "metrics": None,
+                                   "web": None}
         answer = off.archives().DataPaths(pb.DataPathsRequest())
         assert (answer.data_port, answer.socket_path) == (0, "")
         assert not any("metrics on" in line for line in off.log_lines)

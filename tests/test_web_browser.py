@@ -1,4 +1,4 @@
-"""The web page (issue 31) in a real browser: Debian's headless Chromium, driven by selenium
+"""The web page (issues 31 and 39) in a real browser: Debian's headless Chromium, driven by selenium
 through chromedriver, against a real server on loopback with tokens. A real model (a small
 GPT-2 built by transformers) is pushed with ``tannery push``; each page is opened and checked
 against what ``tannery ls --json``, ``show --json`` and ``get --json`` say; a node is expanded;
@@ -104,11 +104,13 @@ def origin(store) -> str:
 
 @pytest.fixture
 def site(origin: str, browser) -> str:
-    """The page's address, the browser holding the read token's cookie (as the sign-in form
-    leaves it: test_a_page_asks_for_a_token... goes through the form itself)."""
+    """The page's address, the browser signed in with the read token (through the sign-in form:
+    the cookie holds an opaque value the server gave, not the token)."""
     if browser.get_cookie("tannery_token") is None:
-        browser.get(origin + "/server")  # asks for the token: a page of the site, where its cookie may be set
-        browser.add_cookie({"name": "tannery_token", "value": READ_TOKEN, "path": "/"})
+        browser.get(origin + "/server")  # asks for the token
+        _by(browser, "#token")[0].send_keys(READ_TOKEN)
+        _by(browser, "#sign-in")[0].click()
+        _wait(browser, lambda b: _by(b, "#health"), "the server page, signed in")
     return origin
 
 
@@ -291,3 +293,121 @@ def test_a_missing_entry_is_a_page_naming_it(browser, site, shots):
     assert _by(browser, "#problem")[0].get_attribute("data-status") == "404"
     assert "has no entry 'transformer.h.9.mlp'" in _by(browser, "#message")[0].text
     _shot(browser, shots, "missing")
+
+
+# Issue 39: versions, kept files, the policy, sign-out --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def versions(store) -> dict:
+    """Two versions of a small model with kept files, an alias moved between them, and an archive
+    whose top-level entry sorts after a node."""
+    with tannery.Client(store.target, token=WRITE_TOKEN) as client:
+        torch.manual_seed(1)
+        v1 = {"enc.0.w": torch.randn(16, 8), "enc.1.w": torch.randn(16, 8), "head": torch.randn(2, 16)}
+        v2 = {**v1, "head": v1["head"] * 2}
+        files = {"config.json": b'{"layers": 2}\n', "README.md": b"# tiny\n"}
+        client.store("tiny/v1", v1, files=files)
+        client.store("tiny/v2", v2, files={**files, "config.json": b'{"layers": 2, "tuned": true}\n'})
+        client.tag("staging", "tiny/v1")
+        client.tag("staging", "tiny/v2")
+        client.store("nested", {"a.x": torch.ones(2), "a.y": torch.ones(2), "b": torch.ones(2)})
+        return {"v1": v1, "v2": v2, "diff": client.diff("tiny/v1", "tiny/v2")}
+
+
+def test_an_injected_inline_handler_does_not_run(browser, site, shots):
+    browser.get(site + "/archives")
+    assert browser.execute_script("return typeof sortBy") == "function"  # the page's own script file ran
+    browser.execute_script("""document.body.insertAdjacentHTML('beforeend',
+        '<img id="probe" src="/no-such-image.png" onerror="window.pwned = 1">' +
+        '<div id="probe2" onclick="window.pwned = 2">x</div>');
+        document.getElementById('probe2').click();""")
+    _wait(browser, lambda b: b.execute_script("var i = document.getElementById('probe'); return i && i.complete"),
+          "the probe image to fail")
+    assert browser.execute_script("return window.pwned === undefined")
+
+
+def test_the_list_sorts_by_size_and_date(browser, site, versions, shots):
+    browser.get(site + "/archives")
+    sizes = lambda: [int(r.get_attribute("data-nbytes")) for r in _by(browser, "#archives tbody tr")]  # noqa: E731
+    _by(browser, "#sort-size")[0].click()
+    assert sizes() == sorted(sizes()) and _by(browser, "#sort-size")[0].get_attribute("aria-sort") == "ascending"
+    _by(browser, "#sort-size")[0].click()
+    assert sizes() == sorted(sizes(), reverse=True)
+    _by(browser, "#sort-created")[0].click()
+    created = [r.find_element("css selector", "td:nth-child(4)").get_attribute("data-value")
+               for r in _by(browser, "#archives tbody tr")]
+    assert [int(c) for c in created] == sorted(int(c) for c in created)
+    _shot(browser, shots, "archives-sorted")
+
+
+def test_a_top_level_entry_after_a_node_is_indented_as_the_top_level(browser, site, versions):
+    browser.get(site + "/archive?name=nested")
+    child = _by(browser, '.leaf[data-entry="a.x"]')[0].location["x"]
+    top = _by(browser, '.leaf[data-entry="b"]')[0].location["x"]
+    node = _by(browser, 'details[data-path="a"] > summary')[0].location["x"]
+    # b is at the top level: indented as a.x's node (past its marker), less than a.x, the node's child.
+    assert node <= top < child, (top, node, child)
+
+
+def test_kept_files_are_listed_apart_and_shown_as_text(browser, site, versions, shots):
+    browser.get(site + "/archive?name=tiny/v1")
+    params = sum(t.numel() for t in versions["v1"].values())
+    assert int(_by(browser, "#param-total")[0].get_attribute("data-value")) == params
+    assert [r.get_attribute("data-file") for r in _by(browser, "#files tbody tr")] == ["README.md", "config.json"]
+    assert not _by(browser, '.leaf[data-entry^="@file"]')
+    _shot(browser, shots, "archive-files")
+    _by(browser, '#files tr[data-file="config.json"] a')[0].click()
+    _wait(browser, lambda b: _by(b, "#file-text"), "the file's text")
+    assert _by(browser, "#file-text")[0].text == '{"layers": 2}'
+    _shot(browser, shots, "file")
+
+
+def test_the_entry_filter(browser, site, versions):
+    browser.get(site + "/archive?name=tiny/v1")
+    _by(browser, "#entry-filter")[0].send_keys("ENC.1")
+    _by(browser, "#filter")[0].click()
+    _wait(browser, lambda b: _by(b, "#filter-count"), "the filtered tree")
+    assert [leaf.get_attribute("data-entry") for leaf in _by(browser, ".leaf")] == ["enc.1.w"]
+
+
+def test_the_diff_page_from_the_alias_history(browser, site, versions, shots):
+    browser.get(site + "/archive?name=tiny/v2")
+    _by(browser, '#aliases a.tag')[0].click()
+    _wait(browser, lambda b: _by(b, "#history"), "the alias page")
+    assert [(r.get_attribute("data-from"), r.get_attribute("data-to")) for r in _by(browser, "#history tbody tr")] \
+        == [("tiny/v1", "tiny/v2"), ("", "tiny/v1")]
+    assert "write token sha256:" in _by(browser, "#history tbody tr")[0].text
+    _shot(browser, shots, "alias")
+    _by(browser, "#history a.diff-link")[0].click()
+    _wait(browser, lambda b: _by(b, "#changed"), "the diff page")
+    rows = {r.get_attribute("data-entry"): r for r in _by(browser, "#changed tbody tr")}
+    assert set(rows) == {"head", "@file:config.json"}
+    (head,) = [e for e in versions["diff"].entries if e.name == "head"]
+    shown = {c.get_attribute("data-key"): float(c.get_attribute("data-value"))
+             for c in rows["head"].find_elements("css selector", "td[data-key]")}
+    assert shown == pytest.approx({"differing": head.values.differing, "max_abs": head.values.max_abs,
+                                   "relative_l2": head.values.relative_l2}, rel=1e-12)
+    folded = _by(browser, "#same")[0]
+    assert folded.get_attribute("open") is None and "entries the same" in folded.text
+    _shot(browser, shots, "diff")
+
+
+def test_sign_out_asks_for_the_token_again(browser, site):
+    browser.get(site + "/archives")
+    cookie = browser.get_cookie("tannery_token")["value"]
+    assert cookie != READ_TOKEN
+    _by(browser, "#sign-out")[0].click()
+    _wait(browser, lambda b: _status(b) in ("401", "403"), "the page asking for a token")
+    assert browser.get_cookie("tannery_token") is None
+
+
+def test_the_log_scale_histogram_and_the_download_links(browser, site, versions):
+    browser.get(site + "/entry?archive=tiny/v1&name=head")
+    assert _by(browser, "#histogram")[0].get_attribute("data-scale") == "linear"
+    _by(browser, "#log-scale")[0].click()
+    _wait(browser, lambda b: _by(b, '#histogram[data-scale="log"]'), "the log-scale histogram")
+    href = _by(browser, "#download-npy")[0].get_attribute("href")
+    assert href.endswith("/download/entry?archive=tiny/v1&name=head")
+    browser.get(site + "/archive?name=tiny/v1")
+    assert _by(browser, "#download-safetensors")[0].get_attribute("href").endswith("/download/archive?name=tiny/v1")

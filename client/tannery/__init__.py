@@ -43,6 +43,10 @@ _EXPORTS = {
     "Tagged": "tannery.records",
     "Pruned": "tannery.records",
     "TensorPiece": "tannery.dataplane.received",
+    "ArchiveDiff": "tannery.calls.diff",
+    "EntryChange": "tannery.calls.diff",
+    "ValueChange": "tannery.calls.diff",
+    "AliasMove": "tannery.calls.history",
 }
 
 

@@ -41,6 +41,8 @@ from tannery.calls.running import drive_async as _drive, run_async as _run
 if TYPE_CHECKING:  # torch is imported where a tensor is made (tannery.dataplane.readers, tannery.rpc.requests)
     import torch
 
+    from tannery.calls.diff import ArchiveDiff
+    from tannery.calls.history import AliasMove
     from tannery.dataplane.transports import Feed
 
 
@@ -137,6 +139,11 @@ class Client(CallCore):
         """As :meth:`tannery.Client.describe`."""
         return await _run(self._describe(name, names))
 
+    async def diff(self, a: str, b: str, *, names: Iterable[str] | None = None, prefix: str | None = None,
+                   same: bool = False) -> ArchiveDiff:
+        """As :meth:`tannery.Client.diff`."""
+        return await _run(self._diff(a, b, names, prefix, same))
+
     async def list(self, prefix: str = "") -> list[ArchiveInfo]:
         """As :meth:`tannery.Client.list`."""
         return await _run(self._list(prefix))
@@ -152,6 +159,14 @@ class Client(CallCore):
     async def untag(self, alias: str) -> Untagged:
         """As :meth:`tannery.Client.untag`."""
         return await _run(self._untag(alias))
+
+    async def tag_back(self, alias: str) -> Tagged:
+        """As :meth:`tannery.Client.tag_back`."""
+        return await _run(self._tag_back(alias))
+
+    async def history(self, alias: str, limit: int | None = None) -> list[AliasMove]:
+        """As :meth:`tannery.Client.history`."""
+        return await _run(self._history(alias, limit))
 
     async def resolve(self, name: str) -> str:
         """As :meth:`tannery.Client.resolve`."""

@@ -33,6 +33,8 @@ if TYPE_CHECKING:  # torch is imported where a tensor is made (tannery.dataplane
     import torch
 
     from tannery.archive import Archive
+    from tannery.calls.diff import ArchiveDiff
+    from tannery.calls.history import AliasMove
     from tannery.dataplane.received import TensorPiece
     from tannery.remote import RemoteArchive
     from tannery.dataplane.transports import Feed
@@ -198,6 +200,15 @@ class Client(CallCore):
         list), so a few entries of a large archive are described at the cost of a few."""
         return _run(self._describe(name, names))
 
+    def diff(self, a: str, b: str, *, names: Iterable[str] | None = None, prefix: str | None = None,
+             same: bool = False) -> ArchiveDiff:
+        """How archive ``b`` differs from archive ``a`` (each an archive or an alias, resolved once),
+        entry by entry: the same by digest (no byte read), added, removed, another dtype or shape,
+        or other values, with the fraction that differ, max |b - a|, ||b - a|| / ||a|| and NaN or
+        Inf appearing, computed on the server (no tensor byte travels); and the metadata keys that
+        differ. ``names`` or ``prefix`` narrow it; ``same`` lists the entries that are the same too."""
+        return _run(self._diff(a, b, names, prefix, same))
+
     def list(self, prefix: str = "") -> list[ArchiveInfo]:
         """Every archive whose name starts with ``prefix``, sorted by name (all pages)."""
         return _run(self._list(prefix))
@@ -222,6 +233,18 @@ class Client(CallCore):
         False (so a retry after a lost answer does not fail). AliasError too when ``alias`` is
         an archive's name or ``archive`` an alias; NotFound when ``archive`` does not exist."""
         return _run(self._tag(alias, archive, expect))
+
+    def tag_back(self, alias: str) -> Tagged:
+        """Move ``alias`` back to where it pointed before its last move (a rollback), compare-and-set
+        against where it points now: AliasError when another writer moved it meanwhile, or when its
+        history has no previous target; NotFound when that archive is gone."""
+        return _run(self._tag_back(alias))
+
+    def history(self, alias: str, limit: int | None = None) -> list[AliasMove]:
+        """The moves of ``alias``, newest first (the last ``limit``; all the server keeps by
+        default): each Tag that created or moved it, each Untag or forced Delete that removed it,
+        with when and by which token. NotFound when the name was never an alias."""
+        return _run(self._history(alias, limit))
 
     def untag(self, alias: str) -> Untagged:
         """Remove ``alias`` (NotFound if there is none); the archive stays."""

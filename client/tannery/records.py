@@ -15,31 +15,12 @@ from typing import TYPE_CHECKING
 
 from tannery_protocol.v1 import archives_pb2, channels_pb2
 from tannery_protocol.names import SEPARATOR, join
+# How a kept file's entry is named (``@file:NAME``, ``P.@file:NAME``): one rule for the client and
+# the server (docs/model-folders.md); re-exported here, where the client always read it.
+from tannery_protocol.kept_files import MARK, entry_name, is_file_entry, split_entry
 
 if TYPE_CHECKING:
     from tannery.archive import TensorInfo
-
-# How the entry of a file kept with an archive is named (``@file:NAME``, under a prefix
-# ``P.@file:NAME``): read here and by :mod:`tannery.calls.archive_files` (docs/model-folders.md).
-
-#: What the entry name of a kept file starts with (after its prefix and a dot).
-MARK = "@file:"
-
-
-def entry_name(file: str, prefix: str = "") -> str:
-    """The entry that holds ``file``: ``@file:config.json``, under ``prefix`` ``enc.@file:config.json``."""
-    return join(prefix, MARK + file)
-
-
-def split_entry(name: str) -> tuple[str, str] | None:
-    """``(prefix, file)`` of an entry that holds a file, None for a tensor's entry."""
-    if name.startswith(MARK):
-        return "", name[len(MARK):]
-    at = name.find(SEPARATOR + MARK)
-    if at < 0:
-        return None
-    return name[:at], name[at + len(SEPARATOR + MARK):]
-
 
 #: The entry that keeps the plain values of a value stored under a prefix (``P.@values``:
 #: :mod:`tannery.plain`), a 1-D uint8 tensor of their document; a file's metadata key too.
@@ -65,15 +46,11 @@ def is_kept_entry(name: str) -> bool:
     return split_entry(name) is not None or values_prefix(name) is not None
 
 
-def is_file_entry(name: str) -> bool:
-    """Whether entry ``name`` holds a kept file (and is no tensor of the archive's)."""
-    return split_entry(name) is not None
-
-
 @dataclass(frozen=True)
 class ArchiveInfo:
-    """An archive as the catalog knows it: entries, tensor bytes, payload bytes (as stored and
-    sent), and when it was created (UTC).
+    """An archive as the catalog knows it: entries (its tensors), tensor bytes, payload bytes (as
+    stored and sent), and when it was created (UTC); ``files`` and ``file_bytes`` count the files
+    kept with it (a pushed folder's config.json...) apart from the tensors.
 
     ``already_stored`` is true on what a store or union returns when the server found the
     archive already holding exactly that content (same entries, digests and metadata) and
@@ -86,12 +63,14 @@ class ArchiveInfo:
     payload_bytes: int
     created: dt.datetime
     already_stored: bool = False
+    files: int = 0
+    file_bytes: int = 0
 
     @staticmethod
     def of(message: archives_pb2.ArchiveInfo) -> "ArchiveInfo":
         created = dt.datetime.fromtimestamp(message.created.ToNanoseconds() / 1e9, dt.timezone.utc)
         return ArchiveInfo(message.name, message.entries, message.nbytes, message.payload_bytes, created,
-                           message.already_stored)
+                           message.already_stored, message.files, message.file_bytes)
 
 
 @dataclass(frozen=True)
@@ -269,15 +248,19 @@ class Deleted:
 
 @dataclass(frozen=True)
 class Published:
-    """What one publish call sent: payloads, their bytes, and subscribers dropped for falling behind."""
+    """What one publish call sent: payloads, their bytes, and subscribers dropped for falling
+    behind; for a publish that asked to be stored too, the archive stored, or why it was not."""
 
     payloads: int
     nbytes: int
     dropped_subscribers: int
+    stored: ArchiveInfo | None = None
+    store_error: str = ""
 
     @staticmethod
     def of(message: channels_pb2.PublishResponse) -> "Published":
-        return Published(message.payloads, message.bytes, message.dropped_subscribers)
+        stored = ArchiveInfo.of(message.stored) if message.HasField("stored") else None
+        return Published(message.payloads, message.bytes, message.dropped_subscribers, stored, message.store_error)
 
 
 __all__ = [

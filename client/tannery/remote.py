@@ -53,8 +53,9 @@ def _is_whole(description: ArchiveDescription) -> bool:
     """Whether a Describe's answer holds every entry of the archive (else it holds those asked);
     the files and plain values kept with it are entries too (:mod:`tannery.calls.archive_files`,
     :mod:`tannery.calls.archive_values`)."""
-    kept = len(description.files) + len(description.values)
-    return len(description.entries) + kept == description.info.entries
+    described = len(description.entries) + len(description.values) + len(description.files)
+    # A server counts the kept files apart (info.files), one from before counted them as entries.
+    return described == description.info.entries + description.info.files
 
 
 def _names_asked(names: Iterable[str] | None, where: str) -> list[str] | None:
@@ -149,9 +150,9 @@ class RemoteArchive(IndexedArchive):
         return None if entry is None else entry.info
 
     def __len__(self) -> int:
-        if self._whole is not None:  # exact: the tensors, without the files and plain values kept with them
+        if self._whole is not None:  # the tensors, without the files and plain values kept with the archive
             return len(self._whole.entries)
-        return self._opened.info.entries  # the info's count, which counts those entries too
+        return self._opened.info.entries  # the info's count: the tensors, and the plain values' entries
 
     def entry(self, name: str) -> EntryDescription:
         """The stored entry's description (payload size and digest included); ArchiveError when absent."""

@@ -282,11 +282,14 @@ def encode_store_commit(entries: int, payload_bytes: int) -> bytes:
     return archives_pb2.StoreRequest(commit=commit).SerializeToString()
 
 
-def encode_publish_request(channel: str | None, parts: Sequence[Piece]) -> bytes:
-    """A serialized ``PublishRequest``: ``channel`` (the first message's) and the concatenation of ``parts``."""
+def encode_publish_request(channel: str | None, parts: Sequence[Piece], store_as: bytes = b"") -> bytes:
+    """A serialized ``PublishRequest``: ``channel`` (the first message's), the concatenation of
+    ``parts``, and ``store_as`` (a serialized ``StoreAs``, the first message's; b"" for none)."""
     pieces: list[Piece] = []
     _text(pieces, 1, channel)
     _length_delimited(pieces, 2, parts)
+    if store_as:
+        _length_delimited(pieces, 3, [store_as])
     return b"".join(pieces)
 
 

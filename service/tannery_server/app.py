@@ -210,7 +210,7 @@ async def start(config: Config) -> RunningServer:
         data_paths = DataPaths(config)
         data_paths.start()
         closers.append(data_paths.close)
-        archives_servicer = archives.ArchivesServicer(storage, config, data_paths)
+        archives_servicer = archives.ArchivesServicer(storage, config, data_paths, tokens)
         archives.add_to_server(archives_servicer, server)
         closers.append(archives_servicer.close)
         enders.append(archives_servicer.watches.close)  # watch streams never end by themselves
@@ -221,6 +221,8 @@ async def start(config: Config) -> RunningServer:
             services.append(CHANNELS)
             # Alias moves travel between replicas with the channels' fabric (a no-op without one).
             archives_servicer.watches.announce = channels_servicer.fabric.announce
+            # A Publish may store what it relays (store_as): a publisher's bytes written once.
+            channels_servicer.published_store = archives_servicer.published_store
             channels_servicer.fabric.alias_moved = archives_servicer.watches.poke
             if metrics is not None:
                 metrics.watch_hub(channels_servicer.hub)
@@ -266,8 +268,9 @@ async def start(config: Config) -> RunningServer:
                             archives_servicer.watches, web_server, closers, enders)
     security = _security_summary(config, tokens, running.target)
     metrics_at = metrics_url(config.metrics_host or config.host, metrics_port) if metrics_port else "off"
-    log.info("serving on %s (gRPC), %s, metrics %s; %s; %s", running.target, data_paths.describe(), metrics_at,
-             security, describe(config))
+    web_at = f", web page {web_server.url}" if web_server is not None else ""  # every address listened on
+    log.info("serving on %s (gRPC), %s, metrics %s%s; %s; %s", running.target, data_paths.describe(), metrics_at,
+             web_at, security, describe(config))
     return running
 
 

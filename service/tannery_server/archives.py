@@ -13,11 +13,12 @@ import logging
 from typing import Any, AsyncIterator, Awaitable
 
 import grpc
-from google.protobuf.timestamp_pb2 import Timestamp
 
 from tannery_protocol.v1 import archives_pb2, archives_pb2_grpc
 
+from .archive_info import alias_info, archive_info, move_info, written
 from .calllog import current_call
+from .auth import Tokens, mover
 from .config import Config
 from .failures import Cancelled, DeadlineExceeded, Malformed, Missing
 from .dataplane.fetch import serve_fetch
@@ -25,10 +26,12 @@ from .dataplane import listeners
 from .dataplane.plane import DataPlane
 from .dataplane.store import SessionSteps, receive_store
 from .derive import DeriveSession
+from .diffing import diff_archives
 from .fetching import check_request, gone_while_read
 from .handling import Undecodable, add_service, answering_failures
-from .storage import AliasRecord, ArchiveLimits, ArchiveRecord, Storage
+from .storage import AliasRecord, ArchiveLimits, ArchiveRecord, MoveNote, Storage
 from .storage_failures import failure_of
+from .published_store import PublishedStore
 from .store_session import StoreSession
 from .validation import check_archive_name, check_metadata, check_prefix
 from .watching import add_watch
@@ -41,33 +44,13 @@ MAX_PAGE = 1000
 log = logging.getLogger("tannery_server.archives")
 
 
-def archive_info(record: ArchiveRecord) -> archives_pb2.ArchiveInfo:
-    created = Timestamp()
-    created.FromNanoseconds(record.created_ns)
-    return archives_pb2.ArchiveInfo(
-        name=record.name, entries=record.entries, nbytes=record.nbytes, payload_bytes=record.payload_bytes,
-        created=created, already_stored=record.already_stored,
-    )
-
-
-def alias_info(record: AliasRecord) -> archives_pb2.Alias:
-    moved = Timestamp()
-    moved.FromNanoseconds(record.moved_ns)
-    return archives_pb2.Alias(alias=record.alias, archive=record.archive, moved=moved)
-
-
-def written(record: ArchiveRecord) -> archives_pb2.ArchiveInfo:
-    """The answer of a Store or Union; the call's log line says when it found the archive
-    already holding exactly its content (and stored nothing)."""
-    if record.already_stored:
-        current_call().note("already_stored", True)
-    return archive_info(record)
-
-
 class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
-    def __init__(self, storage: Storage, config: Config, data_paths: listeners.DataPaths | None = None) -> None:
+    def __init__(self, storage: Storage, config: Config, data_paths: listeners.DataPaths | None = None,
+                 tokens: Tokens = Tokens()) -> None:
         self.storage = storage
         self.config = config
+        #: The tokens calls come with: who moved an alias, in its history.
+        self.tokens = tokens
         self.data_paths = data_paths
         self.workers = Workers(config.io_threads, "tannery-io")
         #: Where the bytes of Store and Fetch move, whatever the transport.
@@ -102,6 +85,14 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
         steps = SessionSteps(self.workers, session)
         received = receive_store(self.plane, steps, first, request_iterator, context)
         return written(await _committed(steps, session, received, context, f"Store of {name!r}"))
+
+    def published_store(self, store_as: Any) -> PublishedStore:
+        """The store of a Publish that asks for one (``PublishRequest.store_as``): its payloads
+        stored as archive ``store_as.archive`` as they are relayed (Malformed for a bad name or
+        metadata, before any payload)."""
+        name = self._archive_name(store_as.archive)
+        session = StoreSession(self.storage, self.config, name, store_as.replace, check_metadata(store_as.metadata))
+        return PublishedStore(session, self.workers, list(store_as.entries), self.failure_of)
 
     @answering_failures
     async def Union(self, request: archives_pb2.UnionRequest, context) -> archives_pb2.ArchiveInfo:
@@ -205,7 +196,8 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
     @answering_failures
     async def Delete(self, request: archives_pb2.DeleteRequest, context) -> archives_pb2.DeleteResponse:
         current_call().note("archive", request.archive)
-        record, collected = await self._run(self.storage.delete, request.archive, request.force)
+        record, collected = await self._run(self.storage.delete, request.archive, request.force,
+                                            self._move_note(context))
         if record is None:
             alias = await self._run(self.storage.catalog.alias, request.archive)
             if alias is not None:
@@ -219,6 +211,20 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
             aliases_removed=record.untagged,
         )
 
+    @answering_failures
+    async def Diff(self, request: archives_pb2.DiffRequest, context) -> archives_pb2.DiffResponse:
+        """How archive b differs from a (:mod:`.diffing`), read on a worker thread that stops at
+        its next window once the call is cancelled or past its deadline."""
+        current_call().note("archive", request.a)
+        current_call().note("other", request.b)
+        for name in (request.a, request.b):
+            check_archive_name(name, self.config.max_name_bytes)
+        if request.prefix:
+            check_prefix(request.prefix, self.config.max_name_bytes)
+        answer = await self._run(diff_archives, self.storage, request, lambda: _still_wanted(context, "Diff"))
+        current_call().note("bytes_read", answer.summary.bytes_read)
+        return answer
+
     # Aliases ----------------------------------------------------------------------------
 
     @answering_failures
@@ -228,7 +234,7 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
         expect = request.expect if request.HasField("expect") else None
         if expect:
             check_archive_name(expect, self.config.max_name_bytes)
-        record = await self._run(self.storage.tag, alias, archive, expect)
+        record = await self._run(self.storage.tag, alias, archive, expect, self._move_note(context))
         current_call().note("tagged", record.archive if record.changed else "unchanged")
         if record.changed:
             self.watches.moved(alias)
@@ -237,7 +243,7 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
     @answering_failures
     async def Untag(self, request: archives_pb2.UntagRequest, context) -> archives_pb2.UntagResponse:
         alias = self._alias_name(request.alias)
-        record = await self._run(self.storage.untag, alias)
+        record = await self._run(self.storage.untag, alias, self._move_note(context))
         if record is None:
             there = await self._run(self.storage.catalog.archive, alias)
             hint = ": it is an archive (tannery rm deletes archives)" if there is not None else ""
@@ -276,6 +282,21 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
                 raise Missing(f"alias {alias!r} not found: it is an archive's name, and an archive never moves "
                               "(watch an alias: tannery tag ALIAS ARCHIVE makes one)")
         await self.watches.serve(alias, context, self.failure_of)
+
+    @answering_failures
+    async def History(self, request: archives_pb2.HistoryRequest, context) -> archives_pb2.HistoryResponse:
+        alias = self._alias_name(request.alias)
+        moves = await self._run(self.storage.catalog.history, alias, request.limit or self.config.alias_history)
+        if not moves and await self._run(self.storage.catalog.alias, alias) is None:
+            there = await self._run(self.storage.catalog.archive, alias)
+            hint = (": it is an archive's name, and an archive never moves" if there is not None
+                    else ": tannery tag ALIAS ARCHIVE makes one, and records its moves from then on")
+            raise Missing(f"alias {alias!r} not found, and no move of it is recorded{hint}")
+        return archives_pb2.HistoryResponse(moves=[move_info(m) for m in moves])
+
+    def _move_note(self, context: grpc.aio.ServicerContext) -> MoveNote:
+        """What a call that moves aliases records in their history: who it is, and how many moves are kept."""
+        return MoveNote(mover(self.tokens, context.invocation_metadata()), self.config.alias_history)
 
     def _alias_name(self, name: str) -> str:
         current_call().note("alias", name)
@@ -344,6 +365,16 @@ def _check_alive(context: grpc.aio.ServicerContext) -> None:
     remaining = context.time_remaining()
     if remaining is not None and remaining <= 0:
         raise DeadlineExceeded("the call's deadline passed before it was done: nothing was stored")
+
+
+def _still_wanted(context: grpc.aio.ServicerContext, call: str) -> None:
+    """Cancelled or DeadlineExceeded once a read-only call's client no longer waits for it (what a
+    long read checks between its steps, from its worker thread)."""
+    if context.cancelled():
+        raise Cancelled(f"the {call} was cancelled before it was done")
+    remaining = context.time_remaining()
+    if remaining is not None and remaining <= 0:
+        raise DeadlineExceeded(f"the {call}'s deadline passed before it was done: ask again with a longer timeout")
 
 
 def _encode_token(last_name: str) -> str:

@@ -199,6 +199,18 @@ def refusal(tokens: Tokens, method: str, metadata: Iterable[Any] | None) -> tupl
     return None
 
 
+def mover(tokens: Tokens, metadata: Iterable[Any] | None) -> str:
+    """Who a call that moves aliases is, for their history: ``write token sha256:1a2b3c4d`` (the
+    role and the first 8 hex digits of the token's SHA-256, which name it to whoever holds the
+    tokens file, and reveal nothing of the token); "" on an open server."""
+    token = bearer_token(metadata) if tokens else None
+    if token is None:
+        return ""
+    role = tokens.role_of(token) or "unknown"
+    digest = hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest()
+    return f"{role} token {HASH_PREFIX}{digest[:8]}"
+
+
 def _refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
     """``handler`` with its behaviour replaced by one that ends the call with ``code``."""
     if handler.response_streaming:
@@ -236,5 +248,5 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
 __all__ = [
     "AuthInterceptor", "READ", "READ_METHODS", "ROLES", "TOKENS_HELP", "TokenError", "Tokens", "WRITE",
-    "bearer_token", "load_tokens", "parse_tokens_file", "parse_tokens_setting", "refusal",
+    "bearer_token", "load_tokens", "mover", "parse_tokens_file", "parse_tokens_setting", "refusal",
 ]

@@ -63,6 +63,7 @@ from .dataplane.links import LINK_ERRORS, fail, link_failure
 from .dataplane.listeners import DataPaths
 from .dataplane.plane import DataPlane
 from .fabric import open_fabric
+from .published_store import PublishedStore, Storing, open_store, stored_answer
 from .workers import Workers
 from .hub import Channel, FellBehind, Hub, HubClosed, Piece, Relay, SubscriptionEnded
 
@@ -126,6 +127,9 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
         if self.chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, not {self.chunk_size}")
         self.hub = Hub(buffer_bytes=config.channel_buffer_bytes, timeout=self.timeout, abandoned=ABANDONED)
+        #: Makes the store of a Publish that asks for one (``store_as``), given by the server
+        #: that serves Archives too (None: a Publish that asks is answered with ``store_error``).
+        self.published_store: Callable[[Any], PublishedStore] | None = None
         #: What joins this server's channels with other replicas' (:func:`~.fabric.open_fabric`).
         self.fabric = open_fabric(config, self.hub, self.pieces, data_of)
         self.hub.exporter = self.fabric.exporter
@@ -168,9 +172,13 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
         publication = _Publication(self, aiter(request_iterator))
         try:
             await publication.run()
+        except BaseException:
+            if publication.store is not None:
+                await publication.store.abort()
+            raise
         finally:
             publication.release()
-        return publication.response()
+        return await stored_answer(publication.response(), publication.store)
 
     @answering_failures
     async def Subscribe(
@@ -219,12 +227,14 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
         if first is None or isinstance(first, Undecodable):
             raise Malformed(f"a {transport} Publish names its channel in its first message")
         channel = self.attach(first.channel)
+        store = None
         try:
+            store = await open_store(self.published_store, first)
             link = await self.plane.link(transport, context)
             try:
-                payloads, nbytes, dropped = await relay_publisher(link, channel, self.limits, self.chunk_size,
-                                                                  self.timeout, self._links,
-                                                                  self.relay_last(transport))
+                payloads, nbytes, dropped = await relay_publisher(link, store.channel(channel) if store else channel,
+                                                                  self.limits, self.chunk_size, self.timeout,
+                                                                  self._links, self.relay_last(transport))
             except LINK_ERRORS as exc:  # the connection's, not a bug: UNAVAILABLE or INVALID_ARGUMENT naming it
                 failure = link_failure(transport, exc)
                 fail(link, failure)
@@ -236,10 +246,15 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
                 link.close()
             async for _ in requests:
                 raise Malformed(f"a {transport} Publish sends its payloads on its data connection, not in messages")
+        except BaseException:
+            if store is not None:
+                await store.abort()
+            raise
         finally:
             self.hub.detach_publisher(channel)
         current_call().note("data_bytes", nbytes)
-        return channels_pb2.PublishResponse(payloads=payloads, bytes=nbytes, dropped_subscribers=dropped)
+        answer = channels_pb2.PublishResponse(payloads=payloads, bytes=nbytes, dropped_subscribers=dropped)
+        return await stored_answer(answer, store)
 
     async def _subscribe_link(self, transport: str, subscription, context) -> None:
         """Pass the subscription's payloads on its data connection until it ends."""
@@ -292,6 +307,9 @@ class _Publication:
         self.requests = requests
         self.deframer = Deframer(servicer.limits)
         self.channel: Channel | None = None
+        #: What stores the payloads too (``store_as``), and how a payload takes the channel.
+        self.store: Storing | None = None
+        self.begin: Callable[[int], Awaitable[Relay]] | None = None
         #: The payload in flight, holding the channel (None between payloads).
         self.relay: Relay | None = None
         self.messages = self.payloads = self.bytes = self.dropped = 0
@@ -309,6 +327,8 @@ class _Publication:
                 raise request.failure(f"message {self.messages} of this Publish call")
             if self.channel is None:
                 self.channel = self.servicer.attach(request.channel)
+                self.store = await open_store(self.servicer.published_store, request)
+                self.begin = self.store.channel(self.channel).begin if self.store else self.channel.begin
             elif request.channel and request.channel != self.channel.name:
                 raise Malformed(
                     f"Publish names its channel in the first message only: got {request.channel!r} "
@@ -353,7 +373,8 @@ class _Publication:
         """Relay one fragment, taking the channel at a payload's first one and freeing it after its last."""
         assert self.channel is not None
         if fragment.first:
-            self.relay = await self.channel.begin(fragment.info.size)
+            assert self.begin is not None
+            self.relay = await self.begin(fragment.info.size)
             self.received = 0
         relay = self.relay
         assert relay is not None

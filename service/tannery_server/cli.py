@@ -50,6 +50,7 @@ _FLAGS = [
     ("max_rank", "largest rank of a stored tensor"),
     ("max_name_bytes", "longest archive or entry name, in UTF-8 bytes"),
     ("max_entries", "most entries in one archive"),
+    ("alias_history", "moves each alias's history keeps (tannery log ALIAS), the oldest dropped first"),
     ("reserve_bytes", "most space kept back in DATA_DIR/reserve so that Delete works (and frees space) on a full "
                       "disk: the catalog's size, at least 1MiB, at most this and 1/32 of the disk; while it "
                       "cannot be kept, Stores are refused (RESOURCE_EXHAUSTED); 0 for none"),

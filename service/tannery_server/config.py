@@ -67,6 +67,8 @@ class Config:
     max_name_bytes: int = 1024
     #: Most entries in one archive.
     max_entries: int = 1_000_000
+    #: Moves an alias's history keeps (Tag, Untag, a forced Delete), the oldest dropped first.
+    alias_history: int = 1000
     #: Most bytes the space reserve (``<data_dir>/reserve``) holds back so that Delete works
     #: on a full disk; it follows the catalog's size (see :mod:`.storage.reserve`); 0 for none.
     reserve_bytes: int = 64 * MiB
@@ -144,7 +146,7 @@ class Config:
         if not 4096 <= self.chunk_size <= 3 * MiB:
             problems.append(f"chunk_size {self.chunk_size} is not in 4096..{3 * MiB} (gRPC messages stay under 4 MiB)")
         for name in ("max_payload_bytes", "max_rank", "max_name_bytes", "max_entries", "channel_buffer_bytes",
-                     "io_threads", "nats_channel_bytes"):
+                     "io_threads", "nats_channel_bytes", "alias_history"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} {getattr(self, name)} must be at least 1")
         if self.max_rank > 255:

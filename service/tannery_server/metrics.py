@@ -46,6 +46,8 @@ DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 #: Seconds a scrape waits for the catalog's totals before leaving them out.
 CATALOG_TIMEOUT = 5.0
 #: The (direction, transport) pairs of the channel traffic counters, all shown from the start.
+#: The methods whose data-path bytes come in (received); every other method's go out (sent).
+RECEIVING = frozenset({"Store", "Publish"})
 CHANNEL_TRAFFIC = (("in", "grpc"), ("in", "tcp"), ("in", "local"), ("in", "nats"),
                    ("out", "grpc"), ("out", "tcp"), ("out", "local"))
 
@@ -157,9 +159,10 @@ class ServerMetrics:
         self.sent = Counter("tannery_sent_bytes", "Bytes of response messages sent, by method (a call still "
                             "running counts what it sent by the scrape).", ["method"], registry=self.registry)
         self.data_path = Counter("tannery_data_path_bytes", "Payload bytes moved on a data path beside gRPC (the "
-                                 "same-host socket, local, or the direct data connection, tcp), by method and "
-                                 "transport; what gRPC messages carry is in the received and sent bytes.",
-                                 ["method", "transport"], registry=self.registry)
+                                 "same-host socket, local, or the direct data connection, tcp), by method, "
+                                 "transport and direction (in: received, a Store's or a Publish's; out: sent, a "
+                                 "Fetch's or a Subscribe's); what gRPC messages carry is in the received and sent "
+                                 "bytes.", ["method", "transport", "direction"], registry=self.registry)
         self.channel_payloads = Counter(
             "tannery_channel_payloads", "Whole channel payloads as they move, by direction and transport: in, each "
             "payload once its last byte has arrived from a publisher on this server (transport grpc, tcp or local: "
@@ -207,7 +210,8 @@ class ServerMetrics:
             self.sent.labels(record.method).inc(record.sent - sent)
         transport = record.fields.get("transport")
         if transport is not None:
-            self.data_path.labels(record.method, transport).inc(record.fields.get("data_bytes", 0))
+            direction = "in" if record.method in RECEIVING else "out"
+            self.data_path.labels(record.method, transport, direction).inc(record.fields.get("data_bytes", 0))
         self.duration.labels(record.method).observe(duration)
 
     def observe_traffic(self, direction: str, transport: str, nbytes: int) -> None:

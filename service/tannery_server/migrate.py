@@ -9,7 +9,8 @@ run again resumes where it stopped) and reported as a conflict when it differs. 
 target already has is not uploaded again. A damaged archive (a blob that does not match its
 name) is left out and reported, and the migration goes on with the next one; each archive
 keeps its creation time and metadata. Aliases follow the archives, each pointing where it
-did (one whose name or target the target store refuses is reported as a conflict).
+did (one whose name or target the target store refuses is reported as a conflict), with its
+history of moves (``tannery log``; copied once: an alias with a history in the target keeps it).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .storage import BlobInfo, DigestMismatch, EntryRecord, Refusal, Storage
+from .storage import BlobInfo, DigestMismatch, EntryRecord, MoveNote, Refusal, Storage
 from .storage.shared_storage import SharedStorage
 
 log = logging.getLogger("tannery_server.migrate")
@@ -96,11 +97,14 @@ def _migrate_archive(source: Storage, target: SharedStorage, name: str, done: Mi
 
 
 def _migrate_aliases(source: Storage, target: SharedStorage, done: Migrated, progress: Callable[[str], None]) -> None:
-    """Every alias of ``source`` in ``target``, pointing where it did, with when it last moved."""
+    """Every alias of ``source`` in ``target``, pointing where it did, with when it last moved and
+    its history (the tag that creates it there is no move of its own: the history says how it got there)."""
     for alias in source.catalog.aliases():
         try:
-            target.catalog.tag(alias.alias, alias.archive, "", alias.moved_ns)  # created, never moved back
-            progress(f"alias {alias.alias} -> {alias.archive} migrated")
+            target.catalog.tag(alias.alias, alias.archive, "", alias.moved_ns, MoveNote(record=False))
+            moves = source.catalog.history(alias.alias, 2**31 - 1)
+            copied = target.catalog.import_moves(moves[::-1])
+            progress(f"alias {alias.alias} -> {alias.archive} migrated ({copied} of its {len(moves)} moves copied)")
         except Refusal as exc:  # a missing target, a name the target uses for an archive
             done.conflicts.append(alias.alias)
             progress(f"alias {alias.alias}: CONFLICT, {exc}; left out")

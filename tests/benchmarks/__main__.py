@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m tests.benchmarks", description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES), metavar="CASE",
                         help=f"cases to run (default all: {' '.join(CASES)})")
-    parser.add_argument("--quick", action="store_true", help="small sizes and 3 repetitions (a few minutes)")
+    parser.add_argument("--quick", action="store_true", help="small sizes and 3 repetitions (how long: docs/benchmarks.md)")
     parser.add_argument("--sizes", nargs="+", type=parse_size, metavar="SIZE",
                         help="sizes for the cases that take sizes (e.g. 1MiB 64MiB 1GiB), instead of their own")
     parser.add_argument("--reps", type=int, help="repetitions of each competitor (default 5, 3 with --quick)")
@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         case_started = time.perf_counter()
         result = module.run(options)
         result.seconds = time.perf_counter() - case_started
+        result.quick, result.load = args.quick, load_average()
         path = result.write(args.out, environment(f"{'quick' if args.quick else 'full'} mode"))
         print(path.read_text(), flush=True)
         written.append(path)

@@ -41,7 +41,7 @@ def tannery_worker(size: int, count: int, target: str, name: str) -> None:
     print(json.dumps({"ready": True}), flush=True)
     with tannery.Client(target) as client, tannery.weights.Follower(client, name, state) as follower:
         for applied in follower:
-            report(applied.version)
+            report(applied.version, seconds=applied.seconds, delta=applied.delta)
 
 
 def safetensors_worker(size: int, count: int) -> None:

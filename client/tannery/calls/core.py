@@ -32,13 +32,19 @@ from tannery_protocol.v1 import archives_pb2
 if TYPE_CHECKING:
     import torch
 
+    from tannery.calls.diff import ArchiveDiff
+    from tannery.calls.history import AliasMove
     from tannery.calls.watches import Watched
     from tannery.dataplane.transports import Feed, Transport
+    from tannery.dataplane.memory_files import MemoryFiles
+    from tannery_protocol.v1 import channels_pb2
 
 # Imported on first use: catalog calls (tannery ls, show, rm) need none of these.
 _archive_files = lazy_module("tannery.calls.archive_files")
 _archive_values = lazy_module("tannery.calls.archive_values")
 _derives = lazy_module("tannery.calls.derive")
+_diffs = lazy_module("tannery.calls.diff")
+_histories = lazy_module("tannery.calls.history")
 _readers = lazy_module("tannery.dataplane.readers")
 _state_dict = lazy_module("tannery.calls.state_dict")
 _transports = lazy_module("tannery.dataplane.transports")  # with tannery_protocol.datalink: sockets, ssl
@@ -55,7 +61,7 @@ class CallCore:
 
     def __init__(self, target: str | None = None, *, token: str | None = None, tls: TLSLike = None,
                  chunk_size: int | None = None, timeout: float | None = None, transport: str | None = None,
-                 retries: int | None = None) -> None:
+                 retries: int | RetryPolicy | None = None) -> None:
         self._transport = check_transport(transport)
         self._retries = RetryPolicy.resolve(retries)
         self._connection = Connection(target, token=token, tls=tls, chunk_size=chunk_size, timeout=timeout)
@@ -93,6 +99,7 @@ class CallCore:
                 try:
                     self._offered = yield Rpc(self._methods.data_paths, archives_pb2.DataPathsRequest(),
                                               **self._calls.options())
+                    self._retries.contact.reached = True
                 except grpc.RpcError as error:
                     if error.code() is not grpc.StatusCode.UNIMPLEMENTED:
                         raise rpc_error(error, self.target) from None
@@ -152,7 +159,9 @@ class CallCore:
         retry = 0
         while True:
             try:
-                return (yield from attempt(retry))
+                done = yield from attempt(retry)
+                self._retries.contact.reached = True
+                return done
             except errors.ServiceError as error:
                 pause = self._retries.next_delay(retry, what, error)
             retry += 1
@@ -172,9 +181,11 @@ class CallCore:
 
     def _unary_once(self, method: Any, request: Any) -> Steps[Any]:
         try:
-            return (yield Rpc(method, request, **self._calls.options()))
+            answer = yield Rpc(method, request, **self._calls.options())
         except grpc.RpcError as error:
             raise rpc_error(error, self.target) from None
+        self._retries.contact.reached = True
+        return answer
 
     # -- archives ------------------------------------------------------------------------
 
@@ -217,8 +228,11 @@ class CallCore:
                     return noted.kept
                 transport = yield from self._transport_now()
                 yield from transport.fetch(self._calls, asked, noted)
+                self._retries.contact.reached = True
                 return noted.kept
             except errors.ServiceError as error:
+                if noted.done:  # entries came: the server was reached
+                    self._retries.contact.reached = True
                 pause = self._retries.next_delay(retry, f"Fetch of {request.archive!r}", error)
             retry += 1
             yield from self._forget(pause)
@@ -303,6 +317,11 @@ class CallCore:
         request = describe_request(name, names)
         return ArchiveDescription.of((yield from self._unary(self._methods.describe, request)))
 
+    def _diff(self, a: str, b: str, names: Iterable[str] | None, prefix: str | None, same: bool
+              ) -> Steps[ArchiveDiff]:
+        request = _diffs.diff_request(a, b, names, prefix, same)
+        return _diffs.ArchiveDiff.of((yield from self._unary(self._methods.diff, request)))
+
     def _list(self, prefix: str) -> Steps[list[ArchiveInfo]]:
         archives: list[ArchiveInfo] = []
         token = ""
@@ -344,6 +363,19 @@ class CallCore:
         # Retried as it is: a Tag whose lost attempt moved the alias finds it there and answers OK.
         return Tagged.of((yield from self._retrying(f"Tag of {alias!r}",
                                                     lambda retry: self._unary_once(self._methods.tag, request))))
+
+    def _history(self, alias: str, limit: int | None) -> Steps[list[AliasMove]]:
+        request = _histories.history_request(alias, limit)
+        return [_histories.AliasMove.of(m) for m in (yield from self._unary(self._methods.history, request)).moves]
+
+    def _tag_back(self, alias: str) -> Steps[Tagged]:
+        """Move ``alias`` to its target before its last move, compare-and-set against its target now."""
+        previous, current = _histories.back_move(alias, (yield from self._history(alias, 1)))
+        try:
+            return (yield from self._tag(alias, previous, current))
+        except errors.NotFound as error:
+            raise errors.NotFound(f"alias {alias!r} cannot go back from {current!r} to {previous!r}: {error}; tag it "
+                                  "to another archive by name") from None
 
     def _untag(self, alias: str) -> Steps[Untagged]:
         request = archives_pb2.UntagRequest(alias=alias)
@@ -389,10 +421,15 @@ class CallCore:
 
     # -- channels ------------------------------------------------------------------------
 
-    def _publish(self, channel: str, tensors: Iterable[Any], progress: Progress) -> Steps[Published]:
+    def _publish(self, channel: str, tensors: Iterable[Any], progress: Progress,
+                 store_as: channels_pb2.StoreAs | None = None, files: MemoryFiles | None = None) -> Steps[Published]:
+        """Publish ``tensors`` on ``channel``; with ``store_as``, the server stores them as that
+        archive too (``Published.stored``, or ``store_error`` saying why not). ``files``: on the
+        same host, memory files made ready for the payloads (a publisher sending versions)."""
         _messages.check_tensors(tensors)
         transport = yield from self._transport_now()
-        return Published.of((yield from transport.publish(self._calls, channel, tensors, progress)))
+        stored = store_as.SerializeToString() if store_as is not None else b""
+        return Published.of((yield from transport.publish(self._calls, channel, tensors, progress, stored, files)))
 
     def _subscribe(self, channel: str, progress: Progress) -> Steps[Feed]:
         """A subscription the server has registered (everything published afterwards arrives)."""

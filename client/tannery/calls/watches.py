@@ -69,6 +69,7 @@ class Watched:
             self._notify()
 
     def _arrived(self, message: archives_pb2.WatchResponse) -> None:
+        self._policy.contact.reached = True
         if message.archive == self._seen:  # a reopened call's first answer: nothing moved
             return
         self._seen = message.archive

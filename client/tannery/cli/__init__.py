@@ -59,6 +59,7 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every client subcommand (``serve`` is listed; its own parser is the server's)."""
     from .commands import add_commands
+    from .version_commands import add_version_commands
 
     parser = argparse.ArgumentParser(prog="tannery", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=_Formatter)
@@ -73,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("migrate", help="copy a data directory into a PostgreSQL catalog and a bucket "
                         "(tannery migrate --help)", add_help=False)
     add_commands(commands, common, _Formatter)
+    add_version_commands(commands, common, _Formatter)
     return parser
 
 
@@ -105,8 +107,9 @@ def _server_command(name: str) -> Callable[[list[str]], int]:
 
     found = entry_points(group="tannery.commands", name=name)
     if not found:
-        raise SystemExit(f"tannery {name}: the server is not installed here: pip install tannery "
-                         "(the server is in the package's core; the client extra adds torch)")
+        raise SystemExit(f"tannery {name}: the server is not installed here: pip install . in a clone of tannery, "
+                         "or the wheel make dist builds (the server is in the package's core; the client extra "
+                         "adds torch)")
     return next(iter(found)).load()
 
 

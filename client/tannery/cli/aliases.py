@@ -1,4 +1,4 @@
-"""The subcommands that move, follow and remove names: tag, untag, watch, rm (which aliases hold back) and prune.
+"""The subcommands that move, follow and remove names: tag, untag, resolve, watch, rm (which aliases hold back) and prune.
 
 An alias is a name pointing at an archive, moved atomically (``tannery tag prod runs/7/step-2000``):
 readers that name it read one archive whole, the old or the new, never a mix.
@@ -16,8 +16,15 @@ from .errors import CommandError
 from .output import Output, human_size, iso_time, local_time, shorten
 
 def cmd_tag(args: argparse.Namespace, out: Output) -> int:
+    if args.back and (args.archive is not None or args.expect is not None):
+        raise CommandError(f"tag {args.alias} --back moves the alias to its previous target, checked against its "
+                           "target now: it takes no ARCHIVE and no --expect",
+                           hint=f"tannery tag {args.alias} --back, or tannery tag {args.alias} ARCHIVE")
+    if not args.back and args.archive is None:
+        raise CommandError(f"tag {args.alias}: which archive? give ARCHIVE, or --back for its previous target",
+                           hint=f"tannery log {args.alias} lists where it pointed")
     with connect(args) as client:
-        tagged = client.tag(args.alias, args.archive, expect=args.expect)
+        tagged = client.tag_back(args.alias) if args.back else client.tag(args.alias, args.archive, expect=args.expect)
     alias = tagged.alias
     if args.json:
         out.json({"alias": alias.alias, "archive": alias.archive, "previous": tagged.previous,
@@ -39,6 +46,18 @@ def cmd_untag(args: argparse.Namespace, out: Output) -> int:
     else:
         out.result(f"removed alias {removed.alias}" + (f" (it pointed at {removed.archive})" if removed.archive else ""))
     return 0
+
+
+def cmd_resolve(args: argparse.Namespace, out: Output) -> int:
+    """The archive NAME denotes now: an alias's target (what a read naming it would read), or NAME itself."""
+    with connect(args) as client:
+        archive = client.resolve(args.alias)
+    if args.json:
+        out.json({"name": args.alias, "archive": archive, "alias": archive != args.alias})
+    else:
+        out.result(archive)
+    return 0
+
 
 def cmd_watch(args: argparse.Namespace, out: Output) -> int:
     with connect(args) as client:
@@ -100,4 +119,4 @@ def cmd_prune(args: argparse.Namespace, out: Output) -> int:
     return 0
 
 
-__all__ = ["cmd_prune", "cmd_rm", "cmd_tag", "cmd_untag", "cmd_watch"]
+__all__ = ["cmd_prune", "cmd_resolve", "cmd_rm", "cmd_tag", "cmd_untag", "cmd_watch"]

@@ -29,11 +29,13 @@ def cmd_ls(args: argparse.Namespace, out: Output) -> int:
     elif not archives:
         out.note("no archives" + (f" named {args.prefix}..." if args.prefix else ""))
     else:
-        aliased = any(a.name in named for a in archives)  # the column only when it says something
-        rows = [(shorten(a.name, NAME_COLUMNS), str(a.entries), human_size(a.nbytes), local_time(getattr(
-            a, "created", None)), *([", ".join(named.get(a.name, []))] if aliased else [])) for a in archives]
-        out.table([("NAME", "left"), ("ENTRIES", "right"), ("SIZE", "right"), ("CREATED", "left"),
-                   *([("ALIASES", "left")] if aliased else [])], rows)
+        aliased = any(a.name in named for a in archives)  # the columns only when they say something
+        filed = any(getattr(a, "files", 0) for a in archives)
+        rows = [(shorten(a.name, NAME_COLUMNS), str(a.entries), human_size(a.nbytes),
+                 *([str(a.files) if a.files else ""] if filed else []), local_time(getattr(a, "created", None)),
+                 *([", ".join(named.get(a.name, []))] if aliased else [])) for a in archives]
+        out.table([("NAME", "left"), ("ENTRIES", "right"), ("SIZE", "right"), *([("FILES", "right")] if filed else []),
+                   ("CREATED", "left"), *([("ALIASES", "left")] if aliased else [])], rows)
     return 0
 
 
@@ -114,8 +116,11 @@ def union_sources(plain: list[str], prefixed: list[str]) -> dict[str, str] | lis
 
 
 def archive_json(info: Any) -> dict:
+    """An archive as ls --json shows it: its tensors (entries, nbytes, payload_bytes), the files kept
+    with it counted apart (files, file_bytes), when it was created."""
     return {"name": info.name, "entries": int(info.entries), "nbytes": int(info.nbytes),
-            "payload_bytes": int(info.payload_bytes), "created": iso_time(getattr(info, "created", None))}
+            "payload_bytes": int(info.payload_bytes), "files": int(getattr(info, "files", 0)),
+            "file_bytes": int(getattr(info, "file_bytes", 0)), "created": iso_time(getattr(info, "created", None))}
 
 
 def entry_json(entry: Any) -> dict:

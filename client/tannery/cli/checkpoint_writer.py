@@ -95,11 +95,15 @@ class CheckpointWriter:
         self._written: set[str] = set()
         self._receiving: set[str] = set()
         self._names = [entry.name for entry in entries]
+        self._torch_file: Path | None = None  # a torch checkpoint: written whole at finish
         try:
-            if checkpoint_kind(path, writing=True) == "safetensors":
+            kind = checkpoint_kind(path, writing=True)
+            if kind == "safetensors":
                 self._lay_out_safetensors(Path(path), entries, metadata)
-            else:
+            elif kind == "tannic":
                 self._lay_out_pair(Path(path), entries)
+            else:
+                self._lay_out_torch(Path(path), entries)
         except BaseException:
             self.abort()
             raise
@@ -130,6 +134,32 @@ class CheckpointWriter:
                                     for e, offset, n in zip(entries, offsets, sizes)], self._codes)
         self._open(metadata_path).write_at(metadata, 0)
 
+    def _lay_out_torch(self, path: Path, entries: Sequence[Any]) -> None:
+        """A torch checkpoint: torch.save needs every tensor at once, so the pieces land in a
+        staging file laid out as a pair's data (every dtype; booleans packed), read back whole by
+        :meth:`finish`, which saves ``{name: tensor}`` (in name order, as push reads it back)."""
+        self._packed_bools = True
+        self._torch_file = path
+        sizes = [codec.dtype_named(e.dtype).buffer_nbytes(math.prod(e.shape)) for e in entries]
+        staging = self._open(path.with_name(path.name + ".staging"))  # never renamed into place
+        self._place(entries, sizes, start=0)
+        os.ftruncate(staging.fd, sum(sizes))
+
+    def _save_torch(self, path: Path) -> None:
+        """Read the staged entries back as tensors and torch.save them to ``path`` (whole or not at all)."""
+        import torch
+
+        from tannery.torch import from_buffer
+
+        staging = self._files[0]
+        staging._close()
+        data = staging.tmp.read_bytes()
+        tensors = {name: from_buffer(bytearray(data[slot.offset: slot.offset + slot.nbytes]),
+                                     codec.dtype_named(slot.entry.dtype), slot.entry.shape)
+                   for name, slot in sorted(self._slots.items())}
+        with Replacement(path) as tmp, open(tmp, "wb") as f:
+            torch.save(tensors, f)
+
     def _open(self, path: Path) -> _TempFile:
         file = _TempFile(path)
         self._files.append(file)
@@ -144,6 +174,8 @@ class CheckpointWriter:
     @property
     def paths(self) -> list[Path]:
         """The files this writer makes (renamed into place by :meth:`finish`)."""
+        if self._torch_file is not None:
+            return [self._torch_file]
         return [file.path for file in self._files]
 
     def write(self, piece: TensorPiece) -> None:
@@ -181,6 +213,9 @@ class CheckpointWriter:
     def finish(self) -> list[Path]:
         """Check that every entry came, and rename the files into place; the paths written."""
         self.check_complete()
+        if self._torch_file is not None:
+            self._save_torch(self._torch_file)  # the staging file goes with abort()
+            return self.paths
         for file in self._files:
             file.commit()
         return self.paths

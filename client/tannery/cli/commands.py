@@ -1,5 +1,5 @@
 """Every client subcommand's arguments and help (push, pull, ls, show, get, union; rm, tag,
-untag, watch, prune; publish, subscribe), apart from the code that runs them (:mod:`.archives`,
+untag, resolve, watch, prune; publish, subscribe), apart from the code that runs them (:mod:`.archives`,
 :mod:`.aliases`, :mod:`.channels`): building the parser imports none of those, and a command
 imports the one module that runs it."""
 
@@ -12,13 +12,14 @@ from typing import Any
 
 JSON = "print JSON (keys above)"
 
-JSON_PUSH = ("push --json prints {name, entries, nbytes, payload_bytes, created (ISO 8601 UTC), already_stored, "
-             "skipped: [{name, type}]}; already_stored is true when the archive already held exactly this content "
-             "and nothing new was stored (created is then when it was first stored); skipped lists the torch "
-             "checkpoint's non-tensor values left out; files: [{name, size}] the files of a folder kept with the "
-             "archive (entries and nbytes count them too, as ls does).")
-JSON_LS = ("ls --json prints a list of {name, entries, nbytes, payload_bytes, created (ISO 8601 UTC), aliases: "
-           "[the aliases that point at it]}.")
+JSON_PUSH = ("push --json prints {name, entries, nbytes, payload_bytes, file_bytes, created (ISO 8601 UTC), "
+             "already_stored, skipped: [{name, type}], files: [{name, size}]}: entries and nbytes count the tensors; "
+             "files are the folder's files kept with the archive (file_bytes their bytes); already_stored is true "
+             "when the archive already held exactly this content and nothing new was stored (created is then when "
+             "it was first stored); skipped lists the torch checkpoint's non-tensor values left out.")
+JSON_LS = ("ls --json prints a list of {name, entries, nbytes, payload_bytes, files, file_bytes, created (ISO 8601 "
+           "UTC), aliases: [the aliases that point at it]}: entries and the byte counts are the tensors'; files "
+           "counts the files kept with the archive (a pushed folder's config.json...), file_bytes their bytes.")
 JSON_SHOW = ("show --json prints {name, entries: [{name, dtype, shape, nbytes, payload_bytes, digest}], "
              "nbytes, payload_bytes, metadata: {key: value}} (sizes in bytes: nbytes of tensor data, "
              "payload_bytes with headers; metadata is the archive's string map, as safetensors' __metadata__), "
@@ -31,6 +32,8 @@ JSON_GET = ("get --json prints {archive, entry, dtype, shape, nbytes, stats: {co
 JSON_TAG = ("tag --json prints {alias, archive, previous, changed, moved (ISO 8601 UTC)}; previous is the archive "
             "it pointed at before (\"\" when created), changed is false when it already pointed at ARCHIVE.")
 JSON_UNTAG = "untag --json prints {alias, archive}: the alias removed and the archive it pointed at."
+JSON_RESOLVE = ("resolve --json prints {name, archive, alias}: the archive ALIAS denotes now, and whether ALIAS is "
+                "an alias (false: it is that archive's own name).")
 JSON_RM = ("rm --json prints a list of {name, blobs_removed, bytes_freed, aliases_removed}, one per archive "
            "deleted.")
 JSON_PRUNE = ("prune --json prints {prefix, keep_last, dry_run, deleted: [archive], kept: [archive]}, each "
@@ -94,22 +97,14 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
 
     command(
         "push", "store a checkpoint file as an archive",
-        "Store a checkpoint file on the server as an archive of named tensors. FILE is a Hugging Face "
-        "checkpoint folder (model.safetensors.index.json and the shards it names, checked against each other, "
-        "or a model.safetensors), a .safetensors file, "
-        "a .tannic pair (model.tannic with model.metadata.tannic beside it; it stores no shapes, so its "
-        "entries are stored 1-D) or a torch checkpoint (.pt, .pth, .bin) read with "
-        "torch.load(weights_only=True): every tensor of its dicts and lists becomes an entry named by its "
-        "path (model.layers.0.weight). A safetensors file's __metadata__ (a folder's: its first shard's) is "
-        "kept as the archive's metadata. A torch checkpoint's values that are not tensors (a step count, a "
-        "name, None) cannot be entries: push stores the tensors and lists the values it left out, with their "
-        "types, on stderr (and under \"skipped\" with --json). A progress bar shows bytes, rate and time left. "
-        "Pushing again to a name that holds exactly this content (entries, bytes, metadata) succeeds and stores "
-        "nothing new (\"is already stored with this content\"); other content under that name is refused, naming "
-        "the first entry that differs. A folder's other files (config.json, generation_config.json, the "
-        "tokenizer's files, a README: every file beside the index and the shards, not its directories) are kept "
-        "with the archive, stored in the same call, at most 32 MiB each and 64 MiB in all, and pull -o DIR/ writes "
-        "them back; --exclude leaves some out, --no-files all of them. " + JSON_PUSH,
+        "Store FILE as an archive of named tensors: a .safetensors file (its __metadata__ kept), a .tannic pair "
+        "(model.tannic beside model.metadata.tannic; stored 1-D), a torch checkpoint (.pt, .pth, .bin, read "
+        "with torch.load(weights_only=True); entries named by path, model.layers.0.weight) or a Hugging Face "
+        "folder (the index and its shards, checked against each other; its other files, config.json and the "
+        "tokenizer's, kept with the archive: --exclude, --no-files). A torch checkpoint's values that are not "
+        "tensors cannot be entries: push stores the tensors and lists the values it left out, with their "
+        "types, on stderr (and under \"skipped\" with --json). The same content pushed again to the same name "
+        "stores nothing new; other content there is refused unless --replace. " + JSON_PUSH,
         "  tannery push model.safetensors --as resnet50\n"
         "  tannery push ./llama-3-8b/ --as llama3\n"
         "  tannery push encoder.pt --as bert --prefix encoder --replace\n",
@@ -125,8 +120,9 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
     )
     pull = command(
         "pull", "write an archive (or part of it) to a file",
-        "Fetch an archive's entries and write them to FILE: a .safetensors file, or a .tannic pair "
-        "(FILE.tannic and FILE.metadata.tannic), by the extension; or, when FILE ends with a slash or is a "
+        "Fetch an archive's entries and write them to FILE: a .safetensors file, a .tannic pair "
+        "(FILE.tannic and FILE.metadata.tannic) or a torch checkpoint (.pt, .pth, .bin: torch.save of "
+        "{name: tensor}, which needs the whole archive in memory), by the extension; or, when FILE ends with a slash or is a "
         "directory, a Hugging Face checkpoint folder: shards model-00001-of-0000N.safetensors of at most "
         "--max-shard-size (whole entries in name order; an entry over it gets a shard of its own) and "
         "model.safetensors.index.json, or a single model.safetensors when everything fits in one, as "
@@ -137,11 +133,12 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
         "  tannery pull resnet50 -o resnet50.safetensors\n"
         "  tannery pull bert -o encoder.safetensors --prefix encoder\n"
         "  tannery pull bert -o two.tannic --names encoder.w,encoder.b\n"
+        "  tannery pull head -o back.pt\n"
         "  tannery pull llama3 -o ./llama-3-8b/ --max-shard-size 5GB\n",
         "transfers.cmd_pull",
         name("name", "NAME", "the archive"),
         option("-o", "--output", metavar="FILE", required=True,
-               help="the file to write (.safetensors or .tannic); missing directories are created"),
+               help="the file to write (.safetensors, .tannic or .pt); missing directories are created"),
         flag("-f", "--force", help="replace FILE if it exists (default: refuse)"),
         flag("--no-files", help="a folder: write the weights only, not the files kept with the archive"),
         option("--max-shard-size", metavar="SIZE", help="a folder's largest shard, as 5GB (the default), 500MB or 2GiB"),
@@ -155,8 +152,8 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
 
     command(
         "ls", "list archives",
-        "List the archives on the server (name, entries, size, creation time), optionally only those whose "
-        "names start with PREFIX. " + JSON_LS,
+        "List the archives on the server (name, entries: the tensors, their size, the files kept with it when "
+        "any archive has some, creation time), optionally only those whose names start with PREFIX. " + JSON_LS,
         "  tannery ls\n  tannery ls resnet --json\n",
         "archives.cmd_ls",
         option("prefix", metavar="PREFIX", nargs="?", default="", help="only archives whose names start with this"),
@@ -217,14 +214,19 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
         "then on, and a read that began before reads the old archive whole. Aliases and archives share one "
         "namespace: ALIAS cannot be an archive's name, and ARCHIVE must be an archive, not another alias. "
         "--expect OLD moves the alias only if it points at OLD now (--expect '' only if it does not exist "
-        "yet): two operators moving one alias at once cannot both win. " + JSON_TAG,
+        "yet): two operators moving one alias at once cannot both win. --back (no ARCHIVE) moves ALIAS back "
+        "to where it pointed before its last move (tannery log ALIAS shows them), only if no one moved it "
+        "meanwhile. " + JSON_TAG,
         "  tannery tag prod runs/7/step-2000\n"
-        "  tannery tag prod runs/7/step-3000 --expect runs/7/step-2000\n",
+        "  tannery tag prod runs/7/step-3000 --expect runs/7/step-2000\n"
+        "  tannery tag prod --back\n",
         "aliases.cmd_tag",
         name("alias", "ALIAS", "the alias to create or move"),
-        name("archive", "ARCHIVE", "the archive it points at from now on"),
+        name("archive", "ARCHIVE", "the archive it points at from now on (none with --back)", nargs="?"),
         option("--expect", metavar="OLD",
                help="move only if ALIAS points at OLD now ('' : only if ALIAS does not exist yet)"),
+        option("--back", action="store_true",
+               help="move ALIAS back to its target before its last move (compare-and-set against its target now)"),
         json=JSON,
     )
     command(
@@ -233,6 +235,15 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
         "  tannery untag prod\n",
         "aliases.cmd_untag",
         name("alias", "ALIAS", "the alias to remove"),
+        json=JSON,
+    )
+    command(
+        "resolve", "print the archive an alias points at",
+        "Print the archive ALIAS points at now, the one a read naming ALIAS would read (an archive's own name "
+        "prints itself; a name that is neither is not found). Before tag --expect, it says what to expect. " + JSON_RESOLVE,
+        "  tannery resolve prod\n  tannery resolve prod --json\n",
+        "aliases.cmd_resolve",
+        name("alias", "ALIAS", "the alias (or an archive's name)"),
         json=JSON,
     )
     command(

@@ -41,7 +41,9 @@ def add_global_options(parser: argparse.ArgumentParser, *, on_subcommand: bool) 
                        help="times a call that finds the server unreachable (restarting, a connection lost "
                             "midway) is tried again, after pauses that grow to 5 s (6 to 12.5 s in all for 5); a "
                             "push is sent again from its start, a pull resumes after the entries it has; each "
-                            "retry is noted on stderr; 0 for none [env TANNERY_RETRIES; default 5]")
+                            "retry is noted on stderr; 0 for none. Given neither this nor TANNERY_RETRIES, at a "
+                            "terminal (stderr) a server this command has not reached yet is an error at once, "
+                            "with no retry [env TANNERY_RETRIES; default 5]")
     parser.add_argument("-q", "--quiet", action="store_true", default=default,
                         help="no progress bars or progress notes on stderr (results and errors still print)")
 
@@ -105,6 +107,27 @@ def tls_options(args: argparse.Namespace) -> dict[str, str] | None:
     return {"ca": ca, "cert": cert, "key": key}
 
 
+def at_terminal_retries() -> Any:
+    """The retries of a command that was given none (no --retries, no TANNERY_RETRIES): when
+    stderr is a terminal, none until the server has answered once (a server never started fails
+    at once, with its hint, instead of after 6 to 12 s of retries), the usual ones after; else
+    None, the library's (a script rides out a restart)."""
+    import sys
+
+    if os.environ.get("TANNERY_RETRIES", "").strip() or not _isatty(sys.stderr):
+        return None
+    from tannery.rpc.retries import RetryPolicy
+
+    return RetryPolicy(until_reached=True)
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # a replaced or closed stream
+        return False
+
+
 def connect(args: argparse.Namespace) -> Any:
     """A :class:`tannery.Client` for the global options (a context manager)."""
     from tannery import Client, TLS
@@ -121,7 +144,7 @@ def connect(args: argparse.Namespace) -> Any:
         raise CommandError(f"--retries {retries}: not a number of retries", hint="give 0 (no retries) or more")
     try:
         return Client(target, token=token, tls=TLS(**tls) if tls is not None else None, transport=transport,
-                      retries=retries)
+                      retries=at_terminal_retries() if retries is None else retries)
     except ValueError as exc:
         if "TANNERY_RETRIES" not in str(exc):
             raise

@@ -116,7 +116,8 @@ def remedy(exc: BaseException, where: Where) -> str | None:
     if isinstance(exc, CommandError):
         return exc.hint
     if missing_extra(exc):
-        return 'install the client extra: pip install "tannery[client]"'
+        return ('install the client extra: pip install ".[client]" in a clone of tannery, or the wheel make dist '
+                'builds with [client] (README: "Install without make")')
     if isinstance(exc, Unauthenticated):
         return "give the server's token with --token TOKEN (or set TANNERY_TOKEN)"
     if isinstance(exc, PermissionDenied):

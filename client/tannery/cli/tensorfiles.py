@@ -39,7 +39,7 @@ READABLE = ".safetensors, .tannic (a pair) or a torch checkpoint (.pt, .pth, .bi
 
 
 def checkpoint_kind(path: str | os.PathLike[str], *, writing: bool = False) -> str:
-    """``"safetensors"``, ``"tannic"`` or ``"torch"`` (reading only) by the file's extension.
+    """``"safetensors"``, ``"tannic"`` or ``"torch"`` (.pt, .pth, .bin) by the file's extension.
 
     Reading, a file that is not there is a FileNotFoundError ("no such file") whatever its
     name, before its extension is looked at (a .tannic pair is there when either file is).
@@ -51,11 +51,12 @@ def checkpoint_kind(path: str | os.PathLike[str], *, writing: bool = False) -> s
         return "safetensors"
     if name.endswith(".tannic"):
         return "tannic"
-    if not writing and name.endswith(TORCH_SUFFIXES):
+    if name.endswith(TORCH_SUFFIXES):
         return "torch"
     if writing:
         raise CommandError(f"{path}: cannot tell the format from the extension",
-                           hint="write a .safetensors file or a .tannic pair (-o NAME.safetensors, -o NAME.tannic)")
+                           hint="write a .safetensors file, a .tannic pair or a torch checkpoint "
+                                "(-o NAME.safetensors, -o NAME.tannic, -o NAME.pt)")
     raise CommandError(f"{path}: cannot tell the format from the extension", hint=f"give a {READABLE} file")
 
 

@@ -67,10 +67,10 @@ def cmd_push(args: argparse.Namespace, out: Output) -> int:
 
 def push_line(what: str, info: Any, files: dict[str, bytes] | None = None) -> str:
     """What ``push`` did: stored the archive, or found it already there with this very content.
-    The files kept with it are entries on the server: counted apart from the tensors."""
+    Its entries are the tensors; the files kept with it are counted apart."""
     files = files or {}
     kept = sum(map(len, files.values()))
-    size = f"{_entries(info.entries - len(files))}, {human_size(info.nbytes - kept)}"
+    size = f"{_entries(info.entries)}, {human_size(info.nbytes)}"
     if files:
         size += f", and {len(files)} file{'s' if len(files) > 1 else ''} ({human_size(kept)})"
     if getattr(info, "already_stored", False):

@@ -26,6 +26,7 @@ from tannery_protocol.datalink import (
     HANDSHAKE_SECONDS, Link, LinkError, PeerFailed, connect_unix, expect, frame, tune_tcp,
 )
 from tannery.dataplane.gathering import receive_buffer
+from tannery.dataplane.memory_files import MemoryFiles, new_file
 from tannery.dataplane.received import Arrived, TensorPiece
 from tannery_protocol.v1.data_pb2 import DataEnd, EntryBytes, Hello, SealedPiece, Taken
 
@@ -299,15 +300,16 @@ def _pieces(views: list[memoryview], size: int) -> Iterator[list[memoryview]]:
         yield batch
 
 
-def _send_sealed(link: Link, views: list[memoryview], name: str, progress: "Progress" = None) -> None:
-    """Write ``views`` into a new memory file, seal it against any change, and pass it on
-    (``progress`` hears of every :data:`PROGRESS_STEP` written)."""
+def _send_sealed(link: Link, views: list[memoryview], name: str, progress: "Progress" = None,
+                 files: "MemoryFiles | None" = None) -> None:
+    """Write ``views`` into a new memory file (one ``files`` made ready, when it has one),
+    seal it against any change, and pass it on (``progress`` hears of every
+    :data:`PROGRESS_STEP` written)."""
     import fcntl
 
     size = sum(view.nbytes for view in views)
-    fd = os.memfd_create(f"tannery-store-{name[:40]}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    fd = files.take(name, size) if files is not None else new_file(f"store-{name}", size)
     try:
-        os.ftruncate(fd, size)
         offset = 0
         for view in views:
             while view.nbytes:
@@ -325,20 +327,24 @@ def _send_sealed(link: Link, views: list[memoryview], name: str, progress: "Prog
 # -- Channels ---------------------------------------------------------------------------------
 
 
-def publish_over(link: Link, tensors: Iterable[object], progress: "Progress" = None) -> tuple[int, int]:
+def publish_over(link: Link, tensors: Iterable[object], progress: "Progress" = None,
+                 files: "MemoryFiles | None" = None) -> tuple[int, int]:
     """Send each tensor's payload: one sealed memory file on the same host, an ``entry`` frame
     and the payload's bytes (from the tensor's own memory) over TCP; then ``end``, and wait for
-    the server's ``end``. Returns the payloads and bytes published."""
+    the server's ``end``. Returns the payloads and bytes published. With ``files``, the memory
+    files come from those made ready, and files of these sizes are made ready for the next call."""
     from tannery import torch as torch_codec
     from tannery.values import as_tensor
 
     count = total = 0
+    sizes: list[int] = []
     for index, tensor in enumerate(tensors):
         tensor = as_tensor(tensor, f"tensor {index}", "Client.publish")
         views = [memoryview(part).cast("B") for part in torch_codec.serialize_parts(tensor)]
         size = sum(view.nbytes for view in views)
         if link.local:
-            _send_sealed(link, views, "publish")
+            _send_sealed(link, views, "publish", files=files)
+            sizes.append(size)
         else:
             link.send(frame(entry=EntryBytes(payload_bytes=size)))
             for view in views:
@@ -349,6 +355,8 @@ def publish_over(link: Link, tensors: Iterable[object], progress: "Progress" = N
     link.send(frame(end=DataEnd(entries=count, payload_bytes=total)))
     answer, _ = link.receive()
     expect(answer, "end")
+    if files is not None:
+        files.expect(sizes)
     return count, total
 
 

@@ -156,15 +156,16 @@ def check_tensors(tensors: Any) -> None:
 
 
 def publish_messages(
-    tensor: Any, channel: str | None, chunk_size: int, progress: Progress = None, index: int = 0
+    tensor: Any, channel: str | None, chunk_size: int, progress: Progress = None, index: int = 0,
+    store_as: bytes = b""
 ) -> Iterator[bytes]:
     """The serialized ``PublishRequest``s of one tensor (a torch tensor or numpy array);
-    ``channel`` names the channel in the first (for the call's first tensor)."""
+    ``channel`` names the channel in the first (for the call's first tensor), with ``store_as``."""
     from tannery.values import as_tensor
 
     tensor = as_tensor(tensor, f"tensor {index}", "Client.publish")
     for chunk in wire.split_parts(torch_codec.serialize_parts(tensor), chunk_size):
-        yield wire.encode_publish_request(channel, chunk)
+        yield wire.encode_publish_request(channel, chunk, store_as if channel else b"")
         channel = None
         if progress is not None:
             progress(sum(piece.nbytes for piece in chunk))
@@ -172,26 +173,27 @@ def publish_messages(
 
 
 def publish_stream(channel: str, tensors: Iterable[Any] | AsyncIterable[Any], chunk_size: int,
-                   progress: Progress = None) -> Iterator[bytes] | AsyncIterator[bytes]:
+                   progress: Progress = None, store_as: bytes = b"") -> Iterator[bytes] | AsyncIterator[bytes]:
     """The messages of a Publish of ``tensors`` (each read as it is sent; an async iterable
-    gives an async iterator), the first naming ``channel`` (alone when there is no tensor)."""
-    publishing = _Publishing(channel, chunk_size, progress)
+    gives an async iterator), the first naming ``channel`` (alone when there is no tensor) and
+    carrying ``store_as`` (a serialized ``StoreAs``, b"" for none)."""
+    publishing = _Publishing(channel, chunk_size, progress, store_as)
     return publishing.each_async(tensors) if isinstance(tensors, AsyncIterable) else publishing.each(tensors)
 
 
 class _Publishing:
-    def __init__(self, channel: str, chunk_size: int, progress: Progress) -> None:
-        self.channel, self.chunk_size, self.progress = channel, chunk_size, progress
+    def __init__(self, channel: str, chunk_size: int, progress: Progress, store_as: bytes = b"") -> None:
+        self.channel, self.chunk_size, self.progress, self.store_as = channel, chunk_size, progress, store_as
         self.count = 0
 
     def of(self, tensor: Any) -> Iterator[bytes]:
         messages = publish_messages(tensor, None if self.count else self.channel, self.chunk_size, self.progress,
-                                    self.count)
+                                    self.count, self.store_as)
         self.count += 1
         return messages
 
     def end(self) -> list[bytes]:
-        return [] if self.count else [wire.encode_publish_request(self.channel, [])]
+        return [] if self.count else [wire.encode_publish_request(self.channel, [], self.store_as)]
 
     def each(self, tensors: Iterable[Any]) -> Iterator[bytes]:
         for tensor in tensors:

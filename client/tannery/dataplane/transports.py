@@ -46,6 +46,7 @@ from tannery_protocol.wire import ABANDONED, encode_publish_request, encode_stor
 if TYPE_CHECKING:
     from tannery.archive import Archive
     from tannery.rpc.connection import TLS
+    from tannery.dataplane.memory_files import MemoryFiles
     from tannery.dataplane.readers import PayloadReader
     from tannery_protocol.v1.archives_pb2 import DataPathsResponse
 
@@ -147,8 +148,11 @@ class Transport(Protocol):
         """The StoreResponse of one Store call of the whole archive (``batched``: the server
         reads small entries several to a gRPC message)."""
 
-    def publish(self, calls: Calls, channel: str, tensors: Iterable[Any], progress: Progress) -> Steps[Any]:
-        """The PublishResponse of one Publish call."""
+    def publish(self, calls: Calls, channel: str, tensors: Iterable[Any], progress: Progress,
+                store_as: bytes = b"", files: MemoryFiles | None = None) -> Steps[Any]:
+        """The PublishResponse of one Publish call (``store_as``: a serialized ``StoreAs``, the
+        archive the server stores the payloads as too; b"" for none; ``files``: memory files
+        made ready for the same host's sealed payloads, and made ready again for the next call)."""
 
     def subscribe(self, calls: Calls, channel: str, reader: PayloadReader) -> Steps[Feed]:
         """A subscription the server has registered."""
@@ -178,8 +182,9 @@ class GrpcTransport:
         # A message may wait for its entry's hash: in asyncio, not on the event loop.
         return (yield Send(calls.methods.store, messages, calls.options(), calls.target, off_loop=digests))
 
-    def publish(self, calls: Calls, channel: str, tensors: Iterable[Any], progress: Progress) -> Steps[Any]:
-        messages = publish_stream(channel, tensors, calls.connection.chunk_size, progress)
+    def publish(self, calls: Calls, channel: str, tensors: Iterable[Any], progress: Progress,
+                store_as: bytes = b"", files: MemoryFiles | None = None) -> Steps[Any]:
+        messages = publish_stream(channel, tensors, calls.connection.chunk_size, progress, store_as)
         return (yield Send(calls.methods.publish, messages, calls.options(), calls.target))
 
     def subscribe(self, calls: Calls, channel: str, reader: PayloadReader) -> Steps[Feed]:
@@ -271,14 +276,15 @@ class LinkTransport:
         finally:
             upload.close()
 
-    def publish(self, calls: Calls, channel: str, tensors: Iterable[Any], progress: Progress) -> Steps[Any]:
+    def publish(self, calls: Calls, channel: str, tensors: Iterable[Any], progress: Progress,
+                store_as: bytes = b"", files: MemoryFiles | None = None) -> Steps[Any]:
         """A Publish whose call names the channel, its payloads sent on the data path: sealed
         memory files on the same host, raw bytes over TCP (an async iterable of tensors is
         gathered first: the sending runs on a worker thread)."""
         if isinstance(tensors, AsyncIterable):
             tensors = yield Rpc(_gathered, tensors)
-        return (yield from self._upload(calls, calls.methods.publish, encode_publish_request(channel, []),
-                                        lambda link: publish_over(link, tensors, progress)))
+        return (yield from self._upload(calls, calls.methods.publish, encode_publish_request(channel, [], store_as),
+                                        lambda link: publish_over(link, tensors, progress, files)))
 
     def subscribe(self, calls: Calls, channel: str, reader: PayloadReader) -> Steps[Feed]:
         """A subscription registered over gRPC whose payloads come on the data connection."""

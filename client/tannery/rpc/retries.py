@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tannery_protocol import errors
 from tannery_protocol.names import owned
@@ -47,6 +47,13 @@ def _uniform(low: float, high: float) -> float:
     return random.uniform(low, high)
 
 
+class Contact:
+    """Whether the server has answered a client yet: the client sets ``reached`` on its first answer."""
+
+    def __init__(self) -> None:
+        self.reached = False
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     """How often and how patiently a call that ended UNAVAILABLE is tried again.
@@ -54,20 +61,30 @@ class RetryPolicy:
     The pause before retry ``n`` (from 0) is ``min(max_delay, first_delay * 2**n)`` times a
     random factor in [0.5, 1): the default 5 retries wait 6 to 12.5 s in all, which covers a
     server or replica restarting, and clients that failed together do not retry together.
+
+    ``until_reached`` retries only once the server has answered the client (``contact``): a
+    server never reached is an error at once. The command line asks for it at a terminal, where
+    waiting for a server that was never started only delays the answer; a script riding out a
+    restart keeps every retry. A policy with it belongs to one client (its ``contact``).
     """
 
     retries: int = DEFAULT_RETRIES
     first_delay: float = 0.5
     max_delay: float = 5.0
+    until_reached: bool = False
+    contact: Contact = field(default_factory=Contact, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.retries < 0:
             raise ValueError(f"retries {self.retries} must be 0 (no retries) or more")
 
     @staticmethod
-    def resolve(retries: int | None, env: Mapping[str, str] | None = None) -> "RetryPolicy":
+    def resolve(retries: "int | RetryPolicy | None", env: Mapping[str, str] | None = None) -> "RetryPolicy":
         """The policy of ``retries=`` if given, else of ``TANNERY_RETRIES``, else the default;
-        ValueError naming the setting that is not a whole number of 0 or more."""
+        ValueError naming the setting that is not a whole number of 0 or more. A policy given
+        is taken as it is."""
+        if isinstance(retries, RetryPolicy):
+            return retries
         if retries is not None:
             if isinstance(retries, bool) or not isinstance(retries, int):
                 raise TypeError(f"retries is an int (0 for none), not {type(retries).__name__}")
@@ -90,7 +107,7 @@ class RetryPolicy:
     def next_delay(self, retry: int, what: str, error: BaseException) -> float:
         """The pause before retry ``retry`` of ``what`` after ``error``, logged; ``error``
         itself (re-raised by the caller) when it is not to be retried or no retry is left."""
-        if not retryable(error) or retry >= self.retries:
+        if not retryable(error) or retry >= self.retries or (self.until_reached and not self.contact.reached):
             if retry and retryable(error):
                 _note_gave_up(error, retry)
             raise error
@@ -142,4 +159,4 @@ def resumed_request(request: archives_pb2.FetchRequest, done: Sequence[str],
     return archives_pb2.FetchRequest(archive=request.archive, entries=rest, batched_entries=request.batched_entries)
 
 
-__all__ = ["DEFAULT_RETRIES", "ENV", "RetryPolicy", "call_name", "resumed_request", "retryable"]
+__all__ = ["DEFAULT_RETRIES", "ENV", "Contact", "RetryPolicy", "call_name", "resumed_request", "retryable"]

@@ -42,6 +42,7 @@ import time
 from typing import TYPE_CHECKING, Any, Awaitable
 
 from tannery_protocol.errors import ArchiveError, NotFound
+from tannery.dataplane.memory_files import DEFAULT_BUDGET
 from tannery.weights.sources import AGAIN, FIRST_VERSION_POLL_SECONDS, Newest, Pauses
 from tannery.calls.running import run as run_blocking, run_async
 from tannery.rpc.waits import END, Blocking, Rpc, Steps
@@ -67,14 +68,17 @@ class Publisher:
     its changes from the version streamed before, when they are less than half of it (a copy
     of that version is kept to diff against: as much memory as the weights); followers that
     hold that version apply the changes and check every tensor's digest, the others take the
-    version whole from the store. Versions only go up. One publisher per name: a push that
-    finds the alias moved by another raises AliasError naming where it points.
+    version whole from the store. ``ready_bytes``: on the same host, how many bytes of memory
+    files a publisher makes ready between pushes for the next version's payloads, so that
+    writing them does not wait for the kernel to allocate their pages (0: none). Versions only
+    go up. One publisher per name: a push that finds the alias moved by another raises
+    AliasError naming where it points.
     """
 
     def __init__(self, client: Client, name: str, *, keep: bool | int = True, stream: bool = True,
-                 delta: bool = True) -> None:
+                 delta: bool = True, ready_bytes: int = DEFAULT_BUDGET) -> None:
         self.client = client
-        self._pushing = Pushing(name, keep, stream, delta)
+        self._pushing = Pushing(name, keep, stream, delta, ready_bytes)
 
     @property
     def version(self) -> int | None:
@@ -92,9 +96,9 @@ class AsyncPublisher:
     """:class:`Publisher` for ``tannery.aio.Client``: ``await publisher.push(state, version)``."""
 
     def __init__(self, client: AsyncClient, name: str, *, keep: bool | int = True, stream: bool = True,
-                 delta: bool = True) -> None:
+                 delta: bool = True, ready_bytes: int = DEFAULT_BUDGET) -> None:
         self.client = client
-        self._pushing = Pushing(name, keep, stream, delta)
+        self._pushing = Pushing(name, keep, stream, delta, ready_bytes)
 
     async def push(self, state: Any, version: int) -> Pushed:
         return await run_async(push_steps(self.client, self._pushing, state, version))

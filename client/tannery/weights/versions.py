@@ -23,7 +23,9 @@ from tannery_protocol.errors import (AliasError, AlreadyExists, ArchiveError, Ca
 from tannery.records import ArchiveDescription, ArchiveInfo
 from tannery.calls.retention import plan_prune
 from tannery_protocol._lazy import lazy_module
+from tannery_protocol.v1 import channels_pb2
 from tannery.calls.state_dict import Rows, TargetPlan, plan_targets, target_tensors
+from tannery.dataplane.memory_files import DEFAULT_BUDGET, MemoryFiles
 from tannery.weights.deltas import Base, Change, apply_changes
 from tannery.weights.stream import StreamedVersion, delta_payloads, version_payloads
 from tannery.rpc.waits import Steps
@@ -134,7 +136,8 @@ class Pushing:
     stream (and deltas), the alias's target as it left it (None: not asked yet; "": nothing
     pushed), and the version it streamed last, to send the next as a delta from it."""
 
-    def __init__(self, name: str, keep: bool | int, stream: bool, delta: bool = True) -> None:
+    def __init__(self, name: str, keep: bool | int, stream: bool, delta: bool = True,
+                 ready_bytes: int = DEFAULT_BUDGET) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"Publisher: the weights' name is a non-empty str, not {name!r}")
         self.name = name
@@ -150,6 +153,8 @@ class Pushing:
         self.busy = False
         #: Whether the server derives (False once it answered Derive UNIMPLEMENTED).
         self.derives = True
+        #: On the same host: memory files made ready, between pushes, for the next version's payloads.
+        self.files = MemoryFiles(ready_bytes) if stream and ready_bytes > 0 else None
 
     def learn(self, core: CallCore) -> Steps[None]:
         """Ask where the alias points, once (a publisher started again goes on from there)."""
@@ -185,19 +190,29 @@ def _push(core: CallCore, pushing: Pushing, state: Any, version: int) -> Steps[P
     name, current, push = pushing.name, pushing.current or "", uuid.uuid4().hex[:16]
     tensors = target_tensors(state, pushing.where)
     streamed, changes, base = None, None, (pushing.base.version, pushing.base.push)
+    metadata = {VERSION_KEY: str(version), WEIGHTS_KEY: name, PUSH_KEY: push}
+    info = None
     if pushing.stream:
         yield from _check_alias(core, name, current)  # before any follower sees a byte of it
         changes = pushing.base.changes(tensors) if pushing.delta else None
-        payloads = (version_payloads(version, push, tensors) if changes is None else
-                    delta_payloads(version, push, (pushing.base.version, pushing.base.push), tensors, changes))
+        if changes is None:  # whole: the server stores what the channel carries (its bytes sent once)
+            payloads = version_payloads(version, push, tensors)
+            store_as = channels_pb2.StoreAs(archive=version_archive(name, version), metadata=metadata,
+                                            entries=["", *tensors, ""])
+        else:
+            payloads = delta_payloads(version, push, (pushing.base.version, pushing.base.push), tensors, changes)
+            store_as = None
         try:
-            streamed = yield from core._publish(name, payloads, None)
+            streamed = yield from core._publish(name, payloads, None, store_as, pushing.files)
         except (Unavailable, ResourceExhausted):
             pass  # the channel cannot carry it now: the followers take it from the store, a moment later
         if streamed is not None and pushing.delta:
             pushing.base.take(version, push, tensors, changes)  # what the running followers hold now
-    metadata = {VERSION_KEY: str(version), WEIGHTS_KEY: name, PUSH_KEY: push}
-    info = None
+        if streamed is not None and store_as is not None:
+            info = streamed.stored
+            if info is None:
+                log.info("%s: version %d was streamed, not stored by the server (%s): storing it",
+                         pushing.where, version, streamed.store_error or "a server from before store_as")
     if changes is not None and streamed is not None:
         info = yield from _derived(core, pushing, version, base, changes, metadata)
     if info is None:

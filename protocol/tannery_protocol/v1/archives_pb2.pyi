@@ -82,20 +82,24 @@ class WholeEntry(_message.Message):
     def __init__(self, name: _Optional[str] = ..., payload: _Optional[bytes] = ..., sha256: _Optional[bytes] = ...) -> None: ...
 
 class ArchiveInfo(_message.Message):
-    __slots__ = ("name", "entries", "nbytes", "payload_bytes", "created", "already_stored")
+    __slots__ = ("name", "entries", "nbytes", "payload_bytes", "created", "already_stored", "files", "file_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
     ALREADY_STORED_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    FILE_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     entries: int
     nbytes: int
     payload_bytes: int
     created: _timestamp_pb2.Timestamp
     already_stored: bool
-    def __init__(self, name: _Optional[str] = ..., entries: _Optional[int] = ..., nbytes: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., created: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., already_stored: _Optional[bool] = ...) -> None: ...
+    files: int
+    file_bytes: int
+    def __init__(self, name: _Optional[str] = ..., entries: _Optional[int] = ..., nbytes: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., created: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., already_stored: _Optional[bool] = ..., files: _Optional[int] = ..., file_bytes: _Optional[int] = ...) -> None: ...
 
 class DeriveBegin(_message.Message):
     __slots__ = ("archive", "base", "replace", "metadata")
@@ -397,3 +401,143 @@ class WatchResponse(_message.Message):
     archive: str
     moved: _timestamp_pb2.Timestamp
     def __init__(self, archive: _Optional[str] = ..., moved: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class DiffRequest(_message.Message):
+    __slots__ = ("a", "b", "names", "prefix", "list_same")
+    A_FIELD_NUMBER: _ClassVar[int]
+    B_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    LIST_SAME_FIELD_NUMBER: _ClassVar[int]
+    a: str
+    b: str
+    names: _containers.RepeatedScalarFieldContainer[str]
+    prefix: str
+    list_same: bool
+    def __init__(self, a: _Optional[str] = ..., b: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ..., prefix: _Optional[str] = ..., list_same: _Optional[bool] = ...) -> None: ...
+
+class ValueChange(_message.Message):
+    __slots__ = ("elements", "differing", "max_abs", "relative_l2", "nan_appeared", "inf_appeared")
+    ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    DIFFERING_FIELD_NUMBER: _ClassVar[int]
+    MAX_ABS_FIELD_NUMBER: _ClassVar[int]
+    RELATIVE_L2_FIELD_NUMBER: _ClassVar[int]
+    NAN_APPEARED_FIELD_NUMBER: _ClassVar[int]
+    INF_APPEARED_FIELD_NUMBER: _ClassVar[int]
+    elements: int
+    differing: int
+    max_abs: float
+    relative_l2: float
+    nan_appeared: int
+    inf_appeared: int
+    def __init__(self, elements: _Optional[int] = ..., differing: _Optional[int] = ..., max_abs: _Optional[float] = ..., relative_l2: _Optional[float] = ..., nan_appeared: _Optional[int] = ..., inf_appeared: _Optional[int] = ...) -> None: ...
+
+class EntryDiff(_message.Message):
+    __slots__ = ("name", "change", "dtype_a", "dtype_b", "shape_a", "shape_b", "nbytes_a", "nbytes_b", "values", "file")
+    class Change(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        CHANGE_UNSPECIFIED: _ClassVar[EntryDiff.Change]
+        SAME: _ClassVar[EntryDiff.Change]
+        ADDED: _ClassVar[EntryDiff.Change]
+        REMOVED: _ClassVar[EntryDiff.Change]
+        TYPE: _ClassVar[EntryDiff.Change]
+        VALUE: _ClassVar[EntryDiff.Change]
+    CHANGE_UNSPECIFIED: EntryDiff.Change
+    SAME: EntryDiff.Change
+    ADDED: EntryDiff.Change
+    REMOVED: EntryDiff.Change
+    TYPE: EntryDiff.Change
+    VALUE: EntryDiff.Change
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CHANGE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_A_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_B_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_A_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_B_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_A_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_B_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    change: EntryDiff.Change
+    dtype_a: str
+    dtype_b: str
+    shape_a: _containers.RepeatedScalarFieldContainer[int]
+    shape_b: _containers.RepeatedScalarFieldContainer[int]
+    nbytes_a: int
+    nbytes_b: int
+    values: ValueChange
+    file: bool
+    def __init__(self, name: _Optional[str] = ..., change: _Optional[_Union[EntryDiff.Change, str]] = ..., dtype_a: _Optional[str] = ..., dtype_b: _Optional[str] = ..., shape_a: _Optional[_Iterable[int]] = ..., shape_b: _Optional[_Iterable[int]] = ..., nbytes_a: _Optional[int] = ..., nbytes_b: _Optional[int] = ..., values: _Optional[_Union[ValueChange, _Mapping]] = ..., file: _Optional[bool] = ...) -> None: ...
+
+class MetadataChange(_message.Message):
+    __slots__ = ("key", "a", "b")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    A_FIELD_NUMBER: _ClassVar[int]
+    B_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    a: str
+    b: str
+    def __init__(self, key: _Optional[str] = ..., a: _Optional[str] = ..., b: _Optional[str] = ...) -> None: ...
+
+class DiffSummary(_message.Message):
+    __slots__ = ("same", "added", "removed", "type_changed", "value_changed", "bytes_read", "files_same", "files_changed")
+    SAME_FIELD_NUMBER: _ClassVar[int]
+    ADDED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    TYPE_CHANGED_FIELD_NUMBER: _ClassVar[int]
+    VALUE_CHANGED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    FILES_SAME_FIELD_NUMBER: _ClassVar[int]
+    FILES_CHANGED_FIELD_NUMBER: _ClassVar[int]
+    same: int
+    added: int
+    removed: int
+    type_changed: int
+    value_changed: int
+    bytes_read: int
+    files_same: int
+    files_changed: int
+    def __init__(self, same: _Optional[int] = ..., added: _Optional[int] = ..., removed: _Optional[int] = ..., type_changed: _Optional[int] = ..., value_changed: _Optional[int] = ..., bytes_read: _Optional[int] = ..., files_same: _Optional[int] = ..., files_changed: _Optional[int] = ...) -> None: ...
+
+class DiffResponse(_message.Message):
+    __slots__ = ("a", "b", "entries", "metadata", "summary")
+    A_FIELD_NUMBER: _ClassVar[int]
+    B_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    a: str
+    b: str
+    entries: _containers.RepeatedCompositeFieldContainer[EntryDiff]
+    metadata: _containers.RepeatedCompositeFieldContainer[MetadataChange]
+    summary: DiffSummary
+    def __init__(self, a: _Optional[str] = ..., b: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[EntryDiff, _Mapping]]] = ..., metadata: _Optional[_Iterable[_Union[MetadataChange, _Mapping]]] = ..., summary: _Optional[_Union[DiffSummary, _Mapping]] = ...) -> None: ...
+
+class HistoryRequest(_message.Message):
+    __slots__ = ("alias", "limit")
+    ALIAS_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    alias: str
+    limit: int
+    def __init__(self, alias: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class AliasMove(_message.Message):
+    __slots__ = ("alias", "previous", "archive", "moved", "by")
+    ALIAS_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    ARCHIVE_FIELD_NUMBER: _ClassVar[int]
+    MOVED_FIELD_NUMBER: _ClassVar[int]
+    BY_FIELD_NUMBER: _ClassVar[int]
+    alias: str
+    previous: str
+    archive: str
+    moved: _timestamp_pb2.Timestamp
+    by: str
+    def __init__(self, alias: _Optional[str] = ..., previous: _Optional[str] = ..., archive: _Optional[str] = ..., moved: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., by: _Optional[str] = ...) -> None: ...
+
+class HistoryResponse(_message.Message):
+    __slots__ = ("moves",)
+    MOVES_FIELD_NUMBER: _ClassVar[int]
+    moves: _containers.RepeatedCompositeFieldContainer[AliasMove]
+    def __init__(self, moves: _Optional[_Iterable[_Union[AliasMove, _Mapping]]] = ...) -> None: ...

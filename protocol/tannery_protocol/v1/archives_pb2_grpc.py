@@ -99,6 +99,16 @@ class ArchivesStub:
                 request_serializer=tannery__protocol_dot_v1_dot_archives__pb2.WatchRequest.SerializeToString,
                 response_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.WatchResponse.FromString,
                 _registered_method=True)
+        self.Diff = channel.unary_unary(
+                '/tannery.v1.Archives/Diff',
+                request_serializer=tannery__protocol_dot_v1_dot_archives__pb2.DiffRequest.SerializeToString,
+                response_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.DiffResponse.FromString,
+                _registered_method=True)
+        self.History = channel.unary_unary(
+                '/tannery.v1.Archives/History',
+                request_serializer=tannery__protocol_dot_v1_dot_archives__pb2.HistoryRequest.SerializeToString,
+                response_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.HistoryResponse.FromString,
+                _registered_method=True)
 
 
 class ArchivesServicer:
@@ -269,6 +279,33 @@ class ArchivesServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Diff(self, request, context):
+        """How archive `b` differs from archive `a`, entry by entry (each an archive or an alias,
+        resolved once). Entries whose payload digests agree are SAME with no byte read; an entry
+        only in `b` is ADDED, only in `a` REMOVED; one whose dtype or shape differs is TYPE. For
+        every other pair the server streams both payloads through its checked block reader, a
+        window at a time (bounded memory, no tensor byte sent), and reports ValueChange. Kept
+        files (entries named `@file:...`, docs/model-folders.md) that differ are VALUE with
+        `file` set and no ValueChange (a file's bytes are no tensor). `names` or `prefix` narrow
+        the entries compared. NOT_FOUND names an archive (or a named entry) that is in neither;
+        DATA_LOSS a block that fails its check. Runs on the server's io threads: a cancelled
+        call stops at its next window.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def History(self, request, context):
+        """The moves of alias `alias`, newest first: every Tag that moved it (or created it), every
+        Untag and forced Delete that removed it, with when and by which token (its role and the
+        first hex digits of its SHA-256; empty on a server without tokens). A server keeps the
+        newest moves of each alias (1,000 by default: its alias_history setting), and those of an
+        alias since removed. NOT_FOUND when the name was never an alias.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ArchivesServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -336,6 +373,16 @@ def add_ArchivesServicer_to_server(servicer, server):
                     servicer.Watch,
                     request_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.WatchRequest.FromString,
                     response_serializer=tannery__protocol_dot_v1_dot_archives__pb2.WatchResponse.SerializeToString,
+            ),
+            'Diff': grpc.unary_unary_rpc_method_handler(
+                    servicer.Diff,
+                    request_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.DiffRequest.FromString,
+                    response_serializer=tannery__protocol_dot_v1_dot_archives__pb2.DiffResponse.SerializeToString,
+            ),
+            'History': grpc.unary_unary_rpc_method_handler(
+                    servicer.History,
+                    request_deserializer=tannery__protocol_dot_v1_dot_archives__pb2.HistoryRequest.FromString,
+                    response_serializer=tannery__protocol_dot_v1_dot_archives__pb2.HistoryResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -689,6 +736,60 @@ class Archives:
             '/tannery.v1.Archives/Watch',
             tannery__protocol_dot_v1_dot_archives__pb2.WatchRequest.SerializeToString,
             tannery__protocol_dot_v1_dot_archives__pb2.WatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Diff(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tannery.v1.Archives/Diff',
+            tannery__protocol_dot_v1_dot_archives__pb2.DiffRequest.SerializeToString,
+            tannery__protocol_dot_v1_dot_archives__pb2.DiffResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def History(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tannery.v1.Archives/History',
+            tannery__protocol_dot_v1_dot_archives__pb2.HistoryRequest.SerializeToString,
+            tannery__protocol_dot_v1_dot_archives__pb2.HistoryResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,26 +1,54 @@
+from tannery_protocol.v1 import archives_pb2 as _archives_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PublishRequest(_message.Message):
-    __slots__ = ("channel", "chunk")
+    __slots__ = ("channel", "chunk", "store_as")
     CHANNEL_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    STORE_AS_FIELD_NUMBER: _ClassVar[int]
     channel: str
     chunk: bytes
-    def __init__(self, channel: _Optional[str] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+    store_as: StoreAs
+    def __init__(self, channel: _Optional[str] = ..., chunk: _Optional[bytes] = ..., store_as: _Optional[_Union[StoreAs, _Mapping]] = ...) -> None: ...
+
+class StoreAs(_message.Message):
+    __slots__ = ("archive", "metadata", "replace", "entries")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ARCHIVE_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    archive: str
+    metadata: _containers.ScalarMap[str, str]
+    replace: bool
+    entries: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, archive: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., replace: _Optional[bool] = ..., entries: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PublishResponse(_message.Message):
-    __slots__ = ("payloads", "bytes", "dropped_subscribers")
+    __slots__ = ("payloads", "bytes", "dropped_subscribers", "stored", "store_error")
     PAYLOADS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     DROPPED_SUBSCRIBERS_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    STORE_ERROR_FIELD_NUMBER: _ClassVar[int]
     payloads: int
     bytes: int
     dropped_subscribers: int
-    def __init__(self, payloads: _Optional[int] = ..., bytes: _Optional[int] = ..., dropped_subscribers: _Optional[int] = ...) -> None: ...
+    stored: _archives_pb2.ArchiveInfo
+    store_error: str
+    def __init__(self, payloads: _Optional[int] = ..., bytes: _Optional[int] = ..., dropped_subscribers: _Optional[int] = ..., stored: _Optional[_Union[_archives_pb2.ArchiveInfo, _Mapping]] = ..., store_error: _Optional[str] = ...) -> None: ...
 
 class SubscribeRequest(_message.Message):
     __slots__ = ("channel",)

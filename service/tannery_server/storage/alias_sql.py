@@ -7,6 +7,11 @@ alias points at an archive that exists (a Delete of its target is refused, or wi
 removes it too). Every read resolves a name in the query that finds its archive
 (:data:`LOOKUP`), so a call reads one version whole however the alias moves meanwhile.
 
+Every move (a Tag that changes the target, an Untag, a forced Delete that removes aliases) adds
+a row to the alias's history (``alias_moves``: from, to, when, by whom), in the same transaction,
+and trims it to the newest ``MoveNote.keep`` rows. Rows are ordered by their id, which the
+catalog numbers (no per-alias counter two writers could both take).
+
 The queries take the catalog's placeholder as ``mark`` (``?`` or ``%s``).
 """
 
@@ -14,7 +19,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from .base import AliasRecord
+from .base import AliasMove, AliasRecord, MoveNote
 from .errors import AliasConflict, NoSuchArchive
 
 #: Runs ``(sql, args)`` in the caller's transaction: the rows (none for a statement without).
@@ -24,6 +29,7 @@ Query = Callable[[str, tuple], Sequence[tuple]]
 #: with the name given twice.
 LOOKUP = "coalesce((SELECT target FROM aliases WHERE alias = {0}), {0})"
 ALIAS_COLUMNS = "alias, target, moved_ns"
+MOVE_COLUMNS = "alias, from_archive, to_archive, moved_ns, moved_by"
 
 
 def lookup_sql(mark: str) -> str:
@@ -72,7 +78,8 @@ def alias_name_refusal(name: str, target: str, what: str = "archive") -> AliasCo
         f"remove the alias first (tannery untag {name})")
 
 
-def tag(query: Query, mark: str, alias: str, archive: str, expect: str | None, now_ns: int) -> AliasRecord:
+def tag(query: Query, mark: str, alias: str, archive: str, expect: str | None, now_ns: int,
+        note: MoveNote = MoveNote()) -> AliasRecord:
     """Point ``alias`` at ``archive`` (see :meth:`~.base.Catalog.tag`)."""
     if query(f"SELECT 1 FROM archives WHERE name = {mark}", (alias,)):
         raise AliasConflict(
@@ -94,6 +101,7 @@ def tag(query: Query, mark: str, alias: str, archive: str, expect: str | None, n
         query(f"INSERT INTO aliases ({ALIAS_COLUMNS}) VALUES ({mark}, {mark}, {mark})", (alias, archive, now_ns))
     else:
         query(f"UPDATE aliases SET target = {mark}, moved_ns = {mark} WHERE alias = {mark}", (archive, now_ns, alias))
+    record_move(query, mark, AliasMove(alias, current.archive if current else "", archive, now_ns, note.by), note)
     return AliasRecord(alias, archive, now_ns, previous=current.archive if current else "", changed=True)
 
 
@@ -106,14 +114,16 @@ def _not_expected(alias: str, current: AliasRecord | None, expect: str) -> str:
             f"resolve it again (tannery resolve) and decide, or tag without expect to move it regardless")
 
 
-def untag(query: Query, mark: str, alias: str) -> AliasRecord | None:
+def untag(query: Query, mark: str, alias: str, now_ns: int, note: MoveNote = MoveNote()) -> AliasRecord | None:
     found = alias_of(query, mark, alias)
     if found is not None:
         query(f"DELETE FROM aliases WHERE alias = {mark}", (alias,))
+        record_move(query, mark, AliasMove(alias, found.archive, "", now_ns, note.by), note)
     return found
 
 
-def release_target(query: Query, mark: str, archive: str, force: bool) -> tuple[str, ...]:
+def release_target(query: Query, mark: str, archive: str, force: bool, now_ns: int,
+                   note: MoveNote = MoveNote()) -> tuple[str, ...]:
     """Before archive ``archive`` is deleted: the aliases pointing at it, removed when ``force``,
     else AliasConflict naming them and the remedies."""
     names = tuple(row[0] for row in query(f"SELECT alias FROM aliases WHERE target = {mark} ORDER BY alias",
@@ -128,8 +138,42 @@ def release_target(query: Query, mark: str, archive: str, force: bool) -> tuple[
             f"(tannery tag {names[0]} OTHER) or untag, or delete with force (tannery rm --force, "
             "delete(name, force=True)) to remove the aliases too")
     query(f"DELETE FROM aliases WHERE target = {mark}", (archive,))
+    for name in names:
+        record_move(query, mark, AliasMove(name, archive, "", now_ns, note.by), note)
     return names
 
 
-__all__ = ["ALIAS_COLUMNS", "LOOKUP", "Query", "alias_name_refusal", "alias_of", "aliases", "lookup_sql", "refuse_alias_name",
-           "release_target", "tag", "target_of", "untag"]
+def record_move(query: Query, mark: str, move: AliasMove, note: MoveNote) -> None:
+    """Add ``move`` to its alias's history, then drop all but the newest ``note.keep`` moves."""
+    if not note.record:
+        return
+    query(f"INSERT INTO alias_moves ({MOVE_COLUMNS}) VALUES ({mark}, {mark}, {mark}, {mark}, {mark})",
+          (move.alias, move.previous, move.archive, move.moved_ns, move.by))
+    query(f"DELETE FROM alias_moves WHERE alias = {mark} AND id <= (SELECT id FROM alias_moves WHERE alias = {mark} "
+          f"ORDER BY id DESC LIMIT 1 OFFSET {mark})", (move.alias, move.alias, max(note.keep, 1)))
+
+
+def history(query: Query, mark: str, alias: str, limit: int) -> list[AliasMove]:
+    """The newest ``limit`` moves of ``alias``, newest first."""
+    rows = query(f"SELECT {MOVE_COLUMNS} FROM alias_moves WHERE alias = {mark} ORDER BY id DESC LIMIT {mark}",
+                 (alias, limit))
+    return [AliasMove(*row) for row in rows]
+
+
+def import_moves(query: Query, mark: str, moves: Sequence[AliasMove]) -> int:
+    """Add ``moves`` (oldest first) to the history of each alias that has none yet; the moves added."""
+    added = 0
+    known: dict[str, bool] = {}
+    for move in moves:
+        if move.alias not in known:
+            known[move.alias] = not query(f"SELECT 1 FROM alias_moves WHERE alias = {mark} LIMIT 1", (move.alias,))
+        if known[move.alias]:
+            query(f"INSERT INTO alias_moves ({MOVE_COLUMNS}) VALUES ({mark}, {mark}, {mark}, {mark}, {mark})",
+                  (move.alias, move.previous, move.archive, move.moved_ns, move.by))
+            added += 1
+    return added
+
+
+__all__ = ["ALIAS_COLUMNS", "LOOKUP", "MOVE_COLUMNS", "Query", "alias_name_refusal", "alias_of", "aliases", "history",
+           "import_moves", "lookup_sql", "record_move", "refuse_alias_name", "release_target", "tag", "target_of",
+           "untag"]

@@ -94,6 +94,16 @@ class ArchiveRecord:
     already_stored: bool = field(default=False, compare=False)
     #: Set on the record a Delete returns: the aliases removed with it (``force``), sorted.
     untagged: tuple[str, ...] = field(default=(), compare=False)
+    #: Of the entries, those that are files kept with the archive (``@file:NAME``; counted in
+    #: ``entries``, ``nbytes`` and ``payload_bytes`` too): how many, their bytes, their payloads'.
+    files: int = field(default=0, compare=False)
+    file_nbytes: int = field(default=0, compare=False)
+    file_payload_bytes: int = field(default=0, compare=False)
+
+    @property
+    def tensors(self) -> int:
+        """The entries that are tensors: all but the kept files."""
+        return self.entries - self.files
 
 
 @dataclass(frozen=True)
@@ -108,6 +118,30 @@ class AliasRecord:
     #: and whether the tag wrote anything (False: it already pointed there).
     previous: str = field(default="", compare=False)
     changed: bool = field(default=True, compare=False)
+
+
+@dataclass(frozen=True)
+class AliasMove:
+    """One move of an alias, as its history keeps it: from ``previous`` ("" when created) to
+    ``archive`` ("" when removed: an Untag, a forced Delete of its target), when, and by whom
+    (the role and fingerprint of the token that moved it; "" on an open server)."""
+
+    alias: str
+    previous: str
+    archive: str
+    moved_ns: int
+    by: str = ""
+
+
+@dataclass(frozen=True)
+class MoveNote:
+    """What a write that moves aliases records: who moves them, and how many moves an alias's
+    history keeps (the oldest go first); ``record`` False records nothing (a migration, which
+    copies the history itself)."""
+
+    by: str = ""
+    keep: int = 1000
+    record: bool = True
 
 
 @dataclass(frozen=True)
@@ -154,16 +188,29 @@ class Catalog(ABC):
         ...
 
     @abstractmethod
-    def tag(self, alias: str, archive: str, expect: str | None, now_ns: int) -> AliasRecord:
+    def tag(self, alias: str, archive: str, expect: str | None, now_ns: int, note: MoveNote = MoveNote()
+            ) -> AliasRecord:
         """Point ``alias`` at ``archive`` in one transaction (:mod:`.alias_sql`'s rules): a record
         with ``changed`` False when it already points there; AliasConflict when ``alias`` is an
         archive's name, ``archive`` is an alias, or ``expect`` (None: no condition; "": no alias
-        yet) is not its current target; NoSuchArchive when ``archive`` does not exist."""
+        yet) is not its current target; NoSuchArchive when ``archive`` does not exist. A move is
+        recorded in the alias's history, as ``note`` says."""
         ...
 
     @abstractmethod
-    def untag(self, alias: str) -> AliasRecord | None:
-        """Remove an alias; returns it (None if absent)."""
+    def untag(self, alias: str, now_ns: int = 0, note: MoveNote = MoveNote()) -> AliasRecord | None:
+        """Remove an alias (its removal recorded in its history); returns it (None if absent)."""
+        ...
+
+    @abstractmethod
+    def history(self, alias: str, limit: int) -> list[AliasMove]:
+        """The last ``limit`` moves of ``alias``, newest first (none for a name never tagged)."""
+        ...
+
+    @abstractmethod
+    def import_moves(self, moves: Sequence[AliasMove]) -> int:
+        """Add ``moves`` (oldest first) to the history of their aliases, unless an alias already
+        has a history here (a migration run again); the moves added."""
         ...
 
     @abstractmethod
@@ -223,10 +270,11 @@ class Catalog(ABC):
         ...
 
     @abstractmethod
-    def delete_archive(self, name: str, force: bool = False) -> tuple[ArchiveRecord | None, list[str]]:
+    def delete_archive(self, name: str, force: bool = False, note: MoveNote = MoveNote()
+                       ) -> tuple[ArchiveRecord | None, list[str]]:
         """Remove an archive; returns it (None if absent) and the digests it referenced.
         AliasConflict naming the aliases that point at it, unless ``force``: then they are
-        removed with it (named in the record's ``untagged``)."""
+        removed with it (named in the record's ``untagged``; each removal in its history)."""
         ...
 
     @abstractmethod

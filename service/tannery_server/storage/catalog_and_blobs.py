@@ -20,7 +20,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence, TypeVar
 
-from .base import ArchiveLimits, ArchiveRecord, BlobInfo, BlobStore, Catalog, EntryRecord
+from .base import ArchiveLimits, MoveNote, ArchiveRecord, BlobInfo, BlobStore, Catalog, EntryRecord
 from .core import Collected, StorageBase
 from .disk import is_disk_full
 from .errors import StorageFull
@@ -258,13 +258,13 @@ class Storage(StorageBase):
     def _catalog_write(self, write: Callable[[], T], freeing: bool = False) -> T:
         return self._write_catalog(write, use_reserve=freeing)
 
-    def delete(self, name: str, force: bool = False) -> tuple[ArchiveRecord | None, Collected]:
+    def delete(self, name: str, force: bool = False, note: MoveNote = MoveNote()) -> tuple[ArchiveRecord | None, Collected]:
         """Remove an archive and the blobs only it referenced; works on a disk with no free byte.
 
         On a full disk the catalog write uses the space reserve; the blobs' removal then
         frees space, and the reserve is re-created once there is room for it.
         """
-        record, released = self._write_catalog(lambda: self.catalog.delete_archive(name, force),
+        record, released = self._write_catalog(lambda: self.catalog.delete_archive(name, force, note),
                                               use_reserve=True)
         try:
             collected = self.collect(released)

@@ -21,8 +21,17 @@ ENTRY_COLUMNS = "e.name, e.dtype, e.shape, e.nbytes, e.payload_bytes, e.data_off
 ENTRY_COPIED = "dtype, shape, nbytes, payload_bytes, data_offset, digest, blob, blob_offset"
 #: Columns an entry is inserted with (:func:`entry_values`' order).
 ENTRY_INSERT = f"archive_id, name, {ENTRY_COPIED}"
-#: Columns of an archive, in :class:`ArchiveRecord`'s order (the metadata last).
-ARCHIVE_COLUMNS = "name, entries, nbytes, payload_bytes, created_ns, metadata"
+#: Whether entry ``f`` is a file kept with its archive, not a tensor: named ``@file:NAME``, or
+#: ``P.@file:NAME`` under a prefix (the client's ``tannery.records.MARK``; docs/model-folders.md).
+#: In the SQL both catalogs speak (substr and replace, case-sensitive in both).
+IS_FILE = "(substr(f.name, 1, 6) = '@file:' OR replace(f.name, '.@file:', '') <> f.name)"
+_FILES = f"FROM entries f WHERE f.archive_id = archives.id AND {IS_FILE}"
+#: Columns of an archive (of the table ``archives``, unaliased), in :class:`ArchiveRecord`'s order:
+#: its totals over every entry, the metadata, then the kept files' count, tensor bytes and payload
+#: bytes, which Describe, List and a Store's answer count apart from the tensors.
+ARCHIVE_COLUMNS = ("name, entries, nbytes, payload_bytes, created_ns, metadata, "
+                   f"(SELECT count(*) {_FILES}), (SELECT coalesce(sum(f.nbytes), 0) {_FILES}), "
+                   f"(SELECT coalesce(sum(f.payload_bytes), 0) {_FILES})")
 #: Columns of a blob, in :class:`~.base.BlobInfo`'s order.
 BLOB_COLUMNS = "digest, size, block_size, block_crcs, checksum"
 
@@ -45,8 +54,9 @@ def entry_values(archive_id: int, e: EntryRecord) -> tuple:
 
 def archive_from_row(row: tuple) -> ArchiveRecord:
     """An archive from its columns (:data:`ARCHIVE_COLUMNS`; the metadata as JSON text)."""
-    *fields, metadata = row
-    return ArchiveRecord(*fields, metadata=json.loads(metadata) if metadata else {})
+    *fields, metadata, files, file_nbytes, file_payload_bytes = row
+    return ArchiveRecord(*fields, metadata=json.loads(metadata) if metadata else {}, files=int(files),
+                         file_nbytes=int(file_nbytes), file_payload_bytes=int(file_payload_bytes))
 
 
 def metadata_text(metadata: Mapping[str, str] | None) -> str:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence, TypeVar
 
-from .base import AliasRecord, ArchiveLimits, ArchiveRecord, BlobFile, BlobInfo, BlobStore, Catalog, EntryRecord
+from .base import AliasRecord, ArchiveLimits, MoveNote, ArchiveRecord, BlobFile, BlobInfo, BlobStore, Catalog, EntryRecord
 from .disk import EXHAUSTED_ERRNOS, free_bytes, is_disk_full
 from .errors import Damaged, OutOfResources, StorageFull, StorageUnavailable
 from .block_reader import BlockReader
@@ -93,19 +93,20 @@ class StorageBase(ABC):
         """Make ``target`` of the entries of ``(archive, prefix)`` sources (:meth:`Catalog.union`)."""
 
     @abstractmethod
-    def delete(self, name: str, force: bool = False) -> tuple[ArchiveRecord | None, Collected]:
+    def delete(self, name: str, force: bool = False, note: MoveNote = MoveNote()) -> tuple[ArchiveRecord | None, Collected]:
         """Remove an archive (None if absent) and free what only it referenced; an archive an
-        alias points at only with ``force``, which removes those aliases (:meth:`Catalog.delete_archive`)."""
+        alias points at only with ``force``, which removes those aliases, their removal recorded
+        as ``note`` says (:meth:`Catalog.delete_archive`)."""
 
     # Aliases (catalog rows only: no blob changes) ---------------------------------------------
 
-    def tag(self, alias: str, archive: str, expect: str | None) -> AliasRecord:
-        """Point ``alias`` at ``archive`` now (:meth:`Catalog.tag`)."""
-        return self._catalog_write(lambda: self.catalog.tag(alias, archive, expect, time.time_ns()))
+    def tag(self, alias: str, archive: str, expect: str | None, note: MoveNote = MoveNote()) -> AliasRecord:
+        """Point ``alias`` at ``archive`` now, the move recorded as ``note`` says (:meth:`Catalog.tag`)."""
+        return self._catalog_write(lambda: self.catalog.tag(alias, archive, expect, time.time_ns(), note))
 
-    def untag(self, alias: str) -> AliasRecord | None:
+    def untag(self, alias: str, note: MoveNote = MoveNote()) -> AliasRecord | None:
         """Remove ``alias`` (None if absent); possible on a full disk, as a Delete is."""
-        return self._catalog_write(lambda: self.catalog.untag(alias), freeing=True)
+        return self._catalog_write(lambda: self.catalog.untag(alias, time.time_ns(), note), freeing=True)
 
     def _catalog_write(self, write: Callable[[], T], freeing: bool = False) -> T:
         """Run a catalog write that touches no blob (the embedded storage answers a full disk

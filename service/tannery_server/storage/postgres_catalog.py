@@ -36,7 +36,7 @@ import time
 from typing import Callable, Iterable, Mapping, Sequence
 
 from . import alias_sql
-from .base import AliasRecord, ArchiveLimits, ArchiveRecord, BlobInfo, CatalogTotals, EntryRecord, SharedCatalog
+from .base import AliasMove, AliasRecord, ArchiveLimits, MoveNote, ArchiveRecord, BlobInfo, CatalogTotals, EntryRecord, SharedCatalog
 from .catalog_sql import (ARCHIVE_COLUMNS, BLOB_COLUMNS, ENTRY_COLUMNS, ENTRY_COPIED, ENTRY_INSERT, archive_from_row,
                           check_union_limits, compare_existing, duplicate_error, entries_under_query, entry_from_row,
                           entry_values, metadata_text)
@@ -94,18 +94,31 @@ class PostgresCatalog(SharedCatalog):
     def aliases(self, prefix: str = "", archive: str = "") -> list[AliasRecord]:
         return self._db.read("listing aliases", lambda cur: alias_sql.aliases(_query(cur), "%s", prefix, archive))
 
-    def tag(self, alias: str, archive: str, expect: str | None, now_ns: int) -> AliasRecord:
+    def history(self, alias: str, limit: int) -> list[AliasMove]:
+        return self._db.read(f"reading the history of alias {alias!r}",
+                             lambda cur: alias_sql.history(_query(cur), "%s", alias, limit))
+
+    def import_moves(self, moves: Sequence[AliasMove]) -> int:
+        def work(cur: Cursor) -> int:
+            for name in sorted({move.alias for move in moves}):
+                self._lock_name(cur, name)
+            return alias_sql.import_moves(_query(cur), "%s", moves)
+
+        return self._db.write(f"copying the history of {len({m.alias for m in moves})} aliases", work)
+
+    def tag(self, alias: str, archive: str, expect: str | None, now_ns: int, note: MoveNote = MoveNote()
+            ) -> AliasRecord:
         def work(cur: Cursor) -> AliasRecord:
             for name in sorted({alias, archive}):  # the alias's writes, and the target's (no Delete meanwhile)
                 self._lock_name(cur, name)
-            return alias_sql.tag(_query(cur), "%s", alias, archive, expect, now_ns)
+            return alias_sql.tag(_query(cur), "%s", alias, archive, expect, now_ns, note)
 
         return self._db.write(f"tagging {archive!r} as {alias!r}", work)
 
-    def untag(self, alias: str) -> AliasRecord | None:
+    def untag(self, alias: str, now_ns: int = 0, note: MoveNote = MoveNote()) -> AliasRecord | None:
         def work(cur: Cursor) -> AliasRecord | None:
             self._lock_name(cur, alias)
-            return alias_sql.untag(_query(cur), "%s", alias)
+            return alias_sql.untag(_query(cur), "%s", alias, now_ns or time.time_ns(), note)
 
         return self._db.write(f"removing alias {alias!r}", work)
 
@@ -314,13 +327,14 @@ class PostgresCatalog(SharedCatalog):
         return duplicate_error(row[0] if row else "?", sources, ids, lambda other_id, inner: cur.execute(
             "SELECT 1 FROM entries WHERE archive_id = %s AND name = %s", (other_id, inner)).fetchone() is not None)
 
-    def delete_archive(self, name: str, force: bool = False) -> tuple[ArchiveRecord | None, list[str]]:
+    def delete_archive(self, name: str, force: bool = False, note: MoveNote = MoveNote()
+                       ) -> tuple[ArchiveRecord | None, list[str]]:
         def work(cur: Cursor) -> tuple[ArchiveRecord | None, list[str]]:
             self._lock_name(cur, name)
             row = cur.execute(f"SELECT {ARCHIVE_COLUMNS} FROM archives WHERE name = %s", (name,)).fetchone()
             if row is None:
                 return None, []
-            untagged = alias_sql.release_target(_query(cur), "%s", name, force)
+            untagged = alias_sql.release_target(_query(cur), "%s", name, force, time.time_ns(), note)
             released = self._drop(cur, name)
             self._touch_unreferenced(cur, released, time.time_ns())
             return dataclasses.replace(archive_from_row(row), untagged=untagged), released

@@ -21,7 +21,8 @@ try:
     from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 except ImportError as _error:  # pragma: no cover: the embedded server never imports this module
     raise ImportError(
-        f"the PostgreSQL catalog needs psycopg and psycopg-pool: pip install 'tannery[scale]' ({_error})"
+        f"the PostgreSQL catalog needs psycopg and psycopg-pool, in the scale extra: pip install '.[scale]' in "
+        f"a clone of tannery, or the wheel make dist builds with [scale] ({_error})"
     ) from _error
 
 from .errors import StorageUnavailable

@@ -88,8 +88,22 @@ def _to_version_4(cur: Cursor) -> None:
     cur.execute("CREATE INDEX aliases_by_target ON aliases (target)")
 
 
+def _to_version_5(cur: Cursor) -> None:
+    """Alias history (:mod:`.alias_sql`): every move of an alias, numbered by ``id``."""
+    cur.execute("""CREATE TABLE alias_moves (
+    id bigserial PRIMARY KEY,
+    alias text COLLATE "C" NOT NULL,
+    from_archive text COLLATE "C" NOT NULL,
+    to_archive text COLLATE "C" NOT NULL,
+    moved_ns bigint NOT NULL,
+    moved_by text NOT NULL
+)""")
+    cur.execute("CREATE INDEX alias_moves_by_alias ON alias_moves (alias, id)")
+
+
 #: ``MIGRATIONS[n]`` brings schema version ``n`` to ``n + 1`` (0: an empty database).
-MIGRATIONS: tuple[Callable[[Cursor], None], ...] = (_to_version_1, _to_version_2, _to_version_3, _to_version_4)
+MIGRATIONS: tuple[Callable[[Cursor], None], ...] = (_to_version_1, _to_version_2, _to_version_3, _to_version_4,
+                                                    _to_version_5)
 SCHEMA_VERSION = len(MIGRATIONS)
 #: The advisory lock (two-key form, apart from the names' one-key locks) of schema changes.
 _SCHEMA_LOCK = (0x7A77, 1)

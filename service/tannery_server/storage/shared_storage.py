@@ -24,7 +24,7 @@ import time
 import uuid
 from typing import Callable, Iterable, Mapping, Sequence, TypeVar
 
-from .base import ArchiveLimits, ArchiveRecord, BlobInfo, BlobStore, EntryRecord, SharedCatalog
+from .base import ArchiveLimits, MoveNote, ArchiveRecord, BlobInfo, BlobStore, EntryRecord, SharedCatalog
 from .core import Collected, StorageBase
 from .integrity import BLOCK_SIZE
 from .payload_writer import PayloadWriter
@@ -190,6 +190,6 @@ class SharedStorage(StorageBase):
         record, _released = self.catalog.union(target, sources, replace, time.time_ns(), limits, metadata)
         return record
 
-    def delete(self, name: str, force: bool = False) -> tuple[ArchiveRecord | None, Collected]:
-        record, _released = self.catalog.delete_archive(name, force)
+    def delete(self, name: str, force: bool = False, note: MoveNote = MoveNote()) -> tuple[ArchiveRecord | None, Collected]:
+        record, _released = self.catalog.delete_archive(name, force, note)
         return record, Collected()

@@ -12,11 +12,12 @@ from __future__ import annotations
 import dataclasses
 import sqlite3
 import threading
+import time
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 from . import alias_sql
-from .base import AliasRecord, ArchiveLimits, ArchiveRecord, BlobInfo, Catalog, CatalogTotals, EntryRecord
+from .base import AliasMove, AliasRecord, ArchiveLimits, MoveNote, ArchiveRecord, BlobInfo, Catalog, CatalogTotals, EntryRecord
 from .catalog_sql import (ARCHIVE_COLUMNS, BLOB_COLUMNS, ENTRY_COLUMNS, ENTRY_COPIED, ENTRY_INSERT, archive_from_row,
                           check_union_limits, compare_existing, duplicate_error, entries_under_query, entry_from_row,
                           entry_values, metadata_text)
@@ -86,6 +87,13 @@ class SqliteCatalog(Catalog):
 
     def aliases(self, prefix: str = "", archive: str = "") -> list[AliasRecord]:
         return alias_sql.aliases(_query(self._reader()), "?", prefix, archive)
+
+    def history(self, alias: str, limit: int) -> list[AliasMove]:
+        return alias_sql.history(_query(self._reader()), "?", alias, limit)
+
+    def import_moves(self, moves: Sequence[AliasMove]) -> int:
+        with self._transaction() as conn:
+            return alias_sql.import_moves(_query(conn), "?", moves)
 
     def entries(self, archive: str, names: Sequence[str]) -> dict[str, EntryRecord]:
         conn = self._reader()
@@ -297,21 +305,23 @@ class SqliteCatalog(Catalog):
         return duplicate_error(row[0] if row else "?", sources, ids, lambda other_id, inner: conn.execute(
             "SELECT 1 FROM entries WHERE archive_id = ? AND name = ?", (other_id, inner)).fetchone() is not None)
 
-    def delete_archive(self, name: str, force: bool = False) -> tuple[ArchiveRecord | None, list[str]]:
+    def delete_archive(self, name: str, force: bool = False, note: MoveNote = MoveNote()
+                       ) -> tuple[ArchiveRecord | None, list[str]]:
         with self._transaction() as conn:
             row = conn.execute(f"SELECT {ARCHIVE_COLUMNS} FROM archives WHERE name = ?", (name,)).fetchone()
             if row is None:
                 return None, []
-            untagged = alias_sql.release_target(_query(conn), "?", name, force)
+            untagged = alias_sql.release_target(_query(conn), "?", name, force, time.time_ns(), note)
             return dataclasses.replace(archive_from_row(row), untagged=untagged), self._drop(conn, name)
 
-    def tag(self, alias: str, archive: str, expect: str | None, now_ns: int) -> AliasRecord:
+    def tag(self, alias: str, archive: str, expect: str | None, now_ns: int, note: MoveNote = MoveNote()
+            ) -> AliasRecord:
         with self._transaction() as conn:
-            return alias_sql.tag(_query(conn), "?", alias, archive, expect, now_ns)
+            return alias_sql.tag(_query(conn), "?", alias, archive, expect, now_ns, note)
 
-    def untag(self, alias: str) -> AliasRecord | None:
+    def untag(self, alias: str, now_ns: int = 0, note: MoveNote = MoveNote()) -> AliasRecord | None:
         with self._transaction() as conn:
-            return alias_sql.untag(_query(conn), "?", alias)
+            return alias_sql.untag(_query(conn), "?", alias, now_ns or time.time_ns(), note)
 
     def forget_blobs(self, digests: Iterable[str]) -> None:
         with self._transaction() as conn:

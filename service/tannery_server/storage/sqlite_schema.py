@@ -85,9 +85,22 @@ def _to_version_4(conn: sqlite3.Connection) -> None:
     conn.execute("CREATE INDEX IF NOT EXISTS aliases_by_target ON aliases(target)")
 
 
+def _to_version_5(conn: sqlite3.Connection) -> None:
+    """Alias history (:mod:`.alias_sql`): every move of an alias, numbered by ``id``."""
+    conn.execute("""CREATE TABLE IF NOT EXISTS alias_moves (
+    id INTEGER PRIMARY KEY,
+    alias TEXT NOT NULL,
+    from_archive TEXT NOT NULL,
+    to_archive TEXT NOT NULL,
+    moved_ns INTEGER NOT NULL,
+    moved_by TEXT NOT NULL
+)""")
+    conn.execute("CREATE INDEX IF NOT EXISTS alias_moves_by_alias ON alias_moves(alias, id)")
+
+
 #: The steps of the schema, in order: ``MIGRATIONS[n]`` brings version ``n`` to ``n + 1``. Each
 #: may be run again on a catalog it has already changed.
-MIGRATIONS = (_to_version_1, _to_version_2, _to_version_3, _to_version_4)
+MIGRATIONS = (_to_version_1, _to_version_2, _to_version_3, _to_version_4, _to_version_5)
 #: The schema's version (``PRAGMA user_version``) this code reads and writes.
 SCHEMA_VERSION = len(MIGRATIONS)
 

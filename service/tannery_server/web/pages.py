@@ -17,7 +17,7 @@ from ..config import Config
 from ..failures import Missing
 from ..storage import ArchiveRecord, Damaged, Storage
 from ..storage.factory import describe
-from . import plots, stats, tree
+from . import kept_files, plots, stats, tree
 from .inputs import PageProblem, query, required
 from .templates import Renderer
 from .traffic import INTERVAL, KEPT, Traffic
@@ -76,27 +76,34 @@ async def archives_page(request: web.Request) -> web.Response:
 
 
 async def archive_page(request: web.Request) -> web.Response:
-    """GET /archive?name=N[&open=all]: one archive (or what alias N points at): its entries as a
-    tree, the top level open; deeper nodes come without their content, fetched from /tree when
-    opened (a 10,000-entry archive's page stays small), or every node with it (open=all)."""
+    """GET /archive?name=N[&open=all][&filter=TEXT]: one archive (or what alias N points at): its
+    tensors as a tree, the top level open; deeper nodes come without their content, fetched from
+    /tree when opened (a 10,000-entry archive's page stays small), or every node with it
+    (open=all); with ``filter``, only the tensors whose names hold TEXT (any case), every node
+    open. The files kept with it are listed apart, each viewable (/file)."""
     site: Site = request.app[SITE]
-    values = query(request.query, {"name": _limit(site), "open": 3}, "archive")
+    values = query(request.query, {"name": _limit(site), "open": 3, "filter": _limit(site)}, "archive")
     name = required(values, "name", "archive", "/archive?name=resnet50")
     all_open = values.get("open", "") == "all"
     if values.get("open", "all") != "all":
         raise PageProblem(400, "Bad Request", f"parameter 'open' is {values['open']!r}",
                           "give open=all for every node opened, or leave it out")
     catalog = site.storage.catalog
-    record = await _archive(site, name)
+    record = await find_archive(site, name)
     entries = await site.run(catalog.entries_under, record.name, "")
     if not entries and record.entries:
         raise PageProblem(404, "Not Found", f"archive {record.name!r} was deleted while this page read it",
                           "reload the Archives page")
     aliases = await site.run(lambda: catalog.aliases("", record.name))
-    root = tree.build(entries)
+    tensors, files = kept_files.split(entries)
+    wanted = values.get("filter", "")
+    shown = [e for e in tensors if wanted.casefold() in e.name.casefold()] if wanted else tensors
+    all_open = all_open or bool(wanted)
+    root = tree.build(shown)
     return site.html(
-        "archive", asked=name, record=record, aliases=aliases, total_params=root.params,
-        by_dtype=tree.params_by_dtype(entries), rows=tree.rows(root, None if all_open else 1),
+        "archive", asked=name, record=record, aliases=aliases, total_params=sum(map(tree.numel, tensors)),
+        tensor_count=len(tensors), tensor_bytes=sum(e.nbytes for e in tensors), files=files, filter=wanted, shown_count=len(shown),
+        by_dtype=tree.params_by_dtype(tensors), rows=tree.rows(root, None if all_open else 1),
         open_depth=1_000_000 if all_open else 1, all_open=all_open,
         cli=_cli(site, _target(site, request), record.name), python=_python(site, _target(site, request), record.name),
         archive_query=urllib.parse.quote(record.name, safe=""))
@@ -110,8 +117,9 @@ async def tree_part(request: web.Request) -> web.Response:
     name = required(values, "name", "tree", "/tree?name=resnet50&node=layer1")
     path = required(values, "node", "tree", "/tree?name=resnet50&node=layer1")
     catalog = site.storage.catalog
-    record = await _archive(site, name)
-    node = tree.find(tree.build(await site.run(catalog.entries_under, record.name, path)), path)
+    record = await find_archive(site, name)
+    entries = kept_files.tensors_only(await site.run(catalog.entries_under, record.name, path))
+    node = tree.find(tree.build(entries), path)
     if node is None:
         raise PageProblem(404, "Not Found", f"archive {record.name!r} has no entry under {path!r}",
                           f"see its entries on /archive?name={record.name}")
@@ -120,7 +128,7 @@ async def tree_part(request: web.Request) -> web.Response:
     return web.Response(text=html, content_type="text/html")
 
 
-async def _archive(site: Site, name: str) -> ArchiveRecord:
+async def find_archive(site: Site, name: str) -> ArchiveRecord:
     """The archive ``name`` denotes now (an archive, or what an alias points at), or a 404 page naming it."""
     record = await site.run(site.storage.catalog.lookup, name)
     if record is None:
@@ -163,11 +171,15 @@ def _has_tokens(config: Config) -> bool:
 async def entry_page(request: web.Request) -> web.Response:
     """GET /entry?archive=A&name=E: one entry and its statistics, computed now over its stored bytes."""
     site: Site = request.app[SITE]
-    values = query(request.query, {"archive": _limit(site), "name": _limit(site)}, "entry")
+    values = query(request.query, {"archive": _limit(site), "name": _limit(site), "scale": 6}, "entry")
+    log_scale = values.get("scale", "linear") == "log"
+    if values.get("scale", "linear") not in ("linear", "log"):
+        raise PageProblem(400, "Bad Request", f"parameter 'scale' is {values['scale']!r}",
+                          "give scale=log for a log-scale histogram, scale=linear (or nothing) for a linear one")
     archive = required(values, "archive", "entry", "/entry?archive=resnet50&name=fc.weight")
     name = required(values, "name", "entry", "/entry?archive=resnet50&name=fc.weight")
     catalog = site.storage.catalog
-    record = await _archive(site, archive)
+    record = await find_archive(site, archive)
     found = await site.run(catalog.entries, record.name, [name])
     entry = found.get(name)
     if entry is None:
@@ -181,8 +193,31 @@ async def entry_page(request: web.Request) -> web.Response:
     except Damaged as exc:
         raise PageProblem(500, "Damaged", f"the stored bytes of entry {name!r} failed their check: {exc}",
                           "run tannery scrub to list every damaged blob; push the archive again") from None
-    return site.html("entry", archive=record.name, entry=entry, stats=result.__dict__,
-                     histogram=plots.histogram(result.edges, result.counts))
+    return site.html("entry", archive=record.name, entry=entry, stats=result.__dict__, log_scale=log_scale,
+                     histogram=plots.histogram(result.edges, result.counts, log_scale))
+
+
+async def file_page(request: web.Request) -> web.Response:
+    """GET /file?archive=A&name=E: a file kept with archive A (entry E, ``@file:...``) as text,
+    its first MiB (a binary file is said to be one, with its size)."""
+    site: Site = request.app[SITE]
+    values = query(request.query, {"archive": _limit(site), "name": _limit(site)}, "file")
+    archive = required(values, "archive", "file", "/file?archive=minilm&name=@file:config.json")
+    name = required(values, "name", "file", "/file?archive=minilm&name=@file:config.json")
+    record = await find_archive(site, archive)
+    entry = (await site.run(site.storage.catalog.entries, record.name, [name])).get(name)
+    kept = kept_files.split([entry])[1] if entry is not None else []
+    if not kept:
+        raise PageProblem(404, "Not Found", f"archive {record.name!r} keeps no file as entry {name!r}",
+                          f"see its files on /archive?name={record.name}")
+    try:
+        shown = await site.run(kept_files.read_text, site.storage, record.name, entry)
+    except Missing as exc:
+        raise PageProblem(404, "Not Found", str(exc), "reload the archive's page") from None
+    except Damaged as exc:
+        raise PageProblem(500, "Damaged", f"the stored bytes of file {kept[0].name!r} failed their check: {exc}",
+                          "run tannery scrub to list every damaged blob; push the archive again") from None
+    return site.html("file", archive=record.name, file=kept[0], shown=shown, most=kept_files.SHOWN_BYTES)
 
 
 async def server_page(request: web.Request) -> web.Response:
@@ -248,4 +283,4 @@ def _nats(site: Site) -> _Part:
                  f"{found['payloads_in']} in")
 
 
-__all__ = ["Site", "archive_page", "archives_page", "entry_page", "server_page", "tree_part"]
+__all__ = ["Site", "archive_page", "archives_page", "entry_page", "file_page", "server_page", "tree_part"]

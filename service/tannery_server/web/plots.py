@@ -3,6 +3,8 @@ user data), formatted here; the result is marked safe for the templates."""
 
 from __future__ import annotations
 
+import math
+
 from markupsafe import Markup
 
 from .templates import number, size
@@ -10,16 +12,18 @@ from .templates import number, size
 WIDTH, HEIGHT, PAD = 520, 200, 34
 
 
-def histogram(edges: list[float], counts: list[int]) -> Markup:
-    """Bars of ``counts`` between ``edges`` (one more edge than counts), with the range below."""
+def histogram(edges: list[float], counts: list[int], log: bool = False) -> Markup:
+    """Bars of ``counts`` between ``edges`` (one more edge than counts), with the range below;
+    ``log``: heights by log(1 + count), so that a long tail's few values show."""
     if not counts:
         return Markup('<p class="note" id="histogram">No finite value to draw.</p>')
     top = max(counts) or 1
     inner_w, inner_h = WIDTH - 2 * PAD, HEIGHT - 2 * PAD
     bar = inner_w / len(counts)
     bars = []
+    scale = (lambda c: math.log1p(c) / math.log1p(top)) if log else (lambda c: c / top)
     for i, c in enumerate(counts):
-        h = inner_h * c / top
+        h = inner_h * scale(c)
         x, y = PAD + i * bar, PAD + inner_h - h
         bars.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{max(bar - 1, 0.5):.1f}" height="{h:.1f}" fill="#4b7bc0">'
                     f'<title>[{number(edges[i])}, {number(edges[i + 1])}): {c}</title></rect>')
@@ -27,7 +31,8 @@ def histogram(edges: list[float], counts: list[int]) -> Markup:
             f'<text x="{PAD}" y="{HEIGHT - 10}" font-size="11">{number(edges[0])}</text>'
             f'<text x="{PAD + inner_w}" y="{HEIGHT - 10}" font-size="11" text-anchor="end">{number(edges[-1])}</text>'
             f'<text x="{PAD}" y="{PAD - 8}" font-size="11">{top} in the tallest bin</text>')
-    return Markup(f'<svg id="histogram" data-bins="{len(counts)}" width="{WIDTH}" height="{HEIGHT}" '
+    return Markup(f'<svg id="histogram" data-bins="{len(counts)}" data-scale="{"log" if log else "linear"}" '
+                  f'data-heights="{",".join(f"{inner_h * scale(c):.1f}" for c in counts)}" width="{WIDTH}" height="{HEIGHT}" '
                   f'viewBox="0 0 {WIDTH} {HEIGHT}" role="img" aria-label="histogram">{"".join(bars)}{axis}</svg>')
 
 

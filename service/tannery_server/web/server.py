@@ -1,6 +1,6 @@
 """The web server: an aiohttp application on the server's event loop, bound to ``web_host``
 (loopback unless told otherwise) and ``web_port``, over TLS when the server has TLS, behind the
-server's tokens. It answers GET (and the sign-in form's POST) only, and writes nothing."""
+server's tokens. It answers GET (and the sign-in and sign-out forms' POST) only, and writes nothing."""
 
 from __future__ import annotations
 
@@ -13,15 +13,17 @@ from aiohttp import web
 from ..auth import Tokens
 from ..config import Config
 from ..storage import Storage, StorageUnavailable
-from . import access, pages
+from . import access, assets, downloads, pages, versions
 from .inputs import PageProblem
+from .sessions import Sessions
 from .templates import Renderer
 from .traffic import Traffic
 
 log = logging.getLogger("tannery_server.web")
-#: The policy of every page: its own inline style and script, inline SVG, nothing from elsewhere.
+#: The policy of every page: the style and script files this server serves (no inline script or
+#: style, so not even a name escaping missed could run), inline SVG, nothing from elsewhere.
 SECURITY_HEADERS = {
-    "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; "
+    "Content-Security-Policy": "default-src 'none'; style-src 'self'; script-src 'self'; "
                                "img-src data:; connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
     "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",
@@ -56,7 +58,7 @@ def _problems(renderer: Renderer) -> Any:
         except web.HTTPNotFound:
             response = _problem_page(renderer, PageProblem(
                 404, "Not Found", f"there is no page at {request.path[:200]!r}",
-                "the pages are /archives, /archive?name=..., /entry?archive=...&name=... and /server"))
+                "the pages are /archives, /archive?name=..., /entry?archive=...&name=..., /diff, /alias?name=... and /server"))
         except web.HTTPMethodNotAllowed:
             response = _problem_page(renderer, PageProblem(
                 405, "Method Not Allowed", f"{request.method[:20]} is not answered: these pages are read-only",
@@ -95,12 +97,16 @@ class WebServer:
     def __init__(self, site: pages.Site, tokens: Tokens, ssl_ctx: ssl.SSLContext | None) -> None:
         self.site = site
         self.ssl = ssl_ctx
-        app = web.Application(middlewares=[_problems(site.renderer), access.middleware(tokens)],
+        sessions = Sessions()
+        app = web.Application(middlewares=[_problems(site.renderer), access.middleware(tokens, sessions)],
                               client_max_size=MAX_BODY)
         app[pages.SITE] = site
 
         async def sign_in(request: web.Request) -> web.StreamResponse:
-            return await access.sign_in(request, tokens, ssl_ctx is not None)
+            return await access.sign_in(request, tokens, sessions, ssl_ctx is not None)
+
+        async def sign_out(request: web.Request) -> web.StreamResponse:
+            return await access.sign_out(request, sessions)
 
         async def home(request: web.Request) -> web.StreamResponse:
             raise web.HTTPFound("/archives")
@@ -110,8 +116,15 @@ class WebServer:
         app.router.add_get("/archive", pages.archive_page)
         app.router.add_get("/entry", pages.entry_page)
         app.router.add_get("/tree", pages.tree_part)
+        app.router.add_get("/file", pages.file_page)
+        app.router.add_get("/diff", versions.diff_page)
+        app.router.add_get("/alias", versions.alias_page)
+        app.router.add_get("/download/entry", downloads.entry_download)
+        app.router.add_get("/download/archive", downloads.archive_download)
         app.router.add_get("/server", pages.server_page)
+        app.router.add_get("/static/{name}", assets.static_file)
         app.router.add_post("/login", sign_in)
+        app.router.add_post("/logout", sign_out)
         self.runner = web.AppRunner(app, access_log=None, handle_signals=False)
         self.port: int | None = None
         self.host = ""
@@ -145,7 +158,7 @@ class WebServer:
 async def start_web(config: Config, storage: Storage, tokens: Tokens, target: str, metrics: Any,
                     channels: Any) -> WebServer:
     """Start the web page of a server (``config.web_port`` set): its URL is logged."""
-    site = pages.Site(storage, config, target, Renderer(target), Traffic(metrics), channels)
+    site = pages.Site(storage, config, target, Renderer(target, bool(tokens)), Traffic(metrics), channels)
     server = WebServer(site, tokens, ssl_context(config))
     assert config.web_port is not None
     await server.start(config.web_host, config.web_port)

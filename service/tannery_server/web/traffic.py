@@ -60,8 +60,11 @@ def read_totals(metrics: Any) -> dict[str, MethodTraffic]:
                 of(method).received += sample.value
             elif sample.name == "tannery_sent_bytes_total":
                 of(method).sent += sample.value
-            elif sample.name == "tannery_data_path_bytes_total":
-                of(method).sent += sample.value  # payload bytes moved beside gRPC count as traffic too
+            elif sample.name == "tannery_data_path_bytes_total":  # payload bytes moved beside gRPC, by direction
+                if sample.labels.get("direction") == "in":
+                    of(method).received += sample.value
+                else:
+                    of(method).sent += sample.value
             elif sample.name == "tannery_call_duration_seconds_sum":
                 of(method).seconds += sample.value
             elif sample.name == "tannery_call_duration_seconds_bucket":
