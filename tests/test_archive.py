@@ -286,18 +286,20 @@ def test_of_value_puts_names_under_a_prefix():
     assert len(Archive.of_value({"steps": 3, "name": "x", "nothing": [[], {}, ()]}, skip_non_tensors=True)) == 0
 
 
-def test_of_value_refuses_a_leaf_that_is_not_a_tensor_naming_its_path():
-    """A non-tensor leaf no longer vanishes: the first one is named, with the way to leave it out."""
-    state = {"optimizer": {"state": {0: {"exp_avg": torch.ones(2), "step": 5}}}, "name": "x"}
+def test_of_value_keeps_plain_values_and_refuses_any_other_leaf_naming_its_path():
+    """A non-tensor leaf never vanishes: plain values are kept, anything else is named, with the way to leave it out."""
+    state = {"optimizer": {"state": {0: {"exp_avg": torch.ones(2), "step": 5}}}, "name": "x", "hook": object()}
     with pytest.raises(TypeError) as e:
         Archive.of_value(state)
-    assert message(e).startswith("Archive.of_value: optimizer.state.0.step is an int, not a tensor; ")
+    assert message(e).startswith("Archive.of_value: hook is an object, neither a tensor nor a plain value ")
     assert "skip_non_tensors=True" in message(e)
-    with pytest.raises(TypeError, match=r"^Archive.of_value: run.m.0 is None, not a tensor; "):
-        Archive.of_value({"m": [None]}, prefix="run")
-    with pytest.raises(TypeError, match=r"^Archive.of_value: the value is a str, not a tensor; "):
+    with pytest.raises(TypeError, match=r"^Archive.of_value: run.m.0 is a range, neither "):
+        Archive.of_value({"m": [range(3)]}, prefix="run")
+    with pytest.raises(ValueError, match=r"^Archive.of_value: a leaf at the root has no name; give a prefix"):
         Archive.of_value("notatensor")
-    # Empty containers hold no leaf: nothing to refuse.
+    del state["hook"]
+    assert Archive.of_value(state).to_value() == state
+    # Empty containers are kept too, but are no entries.
     assert Archive.of_value({"w": torch.ones(1), "nothing": [[], {}, ()]}).names() == ["w"]
     assert Archive.of_value(state, skip_non_tensors=True).names() == ["optimizer.state.0.exp_avg"]
 

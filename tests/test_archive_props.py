@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import string
+import struct
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from hypothesis import strategies as st
 
 import tannery_protocol.codec
 import tannery
+import tannery.torch
 from tannery import Archive, ArchiveError, load_safetensors, load_tannic, save_safetensors, save_tannic
 from tannery.values import is_tensor_leaf, named_leaves
 from tannery_protocol.codec import DTYPES
@@ -68,7 +70,7 @@ PREFIXES = st.sampled_from(["", "model", "run.0"])
 
 def fix_prefix(value: Any, prefix: str) -> str:
     """A leaf at the root needs a prefix to be named."""
-    return prefix or ("root" if is_tensor_leaf(value) else "")
+    return prefix or ("root" if not isinstance(value, (dict, list, tuple)) else "")
 
 
 def torch_dtype_of(leaf: Any) -> torch.dtype:
@@ -203,13 +205,61 @@ def replace_leaf(value: Any, prefix: str, name: str, new: torch.Tensor) -> Any:
 
 @SETTINGS
 @given(values(ALL_DTYPES), PREFIXES)
-def test_of_value_refuses_exactly_the_values_with_a_non_tensor_leaf(value, prefix):
+def test_of_value_keeps_every_leaf_and_to_value_gives_the_value_back(value, prefix):
+    """Plain values are kept beside the tensors: without a like, the whole value comes back,
+    typed exactly (tuples, numpy arrays, a float's bits). A value of tensors alone keeps no
+    structure: its entries come back by name."""
     prefix = fix_prefix(value, prefix)
-    others = list(tannery.values.non_tensor_leaves(value, prefix))
-    if not others:
-        assert Archive.of_value(value, prefix).names() == sorted(named_leaves(value, prefix))
+    archive = Archive.of_value(value, prefix)
+    assert archive.names() == sorted(named_leaves(value, prefix))
+    back = archive.to_value(prefix=prefix)
+    if list(tannery.values.non_tensor_leaves(value, prefix)) or (has_empty(value) and named_leaves(value, prefix)):
+        assert same(back, value)
+    else:  # as stored: torch tensors
+        leaves = {name: as_torch(leaf) for name, leaf in named_leaves(value, prefix).items()}
+        under = len(prefix) + 1 if prefix else 0
+        by_name = {name[under:]: leaf for name, leaf in sorted(leaves.items())}
+        assert same(back, leaves[prefix] if list(leaves) == [prefix] else by_name)
+
+
+@SETTINGS
+@given(values(SAFETENSORS_DTYPES), PREFIXES)
+def test_plain_values_round_trip_through_safetensors(value, prefix):
+    prefix = fix_prefix(value, prefix)
+    if not list(tannery.values.non_tensor_leaves(value, prefix)):
         return
-    with pytest.raises(TypeError) as e:
-        Archive.of_value(value, prefix)
-    name, leaf = others[0]
-    assert str(e.value).startswith(f"Archive.of_value: {tannery.values.not_a_tensor(name, leaf)}; ")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "a.safetensors"
+        save_safetensors(path, Archive.of_value(value, prefix))
+        assert same(load_safetensors(path).to_value(prefix=prefix), value)
+
+
+def as_torch(leaf: Any) -> torch.Tensor:
+    return Archive.of_value(leaf, "x").tensor("x", leaf.shape, tannery.archive.leaf_dtype(leaf))
+
+
+def has_empty(value: Any) -> bool:
+    if isinstance(value, dict):
+        return not value or any(has_empty(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return not value or any(has_empty(item) for item in value)
+    return False
+
+
+def same(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` are the same value: same types all the way down, the same bits."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and tannery.torch.serialize(a) == tannery.torch.serialize(b)
+    if isinstance(a, np.ndarray):
+        return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    if isinstance(a, float):
+        return struct.pack(">d", a) == struct.pack(">d", b)
+    return a == b
+
+

@@ -328,7 +328,9 @@ def test_show_table_and_json(cli: Cli, tmp_path: Path) -> None:
         ["3", "entries,", "1.5", "MiB", "(1.5", "MiB", "stored", "with", "headers)"],
     ]
     shown = cli.json("show", "mlp")
-    assert set(shown) == {"name", "entries", "nbytes", "payload_bytes", "metadata", "files", "archive", "aliases"}
+    assert set(shown) == {"name", "entries", "nbytes", "payload_bytes", "metadata", "files", "values", "archive",
+                          "aliases"}
+    assert shown["values"] == {}  # tensors alone: no plain values kept (tests/test_plain_values.py shows some)
     assert (shown["archive"], shown["aliases"]) == (shown["name"], [])  # no alias here (tests/test_aliases.py)
     assert shown["metadata"] == {}  # save_file without metadata writes no __metadata__
     assert shown["files"] == []  # a file pushed, not a folder: no files kept with it (docs/model-folders.md)

@@ -319,21 +319,28 @@ def test_store_refuses_values_that_are_not_tensors_before_calling(client, server
     assert client.list() == []
 
 
-def test_store_refuses_a_non_tensor_leaf_naming_its_path(client):
-    """Nothing vanishes: a value with a leaf that is not a tensor is refused before the call,
-    the first such leaf named by its path; skip_non_tensors=True stores the tensors alone."""
+def test_store_keeps_plain_values_and_refuses_any_other_leaf_naming_its_path(client):
+    """Nothing vanishes: plain values (a step, None, a str) are kept beside the tensors; any
+    other leaf is refused before the call, named by its path, and skip_non_tensors=True stores
+    the tensors alone."""
     state = {"optimizer": {"state": {0: {"exp_avg": torch.ones(2), "step": 5}}}}
     with pytest.raises(TypeError) as e:
-        client.store("x1", state)
-    assert str(e.value).startswith("Client.store('x1'): optimizer.state.0.step is an int, not a tensor; ")
+        client.store("x1", {**state, "hook": print})
+    assert str(e.value).startswith("Client.store('x1'): hook is a builtin_function_or_method, neither a tensor "
+                                   "nor a plain value ")
     assert "skip_non_tensors=True" in str(e.value)
-    with pytest.raises(TypeError, match=r"^Client.store\('x2'\): a is a str, not a tensor; "):
-        client.store("x2", {"a": "notatensor"})
-    with pytest.raises(TypeError, match=r"^Client.store\('x1'\): ckpt.m.1 is None, not a tensor; "):
-        client.store("x1", {"m": [torch.ones(1), None]}, prefix="ckpt")
+    with pytest.raises(TypeError, match=r"^Client.store\('x2'\): ckpt.m.1: a key \(1, 2\) of type tuple; "):
+        client.store("x2", {"m": [torch.ones(1), {(1, 2): 3}]}, prefix="ckpt")
     assert client.list() == []
     assert client.store("x1", state, skip_non_tensors=True).entries == 1
     assert client.fetch("x1").names() == ["optimizer.state.0.exp_avg"]
+    back = client.archive("x1").to_value()  # tensors alone keep no structure: the entries by name
+    assert list(back) == ["optimizer.state.0.exp_avg"] and torch.equal(back["optimizer.state.0.exp_avg"], torch.ones(2))
+    assert client.store("x3", {"m": [torch.ones(1), None], "a": "text"}, prefix="ckpt").entries == 2  # and @values
+    assert client.fetch("x3").names() == ["ckpt.m.0"]
+    assert client.fetch("x3").to_value(prefix="ckpt")["a"] == "text"  # a fetch keeps the plain values too
+    back = client.archive("x3").to_value(prefix="ckpt")
+    assert back["a"] == "text" and back["m"][1] is None and torch.equal(back["m"][0], torch.ones(1))
 
 
 def test_store_refuses_an_empty_archive_unless_allowed(client):

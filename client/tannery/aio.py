@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from tannery.archive import Archive, MemoryArchive
+from tannery.archive import Archive
 from tannery.calls.core import CallCore
 from tannery.rpc.connection import Connection
 from tannery.dataplane.readers import EntryReader, PieceReader
@@ -112,7 +112,7 @@ class Client(CallCore):
     async def fetch(self, name: str, names: Iterable[str] | None = None, prefix: str | None = None, *,
                     progress: Progress = None) -> Archive:
         """As :meth:`tannery.Client.fetch`."""
-        return MemoryArchive(dict(await _run(self._fetched(fetch_request(name, names, prefix), progress))))
+        return await _run(self._fetched_archive(fetch_request(name, names, prefix), progress))
 
     def fetch_iter(self, name: str, names: Iterable[str] | None = None, prefix: str | None = None, *,
                    progress: Progress = None) -> AsyncIterator[tuple[str, torch.Tensor]]:

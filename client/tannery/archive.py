@@ -27,9 +27,9 @@ from tannery_protocol._lazy import lazy_module
 from tannery_protocol.codec import FLOAT_NAMES, format_shape
 from tannery_protocol.errors import ArchiveError
 from tannery_protocol.names import did_you_mean, join, owned, owns
+from tannery import plain, plain_trees
 from tannery.values import (
-    DTypeLike, TensorLike, as_tensor, dtype_name, first_non_tensor, is_tensor_leaf, leaf_dtype, named_leaves,
-    not_a_tensor, rebuild,
+    DTypeLike, TensorLike, as_tensor, dtype_name, is_tensor_leaf, leaf_dtype, named_leaves, rebuild,
 )
 
 # Imported on first use: listing or describing archives never imports torch.
@@ -105,6 +105,11 @@ class Archive(ABC):
         may have its server cast)."""
         return self._fetch([name])[0].to(torch_codec.torch_dtype(dtype))
 
+    def _plain(self) -> Mapping[str, plain_trees.Node]:
+        """The plain values kept with the archive: a tree (:mod:`tannery.plain`) by the prefix
+        it was given under; none by default."""
+        return {}
+
     # -- building ------------------------------------------------------------------------
 
     @staticmethod
@@ -124,23 +129,24 @@ class Archive(ABC):
 
     @staticmethod
     def of_value(value: Any, prefix: str = "", *, skip_non_tensors: bool = False) -> Archive:
-        """One entry per tensor of a structure of nested dicts, lists and tuples.
+        """One entry per tensor of a structure of nested dicts, lists and tuples, and its
+        plain values (None, bool, int, float, str, numpy scalars) kept beside them.
 
-        Each is named by its path under ``prefix`` (``"model.blocks.0.w"``). A leaf that
-        is not a tensor (a step count, a learning rate, None) is refused with a TypeError
-        naming its path, unless ``skip_non_tensors``: then it is left out (and
-        :meth:`to_value` puts back the like's own). Nothing is copied.
+        Each tensor is named by its path under ``prefix`` (``"model.blocks.0.w"``); the plain
+        values keep their types exactly (a tuple stays a tuple, an int key an int, a float its
+        bits: :mod:`tannery.plain`), and :meth:`to_value` gives the whole structure back. Any
+        other leaf (an object, a function) is refused with a TypeError naming its path, and so
+        is a key neither str nor int. With ``skip_non_tensors``, every leaf that is not a
+        tensor is left out instead (and :meth:`to_value` puts back the like's own). Nothing
+        is copied.
         """
-        where = "Archive.of_value"
-        if not skip_non_tensors:
-            refuse_non_tensors(value, prefix, where)
-        leaves = named_leaves(value, prefix, where)
-        return MemoryArchive({name: as_tensor(leaf, name, where) for name, leaf in leaves.items()})
+        return archive_of_value(value, prefix, skip_non_tensors, "Archive.of_value")
 
     @staticmethod
     def union(archives: Iterable[Archive]) -> Archive:
         """The entries of all of ``archives``, none of them read; ValueError for a name in two."""
         sources: dict[str, Archive] = {}
+        trees: dict[str, plain_trees.Node] = {}
         for archive in archives:
             if not isinstance(archive, Archive):
                 raise TypeError(f"Archive.union: {type(archive).__name__} is not an Archive")
@@ -148,7 +154,14 @@ class Archive(ABC):
                 if name in sources:
                     raise ValueError(f"Archive.union: {name!r} is in two archives")
                 sources[name] = source
-        return UnionArchive(sources)
+            for at_prefix, tree in archive._plain().items():
+                held = next((other for other in trees if owns(other, at_prefix) or owns(at_prefix, other)), None)
+                if held is not None:
+                    raise ValueError(f"Archive.union: plain values kept under {held!r} and under {at_prefix!r}: "
+                                     "one would hold the other; union archives whose values lie apart")
+                trees[at_prefix] = tree
+        plain_trees.check_clash(trees, sources, "Archive.union")
+        return UnionArchive(sources, trees)
 
     # -- reading -------------------------------------------------------------------------
 
@@ -199,16 +212,27 @@ class Archive(ABC):
             return self._fetch([name])[0]
         return self._cast(name, dtype)
 
-    def to_value(self, like: Any, prefix: str = "") -> Any:
-        """``like`` with each tensor replaced by the archive's entry of its name.
+    def to_value(self, like: Any = None, prefix: str = "") -> Any:
+        """The value stored under ``prefix``: without ``like``, rebuilt whole; with it, ``like``
+        with each tensor replaced by the archive's entry of its name.
 
-        ``like`` gives the structure, every dtype and shape, and its non-tensor leaves;
-        its tensors' elements are not read. Each entry is moved to the device of
-        ``like``'s tensor (kept where it is when that is the meta device). The entries
-        ``prefix`` owns must be exactly ``like``'s tensor leaves; others are ignored.
-        Everything is checked before any entry is read.
+        Without ``like``, the structure kept under ``prefix`` (dicts, lists, tuples, plain
+        values and tensors where each was: :meth:`of_value`), or the part of one that
+        ``prefix`` names (``"optim"`` of a whole training state), comes back as it was, its
+        tensors as stored (numpy arrays where numpy arrays were given). An archive that keeps no
+        structure there (tensors alone) gives a dict of each entry ``prefix`` owns by its
+        name under ``prefix``, and of each structure kept under a longer prefix.
+
+        With ``like``, ``like`` gives the structure, every dtype and shape; its tensors'
+        elements are not read. Each entry is moved to the device of ``like``'s tensor (kept
+        where it is when that is the meta device). The entries ``prefix`` owns must be exactly
+        ``like``'s tensor leaves; others are ignored. Each other leaf of ``like`` takes the
+        plain value kept at its path, and stays ``like``'s own where none is. Everything is
+        checked before any entry is read.
         """
         where = "Archive.to_value"
+        if like is None:
+            return self._rebuilt(prefix, where)
         leaves = named_leaves(like, prefix, where)
         for name, leaf in leaves.items():
             info = self._info(name)
@@ -232,7 +256,33 @@ class Archive(ABC):
             device = leaf.device if isinstance(leaf, torch.Tensor) else torch.device("cpu")
             return entry if device.type == "meta" else entry.to(device)
 
-        return rebuild(like, (), replace)
+        trees = plain_trees.owned_trees(self._plain(), prefix)
+        return rebuild(like, (), replace, plain_trees.filler(trees, prefix) if trees else None)
+
+    def _rebuilt(self, prefix: str, where: str) -> Any:
+        """The value kept under ``prefix``, without a like (see :meth:`to_value`)."""
+        trees = plain_trees.owned_trees(self._plain(), prefix)
+        referred = {name: at_prefix for at_prefix, tree in trees.items()
+                    for name in plain_trees.tensor_names(tree, at_prefix)}
+        for name, at_prefix in referred.items():
+            if self._info(name) is None:
+                raise ArchiveError(f"{where}: {name}: the structure kept under {at_prefix!r} holds this tensor, "
+                                   "but the archive has no such entry (was it stored in part?)")
+        loose = [name for name in owned(prefix, self._names()) if name not in referred]
+        if prefix in trees and loose:
+            raise ArchiveError(f"{where}: {loose[0]}: an entry in the archive, not in the structure kept under "
+                               f"{prefix!r}; give a like, or a prefix that owns the structure alone")
+        names = list(referred) + loose
+        entries = dict(zip(names, self._fetch(names))) if names else {}
+        if prefix in trees:
+            return plain_trees.build(trees[prefix], prefix, entries.__getitem__)
+        if loose == [prefix] and not trees:
+            return entries[prefix]
+        under = len(prefix) + 1 if prefix else 0
+        value: dict[str, Any] = {name[under:]: entries[name] for name in loose}
+        for at_prefix, tree in sorted(trees.items()):
+            value[at_prefix[under:]] = plain_trees.build(tree, at_prefix, entries.__getitem__)
+        return value
 
     def _lookup(self, where: str, name: str, shape: tuple[int, ...] | None = None) -> TensorInfo:
         """The entry's info, checked to exist (and to have ``shape`` when given)."""
@@ -249,16 +299,13 @@ class Archive(ABC):
         return f"<{type(self).__name__} of {len(names)} entries: {shown}>" if names else f"<empty {type(self).__name__}>"
 
 
-#: What a refused non-tensor leaf's message says to do.
-NON_TENSOR_REMEDY = ("archives hold tensors only: keep such values elsewhere (the archive's metadata, "
-                     "another file), or give skip_non_tensors=True to leave them out")
-
-
-def refuse_non_tensors(value: Any, prefix: str, where: str, remedy: str = NON_TENSOR_REMEDY) -> None:
-    """TypeError naming the first leaf of ``value`` that is not a tensor, if there is one."""
-    found = first_non_tensor(value, prefix)
-    if found is not None:
-        raise TypeError(f"{where}: {not_a_tensor(*found)}; {remedy}")
+def archive_of_value(value: Any, prefix: str, skip_non_tensors: bool, where: str) -> Archive:
+    """:meth:`Archive.of_value`, its messages prefixed by ``where`` (``Client.store`` says its own)."""
+    if skip_non_tensors:
+        leaves, trees = named_leaves(value, prefix, where), {}
+    else:
+        leaves, trees = plain.split(value, prefix, where)
+    return MemoryArchive({name: as_tensor(leaf, name, where) for name, leaf in leaves.items()}, trees)
 
 
 def tensor_info(tensor: torch.Tensor) -> TensorInfo:
@@ -279,13 +326,18 @@ class _KeyedArchive(Archive):
 
 
 class MemoryArchive(_KeyedArchive):
-    """An archive of tensors held in memory (the caller's own tensors: nothing is copied)."""
+    """An archive of tensors held in memory (the caller's own tensors: nothing is copied),
+    and of the plain values kept beside them (trees by prefix, :mod:`tannery.plain`)."""
 
-    __slots__ = ("_tensors",)
+    __slots__ = ("_tensors", "_trees")
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, tensors: Mapping[str, torch.Tensor], trees: Mapping[str, plain_trees.Node] | None = None) -> None:
         self._tensors = dict(tensors)
+        self._trees = dict(trees or {})
         super().__init__(self._tensors)
+
+    def _plain(self) -> Mapping[str, plain_trees.Node]:
+        return self._trees
 
     def _info(self, name: str) -> TensorInfo | None:
         tensor = self._tensors.get(name)
@@ -311,13 +363,18 @@ class IndexedArchive(_KeyedArchive):
 
 
 class UnionArchive(_KeyedArchive):
-    """The entries of several archives, each still held (and read) by its own archive."""
+    """The entries of several archives, each still held (and read) by its own archive, and
+    their plain values."""
 
-    __slots__ = ("_sources",)
+    __slots__ = ("_sources", "_trees")
 
-    def __init__(self, sources: Mapping[str, Archive]) -> None:
+    def __init__(self, sources: Mapping[str, Archive], trees: Mapping[str, plain_trees.Node] | None = None) -> None:
         self._sources = dict(sources)
+        self._trees = dict(trees or {})
         super().__init__(self._sources)
+
+    def _plain(self) -> Mapping[str, plain_trees.Node]:
+        return self._trees
 
     def _info(self, name: str) -> TensorInfo | None:
         source = self._sources.get(name)

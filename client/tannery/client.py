@@ -40,7 +40,6 @@ if TYPE_CHECKING:  # torch is imported where a tensor is made (tannery.dataplane
     from tannery.dataplane.transports import Feed
 
 # Imported on first use: catalog calls (tannery ls, show, rm) need none of these.
-_archive = lazy_module("tannery.archive")
 _readers = lazy_module("tannery.dataplane.readers")
 _remote = lazy_module("tannery.remote")
 
@@ -109,9 +108,13 @@ class Client(CallCore):
         ``metadata``, a small mapping of str to str (safetensors' ``__metadata__``), is kept
         with the archive and returned by :meth:`describe`.
 
-        Nothing vanishes silently: a leaf of ``value`` that is not a tensor (a step count,
-        None) is a TypeError naming its path unless ``skip_non_tensors`` (then it is left
-        out), and an archive of no entries is an ArchiveError unless ``allow_empty``.
+        Plain values (a step count, a learning rate, None, RNG states: :mod:`tannery.plain`)
+        are kept beside the tensors, typed exactly and never pickled, committed in the same
+        Store as an entry ``P.@values`` (so a tensor named so is refused), and given back by
+        ``archive(name).to_value()``. Nothing vanishes silently: any other leaf (an object, a
+        function) is a TypeError naming its path unless ``skip_non_tensors`` (then every leaf
+        that is not a tensor is left out), and an archive of no entries is an ArchiveError
+        unless ``allow_empty``.
 
         ``files`` (file name to bytes: a model folder's ``config.json``, its tokenizer's files)
         are kept with the archive, committed in the same Store and read back with
@@ -146,8 +149,9 @@ class Client(CallCore):
     def fetch(self, name: str, names: Iterable[str] | None = None, prefix: str | None = None, *,
               progress: Progress = None) -> Archive:
         """Entries of archive ``name`` in memory: those named (NotFound for one it lacks), or
-        those ``prefix`` owns, or all of them; in one call."""
-        return _archive.MemoryArchive(dict(_run(self._fetched(fetch_request(name, names, prefix), progress))))
+        those ``prefix`` owns, or all of them, with the plain values kept under what they
+        cover; in one call."""
+        return _run(self._fetched_archive(fetch_request(name, names, prefix), progress))
 
     def fetch_iter(self, name: str, names: Iterable[str] | None = None, prefix: str | None = None, *,
                    progress: Progress = None) -> Iterator[tuple[str, torch.Tensor]]:

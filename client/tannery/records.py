@@ -14,12 +14,37 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tannery_protocol.v1 import archives_pb2, channels_pb2
+from tannery_protocol.names import SEPARATOR, join
 # How a kept file's entry is named (``@file:NAME``, ``P.@file:NAME``): one rule for the client and
 # the server (docs/model-folders.md); re-exported here, where the client always read it.
 from tannery_protocol.kept_files import MARK, entry_name, is_file_entry, split_entry
 
 if TYPE_CHECKING:
     from tannery.archive import TensorInfo
+
+#: The entry that keeps the plain values of a value stored under a prefix (``P.@values``:
+#: :mod:`tannery.plain`), a 1-D uint8 tensor of their document; a file's metadata key too.
+VALUES = "@values"
+
+
+def values_entry(prefix: str = "") -> str:
+    """The entry (or file metadata key) of the plain values kept under ``prefix``."""
+    return join(prefix, VALUES)
+
+
+def values_prefix(name: str) -> str | None:
+    """The prefix whose plain values entry ``name`` keeps, None for any other entry."""
+    if name == VALUES:
+        return ""
+    if name.endswith(SEPARATOR + VALUES):
+        return name[: -len(SEPARATOR + VALUES)]
+    return None
+
+
+def is_kept_entry(name: str) -> bool:
+    """Whether entry ``name`` keeps a file or plain values (and is no tensor of the archive's)."""
+    return split_entry(name) is not None or values_prefix(name) is not None
+
 
 @dataclass(frozen=True)
 class ArchiveInfo:
@@ -85,6 +110,18 @@ class FileDescription:
 
 
 @dataclass(frozen=True)
+class ValuesDescription:
+    """The plain values kept with the archive under one prefix (:mod:`tannery.plain`): the
+    prefix, the size of their document in bytes, the SHA-256 of its entry's payload and that
+    entry's name (``P.@values``)."""
+
+    prefix: str
+    size: int
+    digest: str
+    entry: str
+
+
+@dataclass(frozen=True)
 class ArchiveDescription:
     """An archive's info and every entry, sorted by name (iterating gives the entries), and
     the files kept with it (entries too on the server, never listed among the tensors)."""
@@ -96,17 +133,23 @@ class ArchiveDescription:
     #: The files kept with the archive, sorted by entry name (those described: all of them
     #: when every entry was).
     files: tuple[FileDescription, ...] = ()
+    #: The plain values kept with the archive, one document per prefix they were stored under
+    #: (those described), sorted by entry name.
+    values: tuple[ValuesDescription, ...] = ()
 
     @staticmethod
     def of(message: archives_pb2.ArchiveDescription) -> "ArchiveDescription":
-        entries, files = [], []
+        entries, files, values = [], [], []
         for e in message.entries:
-            kept = split_entry(e.name)
-            if kept is None:
-                entries.append(EntryDescription(e.name, e.dtype, tuple(e.shape), e.nbytes, e.payload_bytes, e.digest))
-            else:
+            kept, prefix = split_entry(e.name), values_prefix(e.name)
+            if kept is not None:
                 files.append(FileDescription(kept[1], kept[0], e.nbytes, e.digest, e.name))
-        return ArchiveDescription(ArchiveInfo.of(message.info), tuple(entries), dict(message.metadata), tuple(files))
+            elif prefix is not None:
+                values.append(ValuesDescription(prefix, e.nbytes, e.digest, e.name))
+            else:
+                entries.append(EntryDescription(e.name, e.dtype, tuple(e.shape), e.nbytes, e.payload_bytes, e.digest))
+        return ArchiveDescription(ArchiveInfo.of(message.info), tuple(entries), dict(message.metadata), tuple(files),
+                                  tuple(values))
 
     @property
     def name(self) -> str:
@@ -220,5 +263,8 @@ class Published:
         return Published(message.payloads, message.bytes, message.dropped_subscribers, stored, message.store_error)
 
 
-__all__ = ["MARK", "Alias", "ArchiveDescription", "ArchiveInfo", "Deleted", "EntryDescription", "FileDescription", "Pruned",
-           "Published", "Tagged", "Untagged", "entry_name", "is_file_entry", "split_entry"]
+__all__ = [
+    "MARK", "VALUES", "Alias", "ArchiveDescription", "ArchiveInfo", "Deleted", "EntryDescription", "FileDescription",
+    "Pruned", "Published", "Tagged", "Untagged", "ValuesDescription", "entry_name", "is_file_entry", "is_kept_entry",
+    "split_entry", "values_entry", "values_prefix",
+]

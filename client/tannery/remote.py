@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 from tannery_protocol import mismatches
 from tannery.archive import DTypeLike, IndexedArchive, MemoryArchive, TensorInfo
 from tannery_protocol.errors import ArchiveError
-from tannery.records import ArchiveDescription, ArchiveInfo, EntryDescription
+from tannery import plain, plain_trees
+from tannery.records import ArchiveDescription, ArchiveInfo, EntryDescription, values_prefix
 from tannery.rpc.requests import entry_ask
 from tannery_protocol.v1 import archives_pb2
 
@@ -50,8 +51,11 @@ def _row_bound(value: object, what: str) -> int:
 
 def _is_whole(description: ArchiveDescription) -> bool:
     """Whether a Describe's answer holds every entry of the archive (else it holds those asked);
-    the files kept with it are entries too (:mod:`tannery.calls.archive_files`)."""
-    return len(description.entries) + len(description.files) == description.info.entries
+    the files and plain values kept with it are entries too (:mod:`tannery.calls.archive_files`,
+    :mod:`tannery.calls.archive_values`)."""
+    described = len(description.entries) + len(description.values) + len(description.files)
+    # A server counts the kept files apart (info.files), one from before counted them as entries.
+    return described == description.info.entries + description.info.files
 
 
 def _names_asked(names: Iterable[str] | None, where: str) -> list[str] | None:
@@ -71,7 +75,7 @@ class RemoteArchive(IndexedArchive):
     several entries in one call. The reads transfer the entries they return and nothing else.
     """
 
-    __slots__ = ("_opened", "_whole", "_absent", "_describe", "_transfer")
+    __slots__ = ("_opened", "_whole", "_absent", "_describe", "_transfer", "_trees")
 
     def __init__(self, description: ArchiveDescription, transfer: Transfer, describe: Describe | None = None) -> None:
         if describe is None and not _is_whole(description):
@@ -83,6 +87,7 @@ class RemoteArchive(IndexedArchive):
         self._absent: set[str] = set()
         self._describe = describe
         self._transfer = transfer
+        self._trees: dict[str, plain_trees.Node] | None = None
 
     @property
     def name(self) -> str:
@@ -145,23 +150,45 @@ class RemoteArchive(IndexedArchive):
         return None if entry is None else entry.info
 
     def __len__(self) -> int:
-        if self._whole is not None:  # the tensors, without the files kept with the archive
+        if self._whole is not None:  # the tensors, without the files and plain values kept with the archive
             return len(self._whole.entries)
-        return self._opened.info.entries  # the info's count: the tensors too
+        return self._opened.info.entries  # the info's count: the tensors, and the plain values' entries
 
     def entry(self, name: str) -> EntryDescription:
         """The stored entry's description (payload size and digest included); ArchiveError when absent."""
         self._lookup("RemoteArchive.entry", name)
         return self._entries[name]
 
-    def to_value(self, like: Any, prefix: str = "") -> Any:
+    def to_value(self, like: Any = None, prefix: str = "") -> Any:
         """As :meth:`Archive.to_value`. Its check of the entries ``prefix`` owns needs every
-        name: the whole archive is described first, in one call rather than one per leaf."""
+        name: the whole archive is described first, in one call rather than one per leaf; its
+        plain values, when it keeps any, are read in a call of their own before the tensors."""
         self._names()
         return super().to_value(like, prefix)
 
     def _fetch(self, names: Sequence[str]) -> list[torch.Tensor]:
         return self._transfer([entry_ask(self._entries[name]) for name in names])
+
+    def _plain(self) -> dict[str, plain_trees.Node]:
+        """The plain values kept with the archive: their entries read once (one Fetch), when it has any."""
+        if self._trees is None:
+            self._names()  # the whole description: the entries of the plain values among it
+            kept = self.description.values
+            if not kept:
+                self._trees = {}
+            else:
+                asks = [archives_pb2.EntryAsk(name=v.entry, dtype="uint8", shape=archives_pb2.Shape(dims=[v.size]))
+                        for v in kept]
+                self._keep_plain([v.entry for v in kept], self._transfer(asks))
+        return self._trees  # type: ignore[return-value]
+
+    def _keep_plain(self, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:
+        """Keep the plain values of entries ``names`` read as ``tensors``."""
+        trees = {}
+        for name, tensor in zip(names, tensors):
+            prefix = values_prefix(name)
+            trees[prefix] = plain.of_tensor(tensor, f"archive {self.name!r}: entry {name!r}")
+        self._trees = trees
 
     def _cast(self, name: str, dtype: str) -> torch.Tensor:
         return self._transfer([entry_ask(self._entries[name], cast=dtype)])[0]
@@ -308,11 +335,15 @@ class AsyncRemoteArchive:
     async def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         return await self._answer(lambda archive: archive.rows(name, start, stop))
 
-    async def to_value(self, like: Any, prefix: str = "") -> Any:
+    async def to_value(self, like: Any = None, prefix: str = "") -> Any:
+        planner = self._planner
+        if planner._trees is None:  # the plain values first: which tensors a rebuild needs may depend on them
+            await self._answer(lambda archive: archive._plain(), planner._keep_plain)
+
         def finish(names: list[str], tensors: list[torch.Tensor]) -> Any:
-            # The fetched entries are exactly like's leaves: the checks pass again, and the
+            # The fetched entries are exactly those read: the checks pass again, and the
             # value is rebuilt (devices included) by the same code as everywhere else.
-            return MemoryArchive(dict(zip(names, tensors))).to_value(like, prefix)
+            return MemoryArchive(dict(zip(names, tensors)), planner._trees).to_value(like, prefix)
 
         return await self._answer(lambda archive: archive.to_value(like, prefix), finish)
 

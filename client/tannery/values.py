@@ -68,15 +68,21 @@ def named_leaves(value: Any, prefix: str = "", where: str = "named_leaves") -> d
     """
     leaves: dict[str, TensorLike] = {}
     for path, leaf in _walk(value, ()):
-        name = join(prefix, *path)
-        if not name:
-            if not path:
-                raise ValueError(f"{where}: a leaf at the root has no name; give a prefix")
-            raise ValueError(f"{where}: a leaf at {list(path)} has an empty name; give a prefix")
+        name = leaf_name(prefix, path, where)
         if name in leaves:
             raise ValueError(f"{where}: {name}: two leaves have this name")
         leaves[name] = leaf
     return leaves
+
+
+def leaf_name(prefix: str, path: tuple[str, ...], where: str) -> str:
+    """The name of the leaf at ``path`` under ``prefix``; ValueError, prefixed by ``where``, when it is empty."""
+    name = join(prefix, *path)
+    if not name:
+        if not path:
+            raise ValueError(f"{where}: a leaf at the root has no name; give a prefix")
+        raise ValueError(f"{where}: a leaf at {list(path)} has an empty name; give a prefix")
+    return name
 
 
 def non_tensor_leaves(value: Any, prefix: str = "") -> Iterator[tuple[str, object]]:
@@ -115,33 +121,36 @@ def _walk(value: Any, path: tuple[str, ...], tensors_only: bool = True):
         yield path, value
 
 
-def rebuild(value: Any, path: tuple[str, ...], replace: Callable[[tuple[str, ...], Any], Any]) -> Any:
-    """``value`` with each tensor leaf replaced by ``replace(path, leaf)``; containers keep their types."""
+def rebuild(value: Any, path: tuple[str, ...], replace: Callable[[tuple[str, ...], Any], Any],
+            other: Callable[[tuple[str, ...], tuple[Any, ...], Any], Any] | None = None,
+            keys: tuple[Any, ...] = ()) -> Any:
+    """``value`` with each tensor leaf replaced by ``replace(path, leaf)`` and, given ``other``,
+    each other leaf by ``other(path, keys, leaf)`` (``keys``: the dict keys and indices on the
+    way, as they are); containers keep their types."""
     if is_tensor_leaf(value):
         return replace(path, value)
     if isinstance(value, Mapping):
-        items = {key: rebuild(item, path + (str(key),), replace) for key, item in value.items()}
+        items = {key: rebuild(item, path + (str(key),), replace, other, keys + (key,)) for key, item in value.items()}
         if not isinstance(value, dict):
             return items
         # A shallow copy keeps the dict's class and attributes (a state_dict's _metadata).
         new = copy.copy(value)
         new.update(items)
         return new
-    if isinstance(value, list):
-        items = [rebuild(item, path + (str(i),), replace) for i, item in enumerate(value)]
+    if isinstance(value, (list, tuple)):
+        items = [rebuild(item, path + (str(i),), replace, other, keys + (i,)) for i, item in enumerate(value)]
         if type(value) is list:
             return items
-        new = copy.copy(value)
-        new[:] = items
-        return new
-    if isinstance(value, tuple):
-        items = [rebuild(item, path + (str(i),), replace) for i, item in enumerate(value)]
+        if isinstance(value, list):
+            new = copy.copy(value)
+            new[:] = items
+            return new
         if type(value) is tuple:
             return tuple(items)
         if hasattr(type(value), "_fields"):  # a namedtuple
             return type(value)(*items)
         return type(value)(items)
-    return value
+    return value if other is None else other(path, keys, value)
 
 
 def as_tensor(value: TensorLike, name: str, where: str) -> torch.Tensor:
@@ -176,5 +185,5 @@ def as_tensor(value: TensorLike, name: str, where: str) -> torch.Tensor:
 
 __all__ = [
     "DTypeLike", "TensorLike", "as_tensor", "dtype_name", "first_non_tensor", "is_tensor_leaf", "leaf_dtype",
-    "named_leaves", "non_tensor_leaves", "not_a_tensor", "rebuild",
+    "leaf_name", "named_leaves", "non_tensor_leaves", "not_a_tensor", "rebuild",
 ]

@@ -21,7 +21,9 @@ import grpc
 from tannery_protocol import errors
 from tannery_protocol._lazy import lazy_module
 from tannery.rpc.connection import Calls, Connection, TLSLike, check_transport, rpc_error
-from tannery.records import Alias, ArchiveDescription, ArchiveInfo, Deleted, Pruned, Published, Tagged, Untagged
+from tannery.records import (
+    Alias, ArchiveDescription, ArchiveInfo, Deleted, Pruned, Published, Tagged, Untagged, is_kept_entry, values_prefix,
+)
 from tannery.rpc.requests import Methods, Progress, describe_request, list_request, union_request
 from tannery.rpc.retries import RetryPolicy, call_name, resumed_request
 from tannery.rpc.waits import Acquire, Blocking, Rpc, Send, Sleep, Steps
@@ -39,6 +41,7 @@ if TYPE_CHECKING:
 
 # Imported on first use: catalog calls (tannery ls, show, rm) need none of these.
 _archive_files = lazy_module("tannery.calls.archive_files")
+_archive_values = lazy_module("tannery.calls.archive_values")
 _derives = lazy_module("tannery.calls.derive")
 _diffs = lazy_module("tannery.calls.diff")
 _histories = lazy_module("tannery.calls.history")
@@ -193,6 +196,8 @@ class CallCore:
                                          allow_empty=allow_empty or bool(files))
         where = f"Client.store({name!r})"
         _archive_files.refuse_file_names(archive, where)
+        _archive_values.refuse_values_names(archive, where)
+        archive = _archive_values.with_values(archive, where)
         if files:
             archive = _archive_files.with_files(archive, rest, prefix, _archive_files.check_files(files, where))
 
@@ -206,14 +211,15 @@ class CallCore:
 
         return (yield from self._retrying(f"Store of {name!r}", attempt))
 
-    def _entries(self, request: archives_pb2.FetchRequest, reader: Any, keep: bool = False) -> Steps[Any]:
+    def _entries(self, request: archives_pb2.FetchRequest, reader: Any, keep: bool = False,
+                 values: bool = False) -> Steps[Any]:
         """What ``reader`` makes of a Fetch's entries, yielded as they arrive (leaving early
         cancels the call), or with ``keep`` returned in a list. A call that ends UNAVAILABLE
         is resumed after the entries that came whole. The server may send small entries
         several to a message (every reader reads them; a server from before them ignores the
-        ask)."""
+        ask). With ``values``, a Fetch of every entry keeps those of the plain values too."""
         request.batched_entries = True
-        noted = _Noted(reader, keep, hide_files=not request.entries)  # every entry asked: the tensors only
+        noted = _Noted(reader, keep, hide_files=not request.entries, keep_values=values)  # every entry: the tensors
         retry = 0
         while True:
             try:
@@ -262,8 +268,14 @@ class CallCore:
                 f"{target!r} now): the rest is not fetched, since the alias may have moved meanwhile and the "
                 f"entries would mix two versions; fetch again, or fetch the archive itself ({target!r})")
 
-    def _fetched(self, request: archives_pb2.FetchRequest, progress: Progress) -> Steps[list[tuple[str, torch.Tensor]]]:
-        return (yield from self._entries(request, _readers.EntryReader(progress), keep=True))
+    def _fetched(self, request: archives_pb2.FetchRequest, progress: Progress, values: bool = False
+                 ) -> Steps[list[tuple[str, torch.Tensor]]]:
+        return (yield from self._entries(request, _readers.EntryReader(progress), keep=True, values=values))
+
+    def _fetched_archive(self, request: archives_pb2.FetchRequest, progress: Progress) -> Steps[Any]:
+        """An in-memory Archive of what ``request`` fetches, with the plain values it covers."""
+        pairs = yield from self._fetched(request, progress, values=True)
+        return _archive_values.fetched_archive(pairs, f"Client.fetch({request.archive!r})")
 
     def _transferred(self, archive: str, asks: Sequence[archives_pb2.EntryAsk], progress: Progress
                      ) -> Steps[list[torch.Tensor]]:
@@ -429,12 +441,14 @@ class _Noted:
     """A Fetch's reader, noting the entries that come whole (a resumed Fetch skips them) and,
     for a Fetch returned whole, keeping what it makes instead of handing it on."""
 
-    def __init__(self, reader: Any, keep: bool, hide_files: bool = False) -> None:
+    def __init__(self, reader: Any, keep: bool, hide_files: bool = False, keep_values: bool = False) -> None:
         self.reader, self.pieces, self.pool = reader, reader.pieces, reader.pool
         self.done: list[str] = []
         self.kept: list[Any] | None = [] if keep else None
-        #: Leave out the files kept with the archive (a Fetch of every entry gives the tensors).
+        #: Leave out the files and plain values kept with the archive (a Fetch of every entry gives the tensors).
         self.hide_files = hide_files
+        #: ... but keep those of the plain values (``Client.fetch`` lifts them out of the entries).
+        self.keep_values = keep_values
 
     def feed(self, message: Any) -> Sequence[Any]:
         return self._noted(self.reader.feed(message))
@@ -451,11 +465,14 @@ class _Noted:
             if whole is not None:
                 self.done.append(whole)
         if self.hide_files:
-            items = [item for item in items if not _archive_files.is_file_entry(_item_name(item))]
+            items = [item for item in items if not self._hidden(_item_name(item))]
         if self.kept is None:
             return items
         self.kept.extend(items)
         return ()
+
+    def _hidden(self, name: str) -> bool:
+        return is_kept_entry(name) and not (self.keep_values and values_prefix(name) is not None)
 
 
 def _item_name(item: Any) -> str:

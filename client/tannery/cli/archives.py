@@ -40,9 +40,12 @@ def cmd_ls(args: argparse.Namespace, out: Output) -> int:
 
 
 def cmd_show(args: argparse.Namespace, out: Output) -> int:
+    from .plain_values import kept_values, lines, trees
+
     with connect(args) as client:
         description = client.describe(args.name)
         aliases = aliases_by_archive(client, description.name).get(description.name, [])
+        values = trees(client, description.name, kept_values(description))
     entries = entries_of(description)
     metadata = dict(getattr(description, "metadata", {}) or {})
     nbytes = sum(e.nbytes for e in entries)
@@ -52,7 +55,7 @@ def cmd_show(args: argparse.Namespace, out: Output) -> int:
     if args.json:
         out.json({"name": args.name, "entries": [entry_json(e) for e in entries], "nbytes": nbytes,
                   "payload_bytes": payload, "metadata": metadata, "files": files_json(description),
-                  "archive": description.name, "aliases": aliases})
+                  "values": values, "archive": description.name, "aliases": aliases})
         return 0
     if alias_line(args.name, description.name, aliases):
         out.line(alias_line(args.name, description.name, aliases))
@@ -67,6 +70,10 @@ def cmd_show(args: argparse.Namespace, out: Output) -> int:
     if kept:
         out.line("")
         out.table([("FILE", "left"), ("SIZE", "right")], kept, f"{count(len(kept))} kept with the archive")
+    if values:
+        out.line("")
+        for line in lines(values):
+            out.line(line)
     return 0
 
 

@@ -109,9 +109,13 @@ def read_folder(directory: str | os.PathLike[str]) -> Folder:
 
 
 def read_shard(path: Path) -> tuple[Archive, dict[str, str]]:
-    """A safetensors file memory-mapped, and its ``__metadata__``."""
+    """A safetensors file memory-mapped, and its ``__metadata__`` but the plain values kept there
+    (``P.@values``), which the archive carries itself (``tannery.plain``)."""
+    from tannery.records import values_prefix
+
     archive = load_safetensors(path)
-    return archive, dict(read_layout(archive._map, str(path)).metadata)
+    metadata = read_layout(archive._map, str(path)).metadata
+    return archive, {key: text for key, text in metadata.items() if values_prefix(key) is None}
 
 
 def _weight_map(path: Path) -> dict[str, str]:

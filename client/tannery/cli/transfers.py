@@ -87,6 +87,7 @@ def cmd_pull(args: argparse.Namespace, out: Output) -> int:
     from tannery_protocol.names import owns
     from .checkpoint_writer import CheckpointWriter
     from .model_files import count, kept_files, write_files
+    from .plain_values import as_metadata, kept_values
     from .tensorfiles import check_writable, checkpoint_kind, output_directory, refuse_existing
 
     names = _split_names(args.names) if args.names is not None else None
@@ -122,6 +123,12 @@ def cmd_pull(args: argparse.Namespace, out: Output) -> int:
         dtypes = sorted({described[name].dtype for name in selected})
         kept = [] if args.no_files else kept_files(description, args.prefix or "")
         files: dict[str, bytes] = {}
+        values = [] if names is not None else kept_values(description, args.prefix or "")
+        if values and not folder and checkpoint_kind(output, writing=True) == "safetensors":
+            metadata = {**metadata, **as_metadata(client, description.name, values)}  # as save_safetensors keeps them
+        elif values:
+            out.note(f"{args.name} keeps plain values, written only into a safetensors file (-o NAME.safetensors); "
+                     "read them with tannery.Client.archive(name).to_value()")
         if folder:
             from .hf import ShardedWriter, check_dtypes, folder_outputs, plan_shards
             from .model_files import file_outputs

@@ -34,14 +34,16 @@ def archive_to_store(name: str, value: Any, prefix: str = "", *, skip_non_tensor
     The archive's name is checked to be a non-empty str first (an empty one would leave the
     call without its first message, and the server's answer would not say why).
 
-    A leaf that is not a tensor is a TypeError naming its path, unless ``skip_non_tensors``;
-    an archive of no entries is an ArchiveError, unless ``allow_empty``: neither vanishes.
+    Plain values (a step, a learning rate, RNG states) are kept with the tensors, as
+    :meth:`Archive.of_value` keeps them; any other leaf is a TypeError naming its path,
+    unless ``skip_non_tensors`` (then every leaf that is not a tensor is left out); an archive
+    of no entries and no plain values is an ArchiveError, unless ``allow_empty``: nothing vanishes.
     """
     if not isinstance(name, str) or not name:
         raise errors.InvalidArgument(f"Client.store: the archive's name is a non-empty str, not {name!r}")
     if not isinstance(prefix, str):
         raise TypeError(f"Client.store: prefix is a str, not {type(prefix).__name__}")
-    from tannery.archive import Archive, refuse_non_tensors  # not at import: catalog calls need no archive module
+    from tannery.archive import Archive, archive_of_value  # not at import: catalog calls need no archive module
 
     if isinstance(value, Archive):
         archive, rest = value, prefix
@@ -51,21 +53,15 @@ def archive_to_store(name: str, value: Any, prefix: str = "", *, skip_non_tensor
         if not isinstance(value, (Mapping, list, tuple, torch.Tensor, np.ndarray)):
             raise TypeError(
                 f"Client.store: a {type(value).__name__} is not something to store; give an Archive, a mapping of "
-                "names to tensors, an nn.Module or nested dicts, lists and tuples of tensors"
+                "names to tensors, an nn.Module or nested dicts, lists and tuples of tensors and plain values"
             )
-        if not skip_non_tensors:
-            refuse_non_tensors(value, prefix, f"Client.store({name!r})", _NON_TENSOR_REMEDY)
-        archive, rest = Archive.of_value(value, prefix, skip_non_tensors=True), ""
-    if not allow_empty and not len(archive):
+        archive = archive_of_value(value, prefix, skip_non_tensors, f"Client.store({name!r})")
+        rest = ""
+    if not allow_empty and not len(archive) and not archive._plain():
         raise errors.ArchiveError(
             f"Client.store({name!r}): the value holds no tensors, so the archive would be empty; "
             "give allow_empty=True to store an empty archive")
     return archive, rest
-
-
-#: What ``store``'s refusal of a non-tensor leaf says to do.
-_NON_TENSOR_REMEDY = ("archives hold tensors only: keep such values elsewhere (metadata=, another file), "
-                      "or give skip_non_tensors=True to store the tensors and leave them out")
 
 
 def store_messages(

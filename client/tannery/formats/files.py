@@ -10,6 +10,12 @@ new tensor.
 
 Saving writes a temporary file and renames it into place, so a reader never sees half
 of one. Malformed files raise :class:`~tannery_protocol.codec.FormatError`.
+
+An archive's plain values (:mod:`tannery.plain`) are kept in its file too: in a safetensors
+file's ``__metadata__``, one document per prefix under the key ``P.@values`` (text, as
+safetensors asks); in a .tannic pair, which has no place for metadata, as a 1-D uint8 entry of
+that name (the server's own way), which Tannic C++ and pytannic read as a byte buffer. Loading
+lifts them out of the entries again.
 """
 
 from __future__ import annotations
@@ -25,7 +31,9 @@ from typing import Any
 from tannery_protocol import codec
 from tannery.formats import checkpoint
 from tannery_protocol._lazy import lazy_module
+from tannery import plain, plain_trees
 from tannery.archive import Archive, IndexedArchive, TensorInfo
+from tannery.records import values_entry, values_prefix
 from tannery.formats.atomic import Replacement
 from tannery_protocol.codec import FormatError, format_shape
 from tannery_protocol.errors import ArchiveError
@@ -53,13 +61,18 @@ class MappedEntry:
 class MappedArchive(IndexedArchive):
     """An archive whose tensors view a private memory map of a file, built on first use."""
 
-    __slots__ = ("path", "_map", "_tensors")
+    __slots__ = ("path", "_map", "_tensors", "_trees")
 
-    def __init__(self, path: PathLike, data: mmap.mmap, entries: Mapping[str, MappedEntry]) -> None:
+    def __init__(self, path: PathLike, data: mmap.mmap, entries: Mapping[str, MappedEntry],
+                 trees: Mapping[str, plain_trees.Node] | None = None) -> None:
         super().__init__(entries)
         self.path = Path(path)
         self._map = data
         self._tensors: dict[str, torch.Tensor] = {}
+        self._trees = dict(trees or {})
+
+    def _plain(self) -> Mapping[str, plain_trees.Node]:
+        return self._trees
 
     def _fetch(self, names: Sequence[str]) -> list[torch.Tensor]:
         return [self._tensor(name) for name in names]
@@ -99,7 +112,8 @@ def load_safetensors(path: PathLike) -> MappedArchive:
 
     The header is checked strictly (known dtypes, sizes that match shapes, entries
     that tile the data region with no gap, overlap or trailing byte): FormatError
-    otherwise. Its ``__metadata__`` is checked and ignored.
+    otherwise. Its ``__metadata__`` is checked; the plain values kept there (``@values``
+    keys) are read, and the rest ignored.
     """
     path = Path(path)
     data = _map_file(path, 8, str(path))
@@ -108,7 +122,15 @@ def load_safetensors(path: PathLike) -> MappedArchive:
         e.name: MappedEntry(TensorInfo(e.dtype.name, e.shape, e.nbytes), layout.data_start + e.begin)
         for e in layout.entries
     }
-    return MappedArchive(path, data, entries)
+    trees = {prefix: plain.decode(text, f"{path}: __metadata__[{key!r}]")
+             for key, text in layout.metadata.items() if (prefix := values_prefix(key)) is not None}
+    return MappedArchive(path, data, entries, trees)
+
+
+def values_metadata(archive: Archive, where: str) -> dict[str, str]:
+    """The plain values of ``archive`` as safetensors metadata: a document per prefix, under ``P.@values``."""
+    return {values_entry(prefix): plain.encode(tree, where, prefix).decode("ascii")
+            for prefix, tree in archive._plain().items()}
 
 
 def save_safetensors(path: PathLike, archive: Archive) -> None:
@@ -116,7 +138,8 @@ def save_safetensors(path: PathLike, archive: Archive) -> None:
 
     TypeError naming the entry, before anything is written, for a dtype safetensors
     lacks (complex128). Tensors are written from their own memory when they are
-    contiguous and on the CPU, otherwise from one contiguous CPU copy each.
+    contiguous and on the CPU, otherwise from one contiguous CPU copy each. The archive's
+    plain values go into ``__metadata__`` (see the module's docstring).
     """
     names = archive.names()
     for name in names:
@@ -136,8 +159,9 @@ def save_safetensors(path: PathLike, archive: Archive) -> None:
         for name, t in zip(names, host)
     }
     # serialize_file reads each tensor's memory through its pointer: `host` keeps them alive.
+    metadata = values_metadata(archive, "save_safetensors")
     with Replacement(path) as tmp:
-        safetensors.serialize_file(specs, tmp)
+        safetensors.serialize_file(specs, tmp, metadata=metadata or None)
     del host
 
 
@@ -147,13 +171,21 @@ def save_tannic(path: PathLike, archive: Archive, codes: str = "seed") -> None:
     The pair stores no shapes (see :func:`load_tannic`). Entries are written in name
     order, each from its own memory when it is contiguous and on the CPU. ``codes="cpp"``
     writes complex entries under Tannic C++'s codes (:func:`tannery_protocol.codec.wire_code`).
+    The archive's plain values go in as uint8 entries ``P.@values`` (see the module's docstring).
     """
     names = archive.names()
+    clash = [name for name in names if values_prefix(name) is not None]
+    if clash:
+        raise ArchiveError(f"save_tannic: entry {clash[0]!r}: the name '@values' is reserved for plain values; "
+                           "rename the tensor")
     items = [
         (name, tensors.codec_dtype(t.dtype), [tensors.buffer_of(t)])
         for name, t in zip(names, archive._fetch(names) if names else [])
     ]
-    checkpoint.write_pair(path, items, codes)
+    for prefix, tree in archive._plain().items():
+        document = plain.as_tensor(tree, "save_tannic", prefix)
+        items.append((values_entry(prefix), tensors.codec_dtype(document.dtype), [tensors.buffer_of(document)]))
+    checkpoint.write_pair(path, sorted(items, key=lambda item: item[0]), codes)
 
 
 def load_tannic(path: PathLike, like: Any = None, prefix: str = "") -> MappedArchive:
@@ -170,12 +202,20 @@ def load_tannic(path: PathLike, like: Any = None, prefix: str = "") -> MappedArc
         found = {entry.name: entry for entry in pair.entries}
         for name, leaf in named_leaves(like, prefix, "load_tannic").items():
             shapes[name] = _like_shape(found.get(name), name, leaf)
-    entries = {}
+    entries, trees = {}, {}
     for entry in pair.entries:
+        at_prefix = values_prefix(entry.name)
+        if at_prefix is not None:
+            if entry.dtype.name != "uint8":
+                raise FormatError(f"load_tannic: entry {entry.name!r}: {entry.dtype}, not the uint8 bytes of plain "
+                                  "values; the pair was not written by tannery: rename that entry")
+            start = pair.data_start + entry.offset
+            trees[at_prefix] = plain.decode(pair.data[start:start + entry.nbytes], f"load_tannic: entry {entry.name!r}")
+            continue
         shape = shapes[entry.name] if entry.name in shapes else entry.flat_shape
         info = TensorInfo(entry.dtype.name, shape, entry.nbytes)
         entries[entry.name] = MappedEntry(info, pair.data_start + entry.offset, packed_bools=True)
-    return MappedArchive(checkpoint.pair_paths(path)[0], pair.data, entries)
+    return MappedArchive(checkpoint.pair_paths(path)[0], pair.data, entries, trees)
 
 
 def _like_shape(entry: checkpoint.PairEntry | None, name: str, leaf: Any) -> tuple[int, ...]:
