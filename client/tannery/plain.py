@@ -206,7 +206,7 @@ def decode(data: bytes | bytearray | memoryview | str, where: str) -> Node:
         raise FormatError(f"{where}: the plain values have no valid version ({version!r})")
     if version > VERSION:
         raise FormatError(f"{where}: the plain values were written by format version {version}, newer than this "
-                          f"tannery reads (up to {VERSION}): upgrade tannery to read them")
+                          f"tannery reads (up to {VERSION}): read them with a newer release")
     _check(document["value"], (), 0, where)
     return document["value"]
 
