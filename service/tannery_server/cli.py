@@ -37,6 +37,13 @@ _FLAGS = [
     ("socket", "Unix socket of the same-host data path: clients on this host get Fetch as the stored files "
                "themselves (mapped, no byte copied through a socket) and Store through sealed memory files; "
                "empty for DATA_DIR/tannery.sock, 'off' for none"),
+    ("socket_mode", "octal mode of the same-host socket: 0600 (the default) lets only the server's user "
+                    "connect; 0660 lets a group connect as well, with the socket in a directory that group may "
+                    "search (--socket /run/tannery/tannery.sock, made with install -d -m 2750 -g GROUP "
+                    "/run/tannery: DATA_DIR is 0700). Users it keeps out fall back to the data port or gRPC"),
+    ("fix_permissions", "on or off: at start, take the group's and others' access away from DATA_DIR and "
+                        "everything in it (chmod -R go-rwx); off, a data directory others may read is only warned "
+                        "about. Alone, the flag means on"),
     ("data_port", "TCP port of the direct data connection beside gRPC (on --host; TLS when gRPC is): a Store or "
                   "Fetch checked over gRPC moves its bytes there (sendfile). 'auto' (or 0) picks a free port: "
                   "clients learn it from the DataPaths call, the start line names it; a number is that port "

@@ -46,6 +46,12 @@ class Config:
     health_check_seconds: float = 5.0
     #: Unix socket of the same-host data path: empty for ``data_dir/tannery.sock``, "off" for none.
     socket: str = ""
+    #: Octal mode of the same-host socket: 0600 (its own user only) unless told otherwise
+    #: (0660 with a group, the socket in a directory that group may search).
+    socket_mode: str = "0600"
+    #: At start, take the group's and others' access away from the data directory (else a
+    #: data directory they may read is only warned about).
+    fix_permissions: bool = False
     #: TCP port of the direct data connection (on ``host``): 0 for a free one the OS picks
     #: (``auto``, the default: clients learn it from the DataPaths call), None for none (``off``).
     #: Given as text (``"off"``, ``"auto"``, ``"50052"``), it is read by :func:`parse_port`.
@@ -167,6 +173,8 @@ class Config:
         for name in ("grace_seconds", "channel_timeout_seconds", "gc_grace_seconds"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} {getattr(self, name)} is negative")
+        if socket_mode_problem(self.socket_mode):
+            problems.append(socket_mode_problem(self.socket_mode))
         if self.log_format not in ("text", "json"):
             problems.append(f"log_format {self.log_format!r} is not 'text' or 'json'")
         if problems:
@@ -189,6 +197,11 @@ class Config:
         return dataclasses.replace(self, **changes)
 
     @property
+    def socket_permissions(self) -> int:
+        """``socket_mode`` as a number (0o600 by default)."""
+        return int(self.socket_mode, 8)
+
+    @property
     def serves_metrics(self) -> bool:
         """Whether the metrics endpoint listens: ``metrics`` on and ``metrics_port`` not off."""
         return self.metrics and self.metrics_port is not None
@@ -199,6 +212,17 @@ CATALOG_SCHEMES = ("sqlite", "postgresql", "postgres")
 BLOB_SCHEMES = ("file", "s3")
 #: The schemes of ``nats`` URLs (:mod:`.fabric` opens them).
 NATS_SCHEMES = ("nats", "tls")
+
+
+def socket_mode_problem(mode: str) -> str:
+    """What is wrong with ``mode`` as the socket's octal mode ("" when it is good)."""
+    try:
+        value = int(mode, 8)
+    except ValueError:
+        return f"socket_mode {mode!r} is not an octal mode such as 0600 or 0660"
+    if not 0o600 <= value <= 0o777 or value & 0o600 != 0o600:
+        return f"socket_mode {mode!r} must let the server's own user read and write (0600..0777, such as 0600 or 0660)"
+    return ""
 
 
 def without_password(url: str) -> str:
