@@ -92,6 +92,10 @@ _FLAGS = [
                  "port, which the start line names, or a number. It asks for a token when the server has tokens "
                  "(a read token suffices) and serves HTTPS when the server has TLS"),
     ("web_host", "address of the web page; loopback unless told otherwise (0.0.0.0 for every interface)"),
+    ("web_allowed_hosts", "more host names the web page answers for, comma-separated (tannery.example.com): it "
+                          "answers its --web-host, localhost and 127.0.0.1/::1 when on loopback, this host's name "
+                          "and addresses when on every interface, and these; any other Host is refused (421), "
+                          "against DNS rebinding. A form posted from another origin is refused (403)"),
 ]
 #: Settings whose values are never shown (as defaults or anywhere else).
 _SECRET = {"tokens"}

@@ -120,6 +120,9 @@ class Config:
     web_port: int | None = None
     #: Address of the web page: loopback unless told otherwise (the page shows what the store holds).
     web_host: str = "127.0.0.1"
+    #: More names the web page answers for, comma-separated (beside its address, and localhost
+    #: on loopback): any other Host header is refused (421), against DNS rebinding.
+    web_allowed_hosts: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir))
