@@ -82,6 +82,10 @@ _FLAGS = [
     ("tokens", "tokens inline: 'tok1:write,sha256:<hex>:read' (prefer a file: environments leak)"),
     ("reflection", "on or off: gRPC server reflection (answers without a token)"),
     ("metrics", "on or off: Prometheus metrics over HTTP at /metrics"),
+    ("metrics_tls", "as-grpc, on or off: the metrics endpoint over HTTPS with the server's certificate (and, with "
+                    "--tls-client-ca, client certificates of that CA required, as gRPC asks): as-grpc does so when "
+                    "the server has TLS; off serves plain HTTP even then (Prometheus's default scheme: anyone who "
+                    "reaches the port reads the counters, which name no archive and no token)"),
     ("metrics_host", "address of the metrics endpoint; empty for the same as --host"),
     ("metrics_port", "port of the metrics endpoint: 'auto' (or 0) picks a free port, which the start line "
                      "names; a number is that port (a port in use stops the start; the container image uses "

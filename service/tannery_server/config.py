@@ -109,6 +109,10 @@ class Config:
     reflection: bool = True
     #: Serve Prometheus metrics over HTTP.
     metrics: bool = True
+    #: Whether the metrics endpoint is HTTPS: ``as-grpc`` (when the server has TLS: its certificate,
+    #: and its client CA, whose certificates are then required), ``on`` (the same, TLS needed) or
+    #: ``off`` (plain HTTP, as Prometheus scrapes by default).
+    metrics_tls: str = "as-grpc"
     #: Address of the metrics endpoint; empty for the same as ``host``.
     metrics_host: str = ""
     #: Port of the metrics endpoint: 0 for a free one the OS picks (``auto``, the default: the
@@ -176,6 +180,11 @@ class Config:
         for name in ("grace_seconds", "channel_timeout_seconds", "gc_grace_seconds"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} {getattr(self, name)} is negative")
+        if self.metrics_tls not in ("as-grpc", "on", "off"):
+            problems.append(f"metrics_tls {self.metrics_tls!r} is not as-grpc, on or off")
+        elif self.metrics_tls == "on" and self.tls_cert is None:
+            problems.append("metrics_tls on needs tls_cert and tls_key (the metrics endpoint serves the server's "
+                            "certificate): set them, or metrics_tls as-grpc or off")
         if socket_mode_problem(self.socket_mode):
             problems.append(socket_mode_problem(self.socket_mode))
         if self.log_format not in ("text", "json"):
@@ -203,6 +212,11 @@ class Config:
     def socket_permissions(self) -> int:
         """``socket_mode`` as a number (0o600 by default)."""
         return int(self.socket_mode, 8)
+
+    @property
+    def metrics_over_tls(self) -> bool:
+        """Whether the metrics endpoint is HTTPS (``metrics_tls`` on, or as-grpc on a server with TLS)."""
+        return self.metrics_tls == "on" or (self.metrics_tls == "as-grpc" and self.tls_cert is not None)
 
     @property
     def serves_metrics(self) -> bool:
