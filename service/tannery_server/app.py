@@ -74,9 +74,9 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
-def metrics_url(host: str, port: int) -> str:
-    """The address of the metrics endpoint, as Prometheus scrapes it."""
-    return f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
+def metrics_url(host: str, port: int, tls: bool = False) -> str:
+    """The address of the metrics endpoint, as Prometheus scrapes it (https with ``tls``)."""
+    return f"{'https' if tls else 'http'}://{f'[{host}]' if ':' in host else host}:{port}/metrics"
 
 
 def bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None) -> int:
@@ -239,12 +239,13 @@ async def start(config: Config) -> RunningServer:
         if config.serves_metrics:
             metrics_host = config.metrics_host or config.host
             try:
-                metrics_port = metrics.serve(metrics_host, config.metrics_port)
+                metrics_port = metrics.serve(metrics_host, config.metrics_port,
+                                             config if config.metrics_over_tls else None)
             except OSError as exc:
                 raise OSError(exc.errno, f"cannot serve metrics on {metrics_host}:{config.metrics_port}: "
                               f"{exc.strerror or exc} (choose another port with --metrics-port or "
                               "TANNERY_METRICS_PORT: auto for a free one, or off for none)") from None
-            log.info("metrics on %s", metrics_url(metrics_host, metrics_port))
+            log.info("metrics on %s", metrics_url(metrics_host, metrics_port, config.metrics_over_tls))
         web_server = None
         if config.web_port is not None:
             from .web.server import start_web  # aiohttp and jinja2 are loaded only when asked for
@@ -267,7 +268,8 @@ async def start(config: Config) -> RunningServer:
     running = RunningServer(server, port, config, storage, health_servicer, metrics_port, channels_servicer,
                             archives_servicer.watches, web_server, closers, enders)
     security = _security_summary(config, tokens, running.target)
-    metrics_at = metrics_url(config.metrics_host or config.host, metrics_port) if metrics_port else "off"
+    metrics_at = (metrics_url(config.metrics_host or config.host, metrics_port, config.metrics_over_tls)
+                  if metrics_port else "off")
     web_at = f", web page {web_server.url}" if web_server is not None else ""  # every address listened on
     log.info("serving on %s (gRPC), %s, metrics %s%s; %s; %s", running.target, data_paths.describe(), metrics_at,
              web_at, security, describe(config))

@@ -37,6 +37,13 @@ _FLAGS = [
     ("socket", "Unix socket of the same-host data path: clients on this host get Fetch as the stored files "
                "themselves (mapped, no byte copied through a socket) and Store through sealed memory files; "
                "empty for DATA_DIR/tannery.sock, 'off' for none"),
+    ("socket_mode", "octal mode of the same-host socket: 0600 (the default) lets only the server's user "
+                    "connect; 0660 lets a group connect as well, with the socket in a directory that group may "
+                    "search (--socket /run/tannery/tannery.sock, made with install -d -m 2750 -g GROUP "
+                    "/run/tannery: DATA_DIR is 0700). Users it keeps out fall back to the data port or gRPC"),
+    ("fix_permissions", "on or off: at start, take the group's and others' access away from DATA_DIR and "
+                        "everything in it (chmod -R go-rwx); off, a data directory others may read is only warned "
+                        "about. Alone, the flag means on"),
     ("data_port", "TCP port of the direct data connection beside gRPC (on --host; TLS when gRPC is): a Store or "
                   "Fetch checked over gRPC moves its bytes there (sendfile). 'auto' (or 0) picks a free port: "
                   "clients learn it from the DataPaths call, the start line names it; a number is that port "
@@ -75,6 +82,10 @@ _FLAGS = [
     ("tokens", "tokens inline: 'tok1:write,sha256:<hex>:read' (prefer a file: environments leak)"),
     ("reflection", "on or off: gRPC server reflection (answers without a token)"),
     ("metrics", "on or off: Prometheus metrics over HTTP at /metrics"),
+    ("metrics_tls", "as-grpc, on or off: the metrics endpoint over HTTPS with the server's certificate (and, with "
+                    "--tls-client-ca, client certificates of that CA required, as gRPC asks): as-grpc does so when "
+                    "the server has TLS; off serves plain HTTP even then (Prometheus's default scheme: anyone who "
+                    "reaches the port reads the counters, which name no archive and no token)"),
     ("metrics_host", "address of the metrics endpoint; empty for the same as --host"),
     ("metrics_port", "port of the metrics endpoint: 'auto' (or 0) picks a free port, which the start line "
                      "names; a number is that port (a port in use stops the start; the container image uses "
@@ -85,6 +96,10 @@ _FLAGS = [
                  "port, which the start line names, or a number. It asks for a token when the server has tokens "
                  "(a read token suffices) and serves HTTPS when the server has TLS"),
     ("web_host", "address of the web page; loopback unless told otherwise (0.0.0.0 for every interface)"),
+    ("web_allowed_hosts", "more host names the web page answers for, comma-separated (tannery.example.com): it "
+                          "answers its --web-host, localhost and 127.0.0.1/::1 when on loopback, this host's name "
+                          "and addresses when on every interface, and these; any other Host is refused (421), "
+                          "against DNS rebinding. A form posted from another origin is refused (403)"),
 ]
 #: Settings whose values are never shown (as defaults or anywhere else).
 _SECRET = {"tokens"}

@@ -46,6 +46,12 @@ class Config:
     health_check_seconds: float = 5.0
     #: Unix socket of the same-host data path: empty for ``data_dir/tannery.sock``, "off" for none.
     socket: str = ""
+    #: Octal mode of the same-host socket: 0600 (its own user only) unless told otherwise
+    #: (0660 with a group, the socket in a directory that group may search).
+    socket_mode: str = "0600"
+    #: At start, take the group's and others' access away from the data directory (else a
+    #: data directory they may read is only warned about).
+    fix_permissions: bool = False
     #: TCP port of the direct data connection (on ``host``): 0 for a free one the OS picks
     #: (``auto``, the default: clients learn it from the DataPaths call), None for none (``off``).
     #: Given as text (``"off"``, ``"auto"``, ``"50052"``), it is read by :func:`parse_port`.
@@ -103,6 +109,10 @@ class Config:
     reflection: bool = True
     #: Serve Prometheus metrics over HTTP.
     metrics: bool = True
+    #: Whether the metrics endpoint is HTTPS: ``as-grpc`` (when the server has TLS: its certificate,
+    #: and its client CA, whose certificates are then required), ``on`` (the same, TLS needed) or
+    #: ``off`` (plain HTTP, as Prometheus scrapes by default).
+    metrics_tls: str = "as-grpc"
     #: Address of the metrics endpoint; empty for the same as ``host``.
     metrics_host: str = ""
     #: Port of the metrics endpoint: 0 for a free one the OS picks (``auto``, the default: the
@@ -114,6 +124,9 @@ class Config:
     web_port: int | None = None
     #: Address of the web page: loopback unless told otherwise (the page shows what the store holds).
     web_host: str = "127.0.0.1"
+    #: More names the web page answers for, comma-separated (beside its address, and localhost
+    #: on loopback): any other Host header is refused (421), against DNS rebinding.
+    web_allowed_hosts: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir))
@@ -167,6 +180,13 @@ class Config:
         for name in ("grace_seconds", "channel_timeout_seconds", "gc_grace_seconds"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} {getattr(self, name)} is negative")
+        if self.metrics_tls not in ("as-grpc", "on", "off"):
+            problems.append(f"metrics_tls {self.metrics_tls!r} is not as-grpc, on or off")
+        elif self.metrics_tls == "on" and self.tls_cert is None:
+            problems.append("metrics_tls on needs tls_cert and tls_key (the metrics endpoint serves the server's "
+                            "certificate): set them, or metrics_tls as-grpc or off")
+        if socket_mode_problem(self.socket_mode):
+            problems.append(socket_mode_problem(self.socket_mode))
         if self.log_format not in ("text", "json"):
             problems.append(f"log_format {self.log_format!r} is not 'text' or 'json'")
         if problems:
@@ -189,6 +209,16 @@ class Config:
         return dataclasses.replace(self, **changes)
 
     @property
+    def socket_permissions(self) -> int:
+        """``socket_mode`` as a number (0o600 by default)."""
+        return int(self.socket_mode, 8)
+
+    @property
+    def metrics_over_tls(self) -> bool:
+        """Whether the metrics endpoint is HTTPS (``metrics_tls`` on, or as-grpc on a server with TLS)."""
+        return self.metrics_tls == "on" or (self.metrics_tls == "as-grpc" and self.tls_cert is not None)
+
+    @property
     def serves_metrics(self) -> bool:
         """Whether the metrics endpoint listens: ``metrics`` on and ``metrics_port`` not off."""
         return self.metrics and self.metrics_port is not None
@@ -199,6 +229,17 @@ CATALOG_SCHEMES = ("sqlite", "postgresql", "postgres")
 BLOB_SCHEMES = ("file", "s3")
 #: The schemes of ``nats`` URLs (:mod:`.fabric` opens them).
 NATS_SCHEMES = ("nats", "tls")
+
+
+def socket_mode_problem(mode: str) -> str:
+    """What is wrong with ``mode`` as the socket's octal mode ("" when it is good)."""
+    try:
+        value = int(mode, 8)
+    except ValueError:
+        return f"socket_mode {mode!r} is not an octal mode such as 0600 or 0660"
+    if not 0o600 <= value <= 0o777 or value & 0o600 != 0o600:
+        return f"socket_mode {mode!r} must let the server's own user read and write (0600..0777, such as 0600 or 0660)"
+    return ""
 
 
 def without_password(url: str) -> str:

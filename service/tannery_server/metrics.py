@@ -36,6 +36,7 @@ from prometheus_client import (CollectorRegistry, Counter, GCCollector, Histogra
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from .calllog import CallRecord
+from .config import Config
 from .storage import Storage
 
 log = logging.getLogger("tannery_server.metrics")
@@ -231,9 +232,15 @@ class ServerMetrics:
         if fabric.stats():  # type: ignore[attr-defined]
             self.registry.register(_FabricCollector(fabric))
 
-    def serve(self, host: str, port: int) -> int:
-        """Start the HTTP endpoint (``/metrics``) on ``host:port``; returns the port (``port`` 0 picks one)."""
-        self._http, self._thread = start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, host: str, port: int, tls: Config | None = None) -> int:
+        """Start the HTTP endpoint (``/metrics``) on ``host:port``; returns the port (``port`` 0 picks one).
+        With ``tls`` (a config with a certificate), HTTPS with its certificate and key, and client
+        certificates of its client CA required when it has one (as gRPC asks for them)."""
+        options = {} if tls is None else {
+            "certfile": str(tls.tls_cert), "keyfile": str(tls.tls_key),
+            "client_cafile": str(tls.tls_client_ca) if tls.tls_client_ca else None,
+            "client_auth_required": tls.tls_client_ca is not None}
+        self._http, self._thread = start_http_server(port, addr=host, registry=self.registry, **options)
         self.port = self._http.server_port
         return self.port
 

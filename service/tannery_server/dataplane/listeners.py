@@ -29,6 +29,7 @@ from tannery_protocol.v1.data_pb2 import DataFailure, Welcome
 
 from ..config import Config
 from ..failures import Unavailable
+from ..storage.private import socket_directory
 
 log = logging.getLogger("tannery_server.data_paths")
 
@@ -117,7 +118,7 @@ class DataPaths:
         return f"data port {port}, socket {self.socket_path or 'off'}"
 
     def _bind_unix(self, path: Path) -> socket.socket:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        socket_directory(path.parent, self.config.socket_permissions)
         if path.exists() or path.is_symlink():
             if _answers(path):
                 raise OSError(errno.EADDRINUSE, f"cannot listen on the socket {path}: another server answers there; "
@@ -127,8 +128,8 @@ class DataPaths:
         try:
             with unix_address(path) as address:
                 listener.bind(address)
-            # Any local user may connect: only the ticket of an authorized call moves data.
-            os.chmod(path, 0o666)
+            # Only the users --socket-mode names may connect (the server's own by default).
+            os.chmod(path, self.config.socket_permissions)
         except BaseException:
             listener.close()
             raise

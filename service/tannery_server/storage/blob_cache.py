@@ -30,6 +30,7 @@ from typing import Iterable, Iterator
 
 from .base import BlobFile, BlobStore, TempBlob
 from .file_blobs import FileBlob
+from .private import private_directory, private_opener
 
 log = logging.getLogger(__name__)
 _DIGEST = re.compile(r"[0-9a-f]{64}")
@@ -44,7 +45,7 @@ class CachedBlobStore(BlobStore):
         self.inner = inner
         self.cache_dir = Path(cache_dir)
         self.max_bytes = max_bytes
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        private_directory(self.cache_dir)
         self._lock = threading.Lock()
         #: digest -> size, least recently used first.
         self._entries: OrderedDict[str, int] = OrderedDict()
@@ -158,7 +159,7 @@ class CachedBlobStore(BlobStore):
             try:
                 buffer = bytearray(min(FILL_CHUNK, max(size, 1)))
                 view = memoryview(buffer)
-                with open(part, "wb") as out:
+                with open(part, "wb", opener=private_opener) as out:
                     offset = 0
                     while offset < size:
                         got = source.read_into(view[:min(len(view), size - offset)], offset)

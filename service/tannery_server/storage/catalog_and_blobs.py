@@ -28,6 +28,7 @@ from .file_blobs import FileBlobStore
 from .integrity import BLOCK_SIZE
 from .lock import DataDirectoryLock
 from .payload_writer import PayloadWriter
+from .private import create_private_file, private_directory
 from .reserve import DEFAULT_CAP, SpaceReserve
 from .sqlite_catalog import SqliteCatalog
 
@@ -60,10 +61,11 @@ class Storage(StorageBase):
         files): then the reserve is released and the open tried once more.
         """
         data_dir = Path(data_dir)
-        data_dir.mkdir(parents=True, exist_ok=True)
+        private_directory(data_dir)
         lock = DataDirectoryLock(data_dir)
         try:
             path = data_dir / "catalog.sqlite3"
+            create_private_file(path)  # before SQLite: its WAL takes this file's mode
             reserve = SpaceReserve(data_dir, path, reserve_bytes)
             try:
                 catalog = SqliteCatalog(path)

@@ -21,6 +21,7 @@ from ..config import Config
 from .base import BlobStore
 from .catalog_and_blobs import Storage
 from .file_blobs import FileBlobStore
+from .private import check_private
 
 log = logging.getLogger("tannery_server.storage")
 
@@ -33,6 +34,7 @@ def open_storage(config: Config, collecting: bool = True, offer_create: bool = T
     blobs_scheme = _scheme(config.blobs, "file")
     if catalog_scheme == "sqlite":
         _check_same_directory(config)
+        check_private(config.data_dir, config.fix_permissions)
         if blobs_scheme == "file":
             return Storage.open_local(config.data_dir, config.reserve_bytes)
         blobs = open_blobs(config, offer_create)

@@ -13,6 +13,7 @@ from typing import Iterable, Iterator
 from .base import BlobFile, BlobStore, TempBlob
 from .disk import fsync_directory
 from .errors import StorageUnavailable
+from .private import PRIVATE_DIR, open_private, private_directory
 
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 #: Bytes of a temporary blob written between two requests to the kernel to start writing them
@@ -82,7 +83,7 @@ class FileTempBlob(TempBlob):
     def __init__(self, store: "FileBlobStore") -> None:
         self._store = store
         self.path = store.tmp / f"{uuid.uuid4().hex}.part"
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self._fd = open_private(self.path, os.O_WRONLY | os.O_EXCL)
         self._written = 0  # bytes written so far
         self._unstarted = 0  # where the bytes whose writeback has not been asked for start
 
@@ -107,7 +108,7 @@ class FileTempBlob(TempBlob):
             self.path.unlink(missing_ok=True)
             return False
         try:
-            target.parent.mkdir()
+            target.parent.mkdir(mode=PRIVATE_DIR)
             self._store.new_directories.add(target.parent)  # blobs/ itself needs an fsync now
         except FileExistsError:
             pass
@@ -131,8 +132,9 @@ class FileBlobStore(BlobStore):
         self.root = Path(root)
         self.blobs = self.root / "blobs"
         self.tmp = self.root / "tmp"
-        self.blobs.mkdir(parents=True, exist_ok=True)
-        self.tmp.mkdir(parents=True, exist_ok=True)
+        private_directory(self.root)
+        private_directory(self.blobs)
+        private_directory(self.tmp)
         #: Subdirectories of ``blobs`` created since ``blobs`` was last fsynced.
         self.new_directories: set[Path] = set()
 

@@ -7,6 +7,8 @@ import fcntl
 import os
 from pathlib import Path
 
+from .private import open_private
+
 
 class DataDirectoryInUse(RuntimeError):
     """Another server holds the data directory's lock."""
@@ -17,7 +19,7 @@ class DataDirectoryLock:
 
     def __init__(self, data_dir: Path) -> None:
         self.path = Path(data_dir) / "lock"
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._fd = open_private(self.path, os.O_RDWR)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:

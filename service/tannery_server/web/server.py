@@ -13,7 +13,7 @@ from aiohttp import web
 from ..auth import Tokens
 from ..config import Config
 from ..storage import Storage, StorageUnavailable
-from . import access, assets, downloads, pages, versions
+from . import access, assets, downloads, hosts, pages, versions
 from .inputs import PageProblem
 from .sessions import Sessions
 from .templates import Renderer
@@ -94,11 +94,13 @@ def _problem_page(renderer: Renderer, problem: PageProblem) -> web.Response:
 class WebServer:
     """The running web page; :meth:`close` stops it."""
 
-    def __init__(self, site: pages.Site, tokens: Tokens, ssl_ctx: ssl.SSLContext | None) -> None:
+    def __init__(self, site: pages.Site, tokens: Tokens, ssl_ctx: ssl.SSLContext | None,
+                 allowed: hosts.AllowedHosts) -> None:
         self.site = site
         self.ssl = ssl_ctx
         sessions = Sessions()
-        app = web.Application(middlewares=[_problems(site.renderer), access.middleware(tokens, sessions)],
+        app = web.Application(middlewares=[_problems(site.renderer), hosts.middleware(allowed),
+                                           access.middleware(tokens, sessions)],
                               client_max_size=MAX_BODY)
         app[pages.SITE] = site
 
@@ -159,7 +161,7 @@ async def start_web(config: Config, storage: Storage, tokens: Tokens, target: st
                     channels: Any) -> WebServer:
     """Start the web page of a server (``config.web_port`` set): its URL is logged."""
     site = pages.Site(storage, config, target, Renderer(target, bool(tokens)), Traffic(metrics), channels)
-    server = WebServer(site, tokens, ssl_context(config))
+    server = WebServer(site, tokens, ssl_context(config), hosts.AllowedHosts.of(config))
     assert config.web_port is not None
     await server.start(config.web_host, config.web_port)
     log.info("web page on %s", server.url)
