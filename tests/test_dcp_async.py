@@ -173,9 +173,10 @@ def _killed_worker(rank: int, world: int, port: int, target: str, archive: str, 
 FINAL = ("ok", "failed")
 
 
-def _run(worker, world: int, *args) -> dict[int, list[tuple[str, object]]]:
+def _run(worker, world: int, *args) -> tuple[dict[int, list[tuple[str, object]]], list[int | None]]:
     """``worker(rank, world, port, *args, results)`` in ``world`` spawned processes: what each
-    rank put, in order. A rank that says "uploading" is killed (SIGKILL) at once."""
+    rank put, in order, and how each process ended (its exit code; negative: the signal). A
+    rank that says "uploading" is killed (SIGKILL) at once."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
@@ -212,13 +213,13 @@ def _run(worker, world: int, *args) -> dict[int, list[tuple[str, object]]]:
             if proc.is_alive():
                 proc.kill()
             proc.join(5)
-    return said
+    return said, [proc.exitcode for proc in procs]
 
 
 @pytest.mark.slow
 def test_async_save_stores_the_state_at_the_call_not_later_changes(server, client):
-    said = _run(_changed_after_call_worker, 2, server.target, "ckpt/async")
-    assert said == {0: [("ok", {"pending": True})], 1: [("ok", {"pending": True})]}, said
+    said, exits = _run(_changed_after_call_worker, 2, server.target, "ckpt/async")
+    assert said == {0: [("ok", {"pending": True})], 1: [("ok", {"pending": True})]}, (said, exits)
     assert not [info.name for info in client.list("ckpt/async.")]  # the parts are gone
     _assert_is_full(_loaded(client, "ckpt/async"), step=7)  # bit-exact, without the +1000
 
@@ -226,10 +227,13 @@ def test_async_save_stores_the_state_at_the_call_not_later_changes(server, clien
 @pytest.mark.slow
 def test_a_rank_killed_during_an_async_save_leaves_no_checkpoint(server, client):
     archive, earlier = "ckpt/async-killed", "ckpt/async-earlier"
-    said = _run(_killed_worker, 2, server.target, archive, earlier)
+    said, exits = _run(_killed_worker, 2, server.target, archive, earlier)
     statuses = {rank: [status for status, _ in answers] for rank, answers in said.items()}
-    assert statuses[1] == ["returned", "uploading"] or statuses[1] == ["uploading", "returned"], said
-    assert statuses[0][0] == "returned" and statuses[0][-1] == "failed", said  # its future raised
+    assert statuses[1] == ["returned", "uploading"] or statuses[1] == ["uploading", "returned"], (said, exits)
+    # Rank 0's future never succeeds: it raises once gloo notices the dead peer, which on a loaded
+    # machine may come after the test stopped waiting or with the process torn down (as in
+    # tests/test_dcp_versions.py's killed-rank test): "ok" is what is ruled out.
+    assert statuses[0][0] == "returned" and "ok" not in statuses[0], (said, exits)
     assert archive not in [info.name for info in client.list(archive)]
     # The victim's Store was cut off midway: no part of it was stored.
     assert not [info.name for info in client.list(archive + ".rank-1.")]
