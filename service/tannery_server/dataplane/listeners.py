@@ -163,12 +163,13 @@ class DataPaths:
                     return
                 time.sleep(0.05)  # EMFILE and the like: let descriptors come back
                 continue
+            pending = gate.admit(sock, peer_of(sock, address, local), HANDSHAKE_SECONDS)
             try:
-                pending = gate.admit(sock, peer_of(sock, address, local), HANDSHAKE_SECONDS)
                 threading.Thread(target=self._handshake, args=(sock, local, gate, pending),
                                  name="tannery-data-handshake", daemon=True).start()
-            except Exception as exc:  # no thread to be had (RuntimeError): this connection waits for none
-                log.warning("data connection dropped before its handshake: %s", exc)
+            except RuntimeError as exc:  # no thread to be had: this connection waits for none
+                log.warning("data connection from %s dropped before its handshake: %s", pending.peer, exc)
+                gate.finish(pending)  # off the gate before its descriptor is closed
                 sock.close()
 
     def _handshake(self, sock: socket.socket, local: bool, gate: Gate, pending: Pending) -> None:
