@@ -262,5 +262,6 @@ def tune_tcp(sock: socket.socket) -> None:
             pass
 
 
-__all__ = ["DATA_TRANSPORTS", "FrameTooLarge", "Link", "LinkClosed", "LinkError", "MAX_HANDSHAKE_FRAME", "PeerFailed", "TICKET_KEY", "TRANSPORT_KEY",
+__all__ = ["DATA_TRANSPORTS", "FrameTooLarge", "Link", "LinkClosed", "LinkError", "MAX_HANDSHAKE_FRAME", "PeerFailed",
+           "TICKET_KEY", "TRANSPORT_KEY",
            "connect_unix", "expect", "frame", "tune_tcp", "unix_address"]

@@ -141,7 +141,8 @@ class _HandshakeCollector:
             "listener_limit (ended to make room: its peer or its listener had too many handshakes in progress), "
             "bad_ticket (refused: unknown, expired or for the other path), malformed (not a hello, or bad TLS), "
             "closed (the peer went away).", labels=["listener", "reason"])
-        for (listener, reason), count in sorted(self.data_paths.handshake_failures.snapshot().items()):  # type: ignore[attr-defined]
+        counts = self.data_paths.handshake_failures.snapshot()  # type: ignore[attr-defined]
+        for (listener, reason), count in sorted(counts.items()):
             failures.add_metric([listener, reason], count)
         yield failures
 
