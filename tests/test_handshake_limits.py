@@ -25,6 +25,7 @@ from tannery_protocol.datalink import MAX_HANDSHAKE_FRAME, Link, LinkError, conn
 
 from .server_harness import running_server, wait_for
 from .test_metrics import scrape, value
+from .test_security import pki  # noqa: F401 (a fixture)
 
 MiB = 1 << 20
 #: Slow connections per listener (the issue's figure).
@@ -237,3 +238,22 @@ def test_a_peer_over_its_cap_loses_its_oldest_handshake_and_the_newcomer_is_welc
         gate.per_peer = saved
     with tannery.Client(server.target, transport=transport) as client:
         client.store(f"after-cap-{transport}", {"x": torch.ones(3)})
+
+
+def test_a_tls_hello_trickled_a_byte_at_a_time_is_closed_at_the_deadline(tmp_path, pki, monkeypatch):
+    from tannery_server.dataplane import listeners
+
+    monkeypatch.setattr(listeners, "HANDSHAKE_SECONDS", 1.0)
+    with running_server(tmp_path, tls_cert=pki["server_cert"], tls_key=pki["server_key"]) as server:
+        with raw_connection(server, "tcp", timeout=10) as sock:
+            sock.sendall(b"\x16\x03\x01\x02\x00")  # a TLS record header: a ClientHello of 512 bytes
+            sock.setblocking(False)
+            started = time.monotonic()
+            while SlowPeers._trickle(sock) and time.monotonic() - started < 20:
+                time.sleep(0.1)
+            took = time.monotonic() - started
+            assert took < 10, f"a trickled TLS hello was not closed within {took:.1f} s"
+        assert wait_for(lambda: failures(server, "tcp", "timeout") == 1)
+        with tannery.Client(server.target, transport="tcp", tls=tannery.TLS(ca=pki["ca"])) as client:
+            client.store("after-tls", {"x": torch.ones(3)})
+        assert data_path_bytes(server, "Store", "tcp") > 0
