@@ -32,10 +32,14 @@ DATA_TRANSPORTS = ("local", "tcp")
 #: The largest frame (not counting raw payload bytes after it): a frame carries names, a
 #: prefix and block checksums (4 bytes per MiB of an entry, so 1 MiB covers 256 GiB).
 MAX_FRAME = 4 << 20
+#: The largest frame a peer may announce before its ticket is checked (a welcome or a hello:
+#: a server id or a 16-byte ticket), so an unauthenticated peer makes nothing large be allocated.
+MAX_HANDSHAKE_FRAME = 16 << 10
 #: Most descriptors one frame carries.
 MAX_FDS = 4
 _LENGTH = struct.Struct("<I")
-#: Seconds a peer may take to send the first frames (welcome, hello).
+#: Seconds a client waits for each receive of the server's welcome (the server bounds the whole
+#: handshake more tightly: tannery_server.dataplane.listeners.HANDSHAKE_SECONDS).
 HANDSHAKE_SECONDS = 10.0
 #: sun_path holds 108 bytes with its terminating NUL.
 _SUN_PATH_MAX = 107
@@ -47,6 +51,15 @@ class LinkError(ConnectionError):
 
 class LinkClosed(LinkError):
     """The peer closed the data connection before all it announced had come."""
+
+
+class FrameTooLarge(LinkError):
+    """The peer announced a frame over the limit; nothing was read or allocated for it."""
+
+    def __init__(self, length: int, limit: int) -> None:
+        super().__init__(f"data connection: a frame of {length} bytes is over the limit of {limit}")
+        self.length = length
+        self.limit = limit
 
 
 class Link:
@@ -77,15 +90,16 @@ class Link:
         else:
             self.sock.sendall(data)
 
-    def receive(self, expect_fds: int = 0) -> tuple[DataFrame, list[int]]:
+    def receive(self, expect_fds: int = 0, limit: int = MAX_FRAME) -> tuple[DataFrame, list[int]]:
         """The next frame and the descriptors that came with it (``expect_fds`` of them at most).
 
-        LinkError when the connection ends or the frame is malformed.
+        LinkError when the connection ends or the frame is malformed; FrameTooLarge, before
+        anything is allocated for it, when its announced length is over ``limit``.
         """
         header = self.receive_exactly(_LENGTH.size)
         (length,) = _LENGTH.unpack(header)
-        if length > MAX_FRAME:
-            raise LinkError(f"data connection: a frame of {length} bytes is over the limit of {MAX_FRAME}")
+        if length > limit:
+            raise FrameTooLarge(length, limit)
         body = self.receive_exactly(length)
         frame = DataFrame()
         try:
@@ -248,5 +262,6 @@ def tune_tcp(sock: socket.socket) -> None:
             pass
 
 
-__all__ = ["DATA_TRANSPORTS", "Link", "LinkClosed", "LinkError", "PeerFailed", "TICKET_KEY", "TRANSPORT_KEY",
+__all__ = ["DATA_TRANSPORTS", "FrameTooLarge", "Link", "LinkClosed", "LinkError", "MAX_HANDSHAKE_FRAME", "PeerFailed",
+           "TICKET_KEY", "TRANSPORT_KEY",
            "connect_unix", "expect", "frame", "tune_tcp", "unix_address"]

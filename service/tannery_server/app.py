@@ -210,6 +210,8 @@ async def start(config: Config) -> RunningServer:
         data_paths = DataPaths(config)
         data_paths.start()
         closers.append(data_paths.close)
+        if metrics is not None:
+            metrics.watch_data_paths(data_paths)
         archives_servicer = archives.ArchivesServicer(storage, config, data_paths, tokens)
         archives.add_to_server(archives_servicer, server)
         closers.append(archives_servicer.close)

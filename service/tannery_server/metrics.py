@@ -21,6 +21,10 @@ Each server has its own registry (so servers in one process do not mix their num
   ``tannery_nats_bytes_total{direction}`` (out: published here, in: from other replicas,
   relayed here), ``tannery_nats_incomplete_payloads_total`` and
   ``tannery_nats_dropped_subscribers_total``, read from the channel fabric;
+- ``tannery_data_handshake_failures_total{listener, reason}``: connections to a data path
+  (listener ``local``, the same-host socket, or ``tcp``, the data port) ended before a valid
+  ticket, by reason (``timeout``, ``oversized``, ``peer_limit``, ``listener_limit``,
+  ``bad_ticket``, ``malformed``, ``closed``), read from the data paths (:mod:`.dataplane.handshakes`);
 - the process and Python collectors of ``prometheus_client`` (CPU, memory, file descriptors, GC).
 """
 
@@ -124,6 +128,26 @@ class _FabricCollector:
                                   "than they took them.", value=stats["dropped"])
 
 
+class _HandshakeCollector:
+    """Data-path handshakes refused or timed out, by listener and reason, read from the data paths."""
+
+    def __init__(self, data_paths: object) -> None:
+        self.data_paths = data_paths
+
+    def collect(self) -> Iterator[Metric]:
+        failures = CounterMetricFamily(
+            "tannery_data_handshake_failures", "Connections to a data path (listener local: the same-host socket; "
+            "tcp: the data port) ended before a valid ticket, by reason: timeout (no valid ticket within the "
+            "handshake deadline), oversized (a frame announced over the handshake limit), peer_limit and "
+            "listener_limit (ended to make room: its peer or its listener had too many handshakes in progress), "
+            "bad_ticket (refused: unknown, expired or for the other path), malformed (not a hello, or bad TLS), "
+            "closed (the peer went away).", labels=["listener", "reason"])
+        counts = self.data_paths.handshake_failures.snapshot()  # type: ignore[attr-defined]
+        for (listener, reason), count in sorted(counts.items()):
+            failures.add_metric([listener, reason], count)
+        yield failures
+
+
 class _LiveCalls:
     """Adds what the calls still running have received and sent so far to the byte counters.
 
@@ -223,6 +247,10 @@ class ServerMetrics:
     def watch_storage(self, storage: Storage) -> None:
         self._catalog = _CatalogCollector(storage)
         self.registry.register(self._catalog)
+
+    def watch_data_paths(self, data_paths: object) -> None:
+        """The data paths' handshake failures (a :class:`~.dataplane.listeners.DataPaths`)."""
+        self.registry.register(_HandshakeCollector(data_paths))
 
     def watch_hub(self, hub: object) -> None:
         self.registry.register(_HubCollector(hub))

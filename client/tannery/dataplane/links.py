@@ -23,7 +23,7 @@ from tannery_protocol import checksums, errors
 from tannery.dataplane import receive_memory
 from tannery_protocol.codec import DIM, FIXED_PREFIX, HEADER, METADATA, FormatError, parse, read_info
 from tannery_protocol.datalink import (
-    HANDSHAKE_SECONDS, Link, LinkError, PeerFailed, connect_unix, expect, frame, tune_tcp,
+    HANDSHAKE_SECONDS, MAX_HANDSHAKE_FRAME, Link, LinkError, PeerFailed, connect_unix, expect, frame, tune_tcp,
 )
 from tannery.dataplane.gathering import receive_buffer
 from tannery.dataplane.memory_files import MemoryFiles, new_file
@@ -62,7 +62,7 @@ class Route:
         """A connection that the server has welcomed as itself (LinkError or OSError otherwise)."""
         link = connect_unix(self.socket_path, timeout) if self.kind == "local" else self._connect_tcp(timeout)
         try:
-            welcome, _ = link.receive()
+            welcome, _ = link.receive(limit=MAX_HANDSHAKE_FRAME)
             expect(welcome, "welcome")
             if welcome.welcome.server_id != self.server_id:
                 raise LinkError(f"another server answers on the {self.describe()} (its id differs from the one "

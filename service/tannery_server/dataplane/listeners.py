@@ -8,6 +8,12 @@ connection to the call, which moves the bytes and answers with its status as usu
 
 Listeners and handshakes run on threads of their own (blocking sockets); the transfer runs
 on the storage's worker threads. Nothing here reads a byte of a payload.
+
+Before its ticket is checked a connection is cheap and bounded (:mod:`.handshakes`): the whole
+handshake, from connect to a valid ticket, must end within :data:`HANDSHAKE_SECONDS`; a hello
+may announce :data:`~tannery_protocol.datalink.MAX_HANDSHAKE_FRAME` bytes at most; each listener
+keeps its own limits, and counts its connections per peer, so slow peers cannot keep a real
+client from its welcome.
 """
 
 from __future__ import annotations
@@ -24,9 +30,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tannery_protocol.datalink import HANDSHAKE_SECONDS, Link, LinkError, connect_unix, expect, frame, tune_tcp, unix_address
+from tannery_protocol.datalink import (MAX_HANDSHAKE_FRAME, FrameTooLarge, Link, LinkClosed, LinkError, connect_unix,
+                                       expect, frame, tune_tcp, unix_address)
 from tannery_protocol.v1.data_pb2 import DataFailure, Welcome
 
+from .handshakes import Gate, HandshakeCounts, Pending, Reaper, peer_of
 from ..config import Config
 from ..failures import Unavailable
 from ..storage.private import socket_directory
@@ -35,8 +43,8 @@ log = logging.getLogger("tannery_server.data_paths")
 
 #: Seconds a call waits for its client's data connection (and its ticket stays valid).
 CONNECT_SECONDS = 30.0
-#: Handshakes in progress at once; more connections wait to be accepted.
-MAX_HANDSHAKES = 64
+#: Seconds from connect to a valid ticket (TLS, welcome and hello all included).
+HANDSHAKE_SECONDS = 5.0
 
 
 @dataclass
@@ -92,7 +100,10 @@ class DataPaths:
         self.tls = config.tls_cert is not None
         self._tickets: dict[bytes, Ticket] = {}
         self._listeners: list[socket.socket] = []
-        self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        #: Handshakes refused or timed out, by listener and reason (the metrics read them).
+        self.handshake_failures = HandshakeCounts()
+        self._gates = {kind: Gate(kind, self.handshake_failures) for kind in ("local", "tcp")}
+        self._reaper = Reaper(list(self._gates.values()))
         self._ssl: ssl.SSLContext | None = _server_context(config) if self.tls else None
         self._closed = False
 
@@ -100,6 +111,7 @@ class DataPaths:
 
     def start(self) -> None:
         """Bind and listen (the socket, the port), each served by an accepting thread."""
+        self._reaper.start()
         path = socket_path(self.config)
         if path is not None:
             self._listen(self._bind_unix(path), local=True)
@@ -143,44 +155,61 @@ class DataPaths:
                          daemon=True).start()
 
     def _accept(self, listener: socket.socket, local: bool) -> None:
+        gate = self._gates["local" if local else "tcp"]
         while not self._closed:
             try:
-                sock, _ = listener.accept()
+                sock, address = listener.accept()
             except OSError:
                 if self._closed:
                     return
                 time.sleep(0.05)  # EMFILE and the like: let descriptors come back
                 continue
-            self._handshakes.acquire()
-            threading.Thread(target=self._handshake, args=(sock, local), name="tannery-data-handshake",
-                             daemon=True).start()
+            pending = gate.admit(sock, peer_of(sock, address, local), HANDSHAKE_SECONDS)
+            try:
+                threading.Thread(target=self._handshake, args=(sock, local, gate, pending),
+                                 name="tannery-data-handshake", daemon=True).start()
+            except RuntimeError as exc:  # no thread to be had: this connection waits for none
+                log.warning("data connection from %s dropped before its handshake: %s", pending.peer, exc)
+                gate.finish(pending)  # off the gate before its descriptor is closed
+                sock.close()
 
-    def _handshake(self, sock: socket.socket, local: bool) -> None:
-        """Welcome, hello, ticket: hand the connection to its call, or close it."""
+    def _handshake(self, sock: socket.socket, local: bool, gate: Gate, pending: Pending) -> None:
+        """Welcome, hello, ticket: hand the connection to its call, or close it (counting why)."""
         handed = False
         try:
-            sock.settimeout(HANDSHAKE_SECONDS)
-            if not local:
-                tune_tcp(sock)
-                if self._ssl is not None:
-                    sock = self._ssl.wrap_socket(sock, server_side=True)
+            sock = self._secure(sock, local)
             link = Link(sock, local)
             link.send(frame(welcome=Welcome(server_id=self.server_id)))
-            hello, _ = link.receive()
+            hello, _ = link.receive(limit=MAX_HANDSHAKE_FRAME)
             expect(hello, "hello")
+            if not gate.finish(pending):
+                return  # ended by the gate (its deadline, or room for newer peers) as the hello came
             problem = self._take(hello.hello.ticket, "local" if local else "tcp")
             if isinstance(problem, str):
+                gate.refused("bad_ticket")
                 link.send(frame(failure=DataFailure(code="PERMISSION_DENIED", message=problem)))
                 return
             sock.settimeout(None)
             problem.loop.call_soon_threadsafe(_deliver, problem.future, link)
             handed = True
         except (OSError, LinkError, ssl.SSLError) as exc:
-            log.debug("data connection refused at its handshake: %s", exc)
+            if gate.finish(pending):  # else the gate ended it and counted why
+                gate.refused(_reason(exc))
+            log.debug("data connection refused at its handshake (%s listener, from %s): %s", gate.listener,
+                      pending.peer, exc)
         finally:
+            gate.finish(pending)  # off the gate before its descriptor is closed (and may be reused)
             if not handed:
                 sock.close()
-            self._handshakes.release()
+
+    def _secure(self, sock: socket.socket, local: bool) -> socket.socket:
+        """The connection ready for its welcome: a timeout on each step (the gate's reaper bounds
+        the whole handshake), and on the data port tuned, and TLS-wrapped when the port has TLS."""
+        sock.settimeout(HANDSHAKE_SECONDS)
+        if local:
+            return sock
+        tune_tcp(sock)
+        return self._ssl.wrap_socket(sock, server_side=True) if self._ssl is not None else sock
 
     def _take(self, secret: bytes, transport: str) -> "Ticket | str":
         """The ticket presented (now used up), or why it is refused."""
@@ -210,6 +239,7 @@ class DataPaths:
     def close(self) -> None:
         """Stop listening; remove the socket file."""
         self._closed = True
+        self._reaper.stop()
         for listener in self._listeners:
             try:
                 listener.shutdown(socket.SHUT_RDWR)
@@ -231,6 +261,17 @@ def _deliver(future: asyncio.Future, link: Link) -> None:
         link.close()
     else:
         future.set_result(link)
+
+
+def _reason(exc: BaseException) -> str:
+    """The ``reason`` label of a handshake that failed with ``exc`` on its own thread."""
+    if isinstance(exc, FrameTooLarge):
+        return "oversized"
+    if isinstance(exc, TimeoutError):
+        return "timeout"
+    if isinstance(exc, (LinkClosed, ConnectionError)):
+        return "closed"
+    return "malformed"
 
 
 def socket_path(config: Config) -> Path | None:
