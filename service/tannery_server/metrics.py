@@ -21,6 +21,8 @@ Each server has its own registry (so servers in one process do not mix their num
   ``tannery_nats_bytes_total{direction}`` (out: published here, in: from other replicas,
   relayed here), ``tannery_nats_incomplete_payloads_total`` and
   ``tannery_nats_dropped_subscribers_total``, read from the channel fabric;
+- for shared storage: ``tannery_collection_failures_total`` (failed removals of unreferenced
+  blobs) and ``tannery_collection_stuck_blobs`` (those waiting to be tried again);
 - the process and Python collectors of ``prometheus_client`` (CPU, memory, file descriptors, GC).
 """
 
@@ -79,6 +81,20 @@ class _CatalogCollector:
     def close(self) -> None:
         self._closed = True
         self._executor.shutdown(wait=True)
+
+
+class _CollectionCollector:
+    """Failed blob collections (a shared store's sweeper, :class:`~.storage.collect_backoff.CollectBackoff`)."""
+
+    def __init__(self, backoff: object) -> None:
+        self.backoff = backoff
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily("tannery_collection_failures", "Removals of unreferenced blobs that failed "
+                                  "(each is logged, naming the blob; the blob is tried again with backoff).",
+                                  value=getattr(self.backoff, "failures_total", 0))
+        yield GaugeMetricFamily("tannery_collection_stuck_blobs", "Unreferenced blobs whose last removal failed, "
+                                "waiting to be tried again.", value=len(self.backoff.stuck()))  # type: ignore[attr-defined]
 
 
 class _HubCollector:
@@ -222,6 +238,9 @@ class ServerMetrics:
     def watch_storage(self, storage: Storage) -> None:
         self._catalog = _CatalogCollector(storage)
         self.registry.register(self._catalog)
+        backoff = getattr(storage, "backoff", None)
+        if backoff is not None:
+            self.registry.register(_CollectionCollector(backoff))
 
     def watch_hub(self, hub: object) -> None:
         self.registry.register(_HubCollector(hub))
