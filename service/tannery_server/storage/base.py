@@ -398,6 +398,12 @@ class BlobStore(ABC):
         ...
 
     @abstractmethod
+    def modified_ns(self, digest: str) -> int:
+        """When blob ``digest`` was last written (nanoseconds since the epoch); FileNotFoundError
+        when it is not there. ``tannery scrub`` spares a leak younger than the grace period."""
+        ...
+
+    @abstractmethod
     def temporaries(self) -> list[str]:
         """The names of the temporary blobs there now (Stores in flight, or left by a crash)."""
         ...
@@ -483,6 +489,12 @@ class SharedCatalog(Catalog):
         """Up to ``limit`` digests of blob rows that no entry references, with no lease live at
         ``now_ns`` and no collection's claim live now, last touched before ``touched_before_ns``,
         oldest first, leaving out ``skip`` (blobs the caller tried already)."""
+        ...
+
+    @abstractmethod
+    def collect_orphan(self, digest: str, remove: Callable[[str], object]) -> bool:
+        """Call ``remove(digest)`` for bytes no row names, claiming the digest meanwhile as
+        :meth:`collect_blob` does; False (nothing removed) when a row names it now."""
         ...
 
     @abstractmethod

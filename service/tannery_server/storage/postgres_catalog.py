@@ -382,19 +382,19 @@ class PostgresCatalog(SharedCatalog):
                           (blob.digest,)).fetchone()
         if row is not None and row[0] > now:
             return int(row[0])
-        # The upsert locks the row (created, or touched); xmax = 0 only on a row it inserted. A
-        # claim that expired (its collector died mid-delete) is taken over: the bytes may be gone.
+        if row is not None and row[0] != 0:  # a claim whose collector died mid-delete: the bytes may be gone
+            cur.execute("DELETE FROM blobs WHERE digest = %s", (blob.digest,))
+        # The upsert locks the row (created, or touched); xmax = 0 only on a row it inserted.
         inserted = cur.execute(
             f"INSERT INTO blobs ({BLOB_COLUMNS}, touched_ns) VALUES (%s, %s, %s, %s, %s, %s) "
-            "ON CONFLICT (digest) DO UPDATE SET touched_ns = EXCLUDED.touched_ns, collecting_until_ns = 0 "
-            "RETURNING (xmax = 0)",
+            "ON CONFLICT (digest) DO UPDATE SET touched_ns = EXCLUDED.touched_ns RETURNING (xmax = 0)",
             (blob.digest, blob.size, blob.block_size, blob.block_crcs, blob.checksum, now),
         ).fetchone()[0]
         cur.execute(
             "INSERT INTO leases (digest, replica, holder, expires_ns) VALUES (%s, %s, %s, %s) "
             "ON CONFLICT (digest, replica, holder) DO UPDATE SET expires_ns = EXCLUDED.expires_ns",
             (blob.digest, replica, holder, expires_ns))
-        return not inserted and (row is None or row[0] == 0)
+        return not inserted
 
     def renew_leases(self, replica: str, expires_ns: int) -> int:
         return self._db.write(f"renewing the leases of {replica}", lambda cur: cur.execute(
@@ -480,6 +480,24 @@ class PostgresCatalog(SharedCatalog):
             raise
         self._db.write(f"forgetting collected blob {digest}", lambda cur: cur.execute(
             "DELETE FROM blobs WHERE digest = %s AND collecting_until_ns = %s", (digest, claim)))  # and its leases
+        return True
+
+    def collect_orphan(self, digest: str, remove: Callable[[str], object]) -> bool:
+        """Delete bytes that no catalog row names (``tannery scrub --repair``) as
+        :meth:`collect_blob` does, a claim first: a placeholder row, claimed, is inserted only if
+        there is no row (False otherwise: a Store leased it meanwhile), so a Store leasing the
+        blob meanwhile waits, then uploads again; the placeholder goes after ``remove``."""
+        claim = time.time_ns() + int(CLAIM_SECONDS * 1e9)
+        inserted = self._db.write(f"claiming unreferenced blob {digest}", lambda cur: cur.execute(
+            f"INSERT INTO blobs ({BLOB_COLUMNS}, touched_ns, collecting_until_ns) VALUES (%s, 0, 0, '', '', 0, %s) "
+            "ON CONFLICT (digest) DO NOTHING", (digest, claim)).rowcount, retry=False)
+        if not inserted:
+            return False
+        try:
+            remove(digest)
+        finally:
+            self._db.write(f"forgetting unreferenced blob {digest}", lambda cur: cur.execute(
+                "DELETE FROM blobs WHERE digest = %s AND collecting_until_ns = %s", (digest, claim)))
         return True
 
     @staticmethod

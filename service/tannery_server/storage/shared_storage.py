@@ -162,6 +162,11 @@ class SharedStorage(StorageBase):
         except Exception as exc:  # they expire anyway; the call's own outcome matters more
             log.warning("could not drop the leases of %s (they expire on their own): %s", holder, exc)
 
+    def remove_leak(self, digest: str) -> bool:
+        """Delete bytes no catalog row names, beside running replicas: claimed in the catalog
+        first, so a Store leasing the same bytes meanwhile waits and uploads them again."""
+        return self.catalog.collect_orphan(digest, self.blobs.remove)
+
     def pinned(self, lookup: Callable[[], T], digests_of: Callable[[T], Iterable[str]]) -> T:
         """A lookup with no pin: the grace period keeps an unreferenced blob for a read under way."""
         return lookup()
