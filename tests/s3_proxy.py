@@ -3,12 +3,14 @@ fault injection for the bucket, the real server behind it doing everything else.
 
 Requests are forwarded byte for byte with their headers (the Host header too, so AWS
 signatures still match); :attr:`S3Proxy.refuse_delete` names a substring of the object keys
-whose DELETE is answered ``403 AccessDenied`` instead, and :attr:`refused` counts those."""
+whose DELETE is answered ``403 AccessDenied`` instead, and :attr:`refused` counts those;
+:attr:`slow_delete` one whose DELETE is held :attr:`slow_seconds` before it is forwarded."""
 
 from __future__ import annotations
 
 import http.client
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
@@ -25,6 +27,8 @@ class S3Proxy:
         self.upstream = (parts.hostname or "127.0.0.1", parts.port or 80)
         self.refuse_delete: str | None = None
         self.refused = 0
+        self.slow_delete: str | None = None
+        self.slow_seconds = 0.0
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._server.daemon_threads = True
         self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
@@ -50,6 +54,8 @@ class S3Proxy:
                     proxy.refused += 1
                     self._answer(403, [("Content-Type", "application/xml")], _DENIED)
                     return
+                if self.command == "DELETE" and proxy.slow_delete and proxy.slow_delete in self.path:
+                    time.sleep(proxy.slow_seconds)
                 upstream = http.client.HTTPConnection(*proxy.upstream, timeout=60)
                 try:
                     upstream.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)

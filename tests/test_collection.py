@@ -17,7 +17,7 @@ from tannery_server.metrics import ServerMetrics
 from tannery_server.storage.factory import open_storage
 
 from .s3_proxy import S3Proxy
-from .server_harness import running_server
+from .server_harness import running_server, store_requests
 from .test_replicas import SHORT, fetch, objects, payload, store
 
 pytestmark = pytest.mark.slow
@@ -109,3 +109,26 @@ def test_a_store_that_leases_a_blob_under_collection_waits_and_keeps_its_bytes(p
         assert catalog.blob(blob.digest) is not None
     finally:
         storage.close()
+
+
+def test_leases_are_renewed_while_a_collection_waits_on_a_slow_bucket(tmp_path, postgres_url, s3_url, proxy):
+    """A Store that holds its first blob's lease past ``lease_seconds`` commits while the sweeper
+    is stuck for longer in one slow DELETE: leases are renewed by a thread of their own."""
+    with running_server(tmp_path, catalog=postgres_url, blobs=s3_url, **SHORT) as server:
+        store(server, "old", {"w": payload(0)})
+        (orphan,) = objects(server)
+        proxy.slow_delete, proxy.slow_seconds = orphan, 3 * SHORT["lease_seconds"]
+        server.archives().Delete(pb.DeleteRequest(archive="old"))
+        big = {"a": payload(1, 3 << 20), "b": payload(2, 3 << 20)}  # each its own blob, leased when sealed
+
+        def slow_requests():
+            for request in store_requests("new", big):
+                if request.entry == "b":  # "a" is sealed and leased: wait past its lease's first expiry
+                    time.sleep(2 * SHORT["lease_seconds"])
+                yield request
+
+        _wait(lambda: orphan not in set(server.storage.catalog.collectable(time.time_ns(), time.time_ns(), 10))
+              and server.storage.catalog.blob(orphan) is not None, 10, "the sweeper claiming the orphan")
+        server.archives().Store(slow_requests(), timeout=60)
+        assert fetch(server, "new") == big
+        _wait(lambda: orphan not in objects(server), 20, "the slow delete done")
