@@ -54,6 +54,13 @@ class CollectBackoff:
         with self._lock:
             self._failed.pop(digest, None)
 
+    def forget_due_except(self, candidates: set[str], now_ns: int) -> None:
+        """Forget the blobs due for a try that were no longer candidates (referenced or leased
+        again, or collected by another replica): they are not stuck any more."""
+        with self._lock:
+            for digest in [d for d, f in self._failed.items() if f.next_try_ns <= now_ns and d not in candidates]:
+                del self._failed[digest]
+
     def stuck(self) -> dict[str, str]:
         """The blobs whose last removal failed, with that error."""
         with self._lock:

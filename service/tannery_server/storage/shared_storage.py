@@ -57,8 +57,8 @@ class SharedStorage(StorageBase):
         self.replica = replica or uuid.uuid4().hex
         self.grace_ns = int(grace_seconds * NS)
         self.lease_ns = int(lease_seconds * NS)
-        #: How often the sweeper renews leases and collects: often enough that a lease is
-        #: renewed at least three times before it would expire.
+        #: How often the lease renewer renews and the sweeper collects (each on its own thread):
+        #: often enough that a lease is renewed at least three times before it would expire.
         self.sweep_seconds = sweep_seconds if sweep_seconds is not None else min(lease_seconds / 4, 30.0)
         #: False for a tool (``tannery migrate``, ``scrub``): no sweeper, only lease renewal.
         self.collecting = collecting
@@ -189,7 +189,9 @@ class SharedStorage(StorageBase):
         abandoned = self.blobs.clear_temporary(before)
         if abandoned:
             log.info("removed %d uploads abandoned for longer than the grace period", abandoned)
-        tried = self.backoff.waiting(time.time_ns())
+        started = time.time_ns()
+        waiting = self.backoff.waiting(started)
+        tried = set(waiting)
         blobs = freed = 0
         while not self._stopping.is_set():
             digests = self.catalog.collectable(before, now, BATCH, skip=tried)
@@ -199,6 +201,7 @@ class SharedStorage(StorageBase):
                     blobs, freed = blobs + 1, freed + size
             tried.update(digests)
             if len(digests) < BATCH:
+                self.backoff.forget_due_except(tried - waiting, started)
                 break
         if blobs:
             log.info("collected %d unreferenced blobs (%d bytes)", blobs, freed)
