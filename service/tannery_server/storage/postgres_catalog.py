@@ -434,15 +434,18 @@ class PostgresCatalog(SharedCatalog):
     def _hold_leased(self, cur: Cursor, digests: list[str], name: str, replica: str, holder: str,
                      now_ns: int) -> None:
         """Lock these blob rows ``FOR SHARE`` (no collection until this transaction ends) and
-        check each has a lease of ``(replica, holder)`` live at ``now_ns``."""
-        present = {row[0] for row in cur.execute(
-            "SELECT digest FROM blobs WHERE digest = ANY(%s) ORDER BY digest FOR SHARE", (digests,)).fetchall()}
+        check each has a lease of ``(replica, holder)`` live at ``now_ns`` and no collection's
+        claim (a lease that expired, was claimed, then renewed must not commit: the bytes are
+        being deleted)."""
+        present = {digest for digest, claim in cur.execute(
+            "SELECT digest, collecting_until_ns FROM blobs WHERE digest = ANY(%s) ORDER BY digest FOR SHARE",
+            (digests,)).fetchall() if claim == 0}
         live = {row[0] for row in cur.execute(
             "SELECT digest FROM leases WHERE replica = %s AND holder = %s AND expires_ns > %s AND digest = ANY(%s)",
             (replica, holder, now_ns, digests)).fetchall()}
         for digest in digests:
             if digest not in present or digest not in live:
-                gone = "was collected" if digest not in present else "has no live lease"
+                gone = "was collected (or is being)" if digest not in present else "has no live lease"
                 raise StorageUnavailable(
                     f"catalog {self.name}: archive {name!r} not committed: blob {digest} {gone} "
                     f"(lease of {replica}/{holder} expired or never taken); store it again"
@@ -462,8 +465,9 @@ class PostgresCatalog(SharedCatalog):
         claim (which then sees the touch or the lease and does not claim) or after it. After, the
         lease sees a live claim and waits (:meth:`lease`) until the row is gone (it inserts a
         new row and its caller uploads the bytes again, after the delete) or back (the delete
-        failed; the bytes are there). A commit holds its blob rows ``FOR SHARE`` and needs a live
-        lease, which a claimed row cannot get. A collector that dies mid-delete leaves a claim
+        failed; the bytes are there). A commit holds its blob rows ``FOR SHARE``, needs a live
+        lease and refuses a claimed row (a lease that expired, let the claim in, and was renewed
+        after cannot commit). A collector that dies mid-delete leaves a claim
         that expires; a lease then takes the row over as if it were new (the bytes may be gone),
         and the bucket client's timeouts (well under :data:`CLAIM_SECONDS`) bound a delete in
         flight. Another replica skips a claimed row."""
