@@ -132,6 +132,40 @@ def _never_remove(digest):
     raise AssertionError(f"removed {digest}, which is not collectable")
 
 
+def test_a_lease_renewed_after_a_collection_claimed_its_blob_cannot_commit(catalog):
+    """Claim, delete, forget (issue 43): the delete runs outside any transaction, so a holder
+    whose lease expired, let the claim in, and was renewed meanwhile must not commit."""
+    blob, now = _blob(1), time.time_ns()
+    catalog.lease(blob, REPLICA, HOLDER, now + 1 * SECOND)
+    expired, later = now + 2 * SECOND, now + 3600 * SECOND
+    refused = []
+
+    def remove_while_the_holder_renews_and_commits(digest: str) -> None:
+        catalog.renew_leases(REPLICA, time.time_ns() + 60 * SECOND)
+        with pytest.raises(StorageUnavailable, match=f"blob {digest} was collected \\(or is being\\)"):
+            catalog.commit_leased("m", [_entry("w", blob)], False, now, REPLICA, HOLDER, time.time_ns())
+        refused.append(digest)
+
+    assert catalog.collect_blob(blob.digest, later, expired, remove_while_the_holder_renews_and_commits) is True
+    assert refused == [blob.digest] and catalog.archive("m") is None and catalog.blob(blob.digest) is None
+
+
+def test_a_failed_removal_leaves_the_row_unclaimed_and_collectable_again(catalog):
+    blob, now = _blob(2), time.time_ns()
+    catalog.lease(blob, REPLICA, HOLDER, now)  # expired at once
+    later = now + 3600 * SECOND
+
+    def refuse(digest: str) -> None:
+        raise OSError(f"the bucket refused {digest}")
+
+    with pytest.raises(OSError, match="refused"):
+        catalog.collect_blob(blob.digest, later, later, refuse)
+    assert catalog.blob(blob.digest) == blob
+    assert catalog.collectable(later, later, 10) == [blob.digest]
+    assert catalog.collectable(later, later, 10, skip=[blob.digest]) == []
+    assert catalog.lease(blob, REPLICA, "store-2", later) is True, "the bytes are still there"
+
+
 def test_a_leased_blob_is_kept_until_its_lease_expires(catalog):
     blob, now = _blob(1), time.time_ns()
     assert catalog.lease(blob, REPLICA, HOLDER, now + 60 * SECOND) is False  # a new row
@@ -371,7 +405,7 @@ def test_a_version_1_catalog_gets_the_metadata_column(postgres_url):
             cur.execute("INSERT INTO schema_version (version) VALUES (1)")
             cur.execute("INSERT INTO archives (name, created_ns, entries, nbytes, payload_bytes) "
                         "VALUES ('old', 1, 0, 0, 0)")
-    assert SCHEMA_VERSION == 5
+    assert SCHEMA_VERSION == 6
     catalog = PostgresCatalog(postgres_url)
     try:
         assert catalog.archive("old").metadata == {}

@@ -5,10 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from .auth import TOKENS_HELP
 from .config import IMAGE_METRICS_PORT, SIDE_PORTS, Config, env_name, parse_port, parse_value
+
+if TYPE_CHECKING:
+    from .storage.core import StorageBase
+    from .storage.scrub import ScrubReport
 
 # (field, help) for every setting a flag sets; defaults and environment variables are added.
 _FLAGS = [
@@ -146,15 +150,23 @@ def build_parser(prog: str = "tannery") -> argparse.ArgumentParser:
     defaults = Config()
     scrub = commands.add_parser(
         "scrub",
-        help="check every stored blob against its SHA-256 (server stopped)",
+        help="check every stored blob against its SHA-256, and find leaked bytes (server stopped)",
         description="Re-read every blob an archive references and compare its SHA-256 with its name. Fetch "
         "checks the cheaper per-block CRC-32Cs as it serves; this is the full check, for after a disk "
-        "incident or on a schedule. On a data directory it takes the directory's lock, so run it while the "
-        "server is stopped; on a shared catalog and bucket (--catalog, --blobs) it runs beside the replicas. "
-        "Exit status 0 when every blob matches, 1 otherwise (each bad blob is listed with the "
-        "archive entries that use it).",
+        "incident or on a schedule. It also looks the other way: bytes in the blob store (files, or objects "
+        "of the bucket) that no catalog row references, older than the grace period (--gc-grace-seconds), "
+        "are leaks; --repair deletes them. On a data directory it takes the directory's lock, so run it "
+        "while the server is stopped; on a shared catalog and bucket (--catalog, --blobs) it runs beside the "
+        "replicas. Exit status 0 when every blob matches and nothing leaked, 1 otherwise (each missing or "
+        "damaged blob is listed with the archive entries that use it, each leak by its digest).",
     )
     _storage_flags(scrub, defaults)
+    scrub.add_argument("--repair", action="store_true",
+                       help="delete the leaks found (bytes no catalog row references, older than the grace period); "
+                       "archives whose bytes are gone are listed, never changed")
+    scrub.add_argument("--gc-grace-seconds", type=float, default=None,
+                       help="a leak younger than this may be a Store under way and is left alone "
+                       f"[env TANNERY_GC_GRACE_SECONDS; default {defaults.gc_grace_seconds:g}]")
     migrate = commands.add_parser(
         "migrate",
         help="copy a data directory into a PostgreSQL catalog and a bucket (resumable)",
@@ -207,10 +219,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "tannery") -> int:
     if args.command in ("scrub", "migrate"):
         try:
             config = Config.from_env(data_dir=args.data_dir, catalog=args.catalog, blobs=args.blobs,
-                                     create_bucket=getattr(args, "create_bucket", None))
+                                     create_bucket=getattr(args, "create_bucket", None),
+                                     gc_grace_seconds=getattr(args, "gc_grace_seconds", None))
         except ValueError as exc:
             parser.error(str(exc))
-        return scrub(config) if args.command == "scrub" else migrate(config)
+        return scrub(config, args.repair) if args.command == "scrub" else migrate(config)
     if args.command == "serve":
         try:
             config = Config.from_env(**{name: getattr(args, name) for name, _ in _FLAGS})
@@ -267,21 +280,41 @@ def _open(command: str, config: Config):
     return None
 
 
-def scrub(config: Config) -> int:
-    """``tannery scrub``: every referenced blob re-hashed; 0 when all match, 1 otherwise."""
+def scrub(config: Config, repair: bool = False) -> int:
+    """``tannery scrub``: every referenced blob re-hashed, and the blob store searched for bytes no
+    catalog row references; 0 when all match and nothing leaked, 1 otherwise."""
+    from .storage.scrub import scrub_store
+
     storage = _open("scrub", config)
     if storage is None:
         return 1
     try:
-        checked = len(storage.catalog.referenced_digests())
-        bad = storage.scrub()
-        for digest in bad:
-            users = ", ".join(f"{archive}:{entry}" for archive, entry in storage.catalog.referrers(digest))
-            print(f"blob {digest} is missing or no longer matches its SHA-256; used by {users}")
+        report = scrub_store(storage, config.gc_grace_seconds, repair)
+        _print_faults(storage, report.damaged, "is missing or no longer matches its SHA-256")
+        _print_faults(storage, report.missing, "is missing: its bytes are gone from the blob store")
+        for digest in report.leaked:
+            done = "; removed" if digest in report.removed else "" if not repair else "; not removed (a Store took it)"
+            print(f"blob {digest} leaked: no catalog row references it (older than the grace period of "
+                  f"{config.gc_grace_seconds:g} s){done}")
     finally:
         storage.close()
-    print(f"checked {checked} blobs: {'all match' if not bad else f'{len(bad)} damaged'}")
-    return 1 if bad else 0
+    print(_scrub_summary(report))
+    return 0 if report.sound else 1
+
+
+def _print_faults(storage: StorageBase, digests: list[str], problem: str) -> None:
+    """One line per blob: what is wrong, and the archive entries that use it."""
+    for digest in digests:
+        users = ", ".join(f"{archive}:{entry}" for archive, entry in storage.catalog.referrers(digest))
+        print(f"blob {digest} {problem}; used by {users}")
+
+
+def _scrub_summary(report: ScrubReport) -> str:
+    """The last line of ``tannery scrub``: what was checked and what was found."""
+    found = [f"{len(items)} {what}" for items, what in ((report.damaged, "damaged"), (report.missing, "missing"),
+                                                        (report.leaked, "leaked"), (report.removed, "removed"))
+             if items]
+    return f"checked {report.checked} blobs: {', '.join(found) if found else 'all match'}"
 
 
 def migrate(config: Config) -> int:

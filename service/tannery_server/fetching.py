@@ -8,7 +8,7 @@ from blocks each checked as it is read (:mod:`.dataplane.blocks`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable
 
 from tannery_protocol import mismatches
@@ -38,6 +38,8 @@ class Plan:
     #: The record (block checksums) of the blob the bytes are in, when the plan looked it up (a
     #: row range's, a pack's); None: the reader looks it up.
     blob: BlobInfo | None = None
+    #: The archive the entry was read from (errors name it); empty when not known.
+    archive: str = ""
 
 
 def _dtype_asked(what: str, name: str, field: str) -> DType:
@@ -130,7 +132,8 @@ def resolve(storage: Storage, request: archives_pb2.FetchRequest) -> list[Plan]:
             if request.prefix and not entries:
                 raise Missing(f"archive {request.archive!r}: no entry under prefix {request.prefix!r}")
             blobs = _packs(catalog, entries)
-            return [Plan(e, None, 0, e.payload_bytes, DTYPES[e.dtype], blob=blobs.get(e.blob)) for e in entries]
+            return [Plan(e, None, 0, e.payload_bytes, DTYPES[e.dtype], blob=blobs.get(e.blob), archive=archive)
+                    for e in entries]
         found = catalog.entries(archive, [ask.name for ask in request.entries])
         blobs = _packs(catalog, found.values())
         plans = []
@@ -139,7 +142,7 @@ def resolve(storage: Storage, request: archives_pb2.FetchRequest) -> list[Plan]:
             blob = None
             if entry is not None:
                 blob = blobs.get(entry.blob) or (catalog.blob(entry.blob) if ask.HasField("rows") else None)
-            plans.append(plan_entry(ask, entry, blob))
+            plans.append(replace(plan_entry(ask, entry, blob), archive=archive))
         return plans
 
     return storage.pinned(lookup, digests)

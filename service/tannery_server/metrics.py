@@ -25,6 +25,8 @@ Each server has its own registry (so servers in one process do not mix their num
   (listener ``local``, the same-host socket, or ``tcp``, the data port) ended before a valid
   ticket, by reason (``timeout``, ``oversized``, ``peer_limit``, ``listener_limit``,
   ``bad_ticket``, ``malformed``, ``closed``), read from the data paths (:mod:`.dataplane.handshakes`);
+- for shared storage: ``tannery_collection_failures_total`` (failed removals of unreferenced
+  blobs) and ``tannery_collection_stuck_blobs`` (those waiting to be tried again);
 - the process and Python collectors of ``prometheus_client`` (CPU, memory, file descriptors, GC).
 """
 
@@ -84,6 +86,20 @@ class _CatalogCollector:
     def close(self) -> None:
         self._closed = True
         self._executor.shutdown(wait=True)
+
+
+class _CollectionCollector:
+    """Failed blob collections (a shared store's sweeper, :class:`~.storage.collect_backoff.CollectBackoff`)."""
+
+    def __init__(self, backoff: object) -> None:
+        self.backoff = backoff
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily("tannery_collection_failures", "Removals of unreferenced blobs that failed "
+                                  "(each is logged, naming the blob; the blob is tried again with backoff).",
+                                  value=getattr(self.backoff, "failures_total", 0))
+        yield GaugeMetricFamily("tannery_collection_stuck_blobs", "Unreferenced blobs whose last removal failed, "
+                                "waiting to be tried again.", value=len(self.backoff.stuck()))  # type: ignore[attr-defined]
 
 
 class _HubCollector:
@@ -247,6 +263,9 @@ class ServerMetrics:
     def watch_storage(self, storage: Storage) -> None:
         self._catalog = _CatalogCollector(storage)
         self.registry.register(self._catalog)
+        backoff = getattr(storage, "backoff", None)
+        if backoff is not None:
+            self.registry.register(_CollectionCollector(backoff))
 
     def watch_data_paths(self, data_paths: object) -> None:
         """The data paths' handshake failures (a :class:`~.dataplane.listeners.DataPaths`)."""

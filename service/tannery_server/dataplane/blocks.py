@@ -45,7 +45,7 @@ class VerifiedBlob:
         #: The shelf that keeps this entry's pack open (None: the blob is this reader's own).
         self.shelf = shelf if plan.entry.packed else None
         self.entry = entry = plan.entry
-        self.what = what = f"entry {entry.name!r}"
+        self.what = what = (f"archive {plan.archive!r}, " if plan.archive else "") + f"entry {entry.name!r}"
         #: Where the entry's payload starts in its blob (a pack's entry: past the payloads before it).
         self.base = entry.blob_offset
         # A payload of its own is as large as its blob; a pack's size is in its record.
@@ -76,13 +76,15 @@ class VerifiedBlob:
 
     def __exit__(self, kind, exc, tb) -> None:
         try:
-            if isinstance(exc, Damaged):
+            if isinstance(exc, (Damaged, FileNotFoundError)):
                 self.storage.damaged(self.entry.blob)
                 if self.shelf is not None:
                     self.shelf.close()
         finally:
             if self.shelf is None:
                 self.blob.close()
+        if isinstance(exc, FileNotFoundError):  # the object went after it was opened: its bytes are lost
+            raise Damaged(f"{self.what}: stored blob {self.entry.blob} is missing ({exc})") from exc
 
     def _close(self) -> None:
         if self.shelf is not None:

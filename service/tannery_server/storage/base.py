@@ -398,6 +398,12 @@ class BlobStore(ABC):
         ...
 
     @abstractmethod
+    def modified_ns(self, digest: str) -> int:
+        """When blob ``digest`` was last written (nanoseconds since the epoch); FileNotFoundError
+        when it is not there. ``tannery scrub`` spares a leak younger than the grace period."""
+        ...
+
+    @abstractmethod
     def temporaries(self) -> list[str]:
         """The names of the temporary blobs there now (Stores in flight, or left by a crash)."""
         ...
@@ -479,15 +485,21 @@ class SharedCatalog(Catalog):
         ...
 
     @abstractmethod
-    def collectable(self, touched_before_ns: int, now_ns: int, limit: int) -> list[str]:
+    def collectable(self, touched_before_ns: int, now_ns: int, limit: int, skip: Iterable[str] = ()) -> list[str]:
         """Up to ``limit`` digests of blob rows that no entry references, with no lease live at
-        ``now_ns``, last touched before ``touched_before_ns``."""
+        ``now_ns`` and no collection's claim live now, last touched before ``touched_before_ns``,
+        oldest first, leaving out ``skip`` (blobs the caller tried already)."""
+        ...
+
+    @abstractmethod
+    def collect_orphan(self, digest: str, remove: Callable[[str], object]) -> bool:
+        """Call ``remove(digest)`` for bytes no row names, claiming the digest meanwhile as
+        :meth:`collect_blob` does; False (nothing removed) when a row names it now."""
         ...
 
     @abstractmethod
     def collect_blob(self, digest: str, touched_before_ns: int, now_ns: int, remove: Callable[[str], object]) -> bool:
-        """In one transaction holding the blob row's lock: if the blob is still collectable
-        (as :meth:`collectable` says), call ``remove(digest)`` (which deletes its bytes) and
-        delete the row. Returns whether it was collected; an exception from ``remove``
-        leaves the row."""
+        """If the blob is still collectable (as :meth:`collectable` says), claim its row, call
+        ``remove(digest)`` (which deletes its bytes) outside any transaction, and delete the row.
+        Returns whether it was collected; an exception from ``remove`` leaves the row, unclaimed."""
         ...

@@ -236,6 +236,9 @@ class CachedBlobStore(BlobStore):
     def digests(self) -> Iterator[str]:
         return self.inner.digests()
 
+    def modified_ns(self, digest: str) -> int:
+        return self.inner.modified_ns(digest)
+
     def temporaries(self) -> list[str]:
         return self.inner.temporaries()
 

@@ -53,9 +53,11 @@ class Storage(StorageBase):
         self._deferred: set[str] = set()
 
     @classmethod
-    def open_local(cls, data_dir: Path, reserve_bytes: int = DEFAULT_CAP, blobs: BlobStore | None = None) -> "Storage":
+    def open_local(cls, data_dir: Path, reserve_bytes: int = DEFAULT_CAP, blobs: BlobStore | None = None,
+                   recovering: bool = True) -> "Storage":
         """The embedded storage in ``data_dir``: a SQLite catalog and blob files (or ``blobs``),
-        recovered, with a space reserve of up to ``reserve_bytes`` (0: none).
+        recovered (unless ``recovering`` is False: ``tannery scrub`` reports what recovery would
+        remove), with a space reserve of up to ``reserve_bytes`` (0: none).
 
         On a full disk the catalog may not open (SQLite creates its WAL index and WAL
         files): then the reserve is released and the open tried once more.
@@ -75,7 +77,8 @@ class Storage(StorageBase):
                 catalog = SqliteCatalog(path)
             storage = cls(catalog, blobs if blobs is not None else FileBlobStore(data_dir), lock, reserve, data_dir)
             try:
-                storage.recover()
+                if recovering:
+                    storage.recover()
                 reserve.open()
             except BaseException:
                 catalog.close()

@@ -146,29 +146,37 @@ class StorageBase(ABC):
     def scrub(self) -> list[str]:
         """Read every referenced blob through the block reader (each block against its CRC) and
         hash it against its name (the SHA-256 a Fetch does not recompute): the digests of blobs
-        that are missing, of the wrong size, or no longer match (a pack: every entry in it)."""
-        return [digest for digest in sorted(self.catalog.referenced_digests()) if not self._sound(digest)]
+        that are missing, of the wrong size, or no longer match (a pack: every entry in it).
+        :func:`~.scrub.scrub_store` also looks the other way, for bytes nothing references."""
+        return [digest for digest in sorted(self.catalog.referenced_digests()) if self.fault(digest)]
 
-    def _sound(self, digest: str) -> bool:
-        """Whether blob ``digest`` is there, as recorded, every block and its SHA-256 matching."""
+    def fault(self, digest: str) -> str | None:
+        """What is wrong with blob ``digest``: ``"missing"`` (no record, or no bytes),
+        ``"damaged"`` (another size, a block or the SHA-256 not matching), or None."""
         info = self.catalog.blob(digest)
         if info is None:
-            return False
+            return "missing"
         try:
             blob = self.blobs.open(digest)
         except FileNotFoundError:
-            return False
+            return "missing"
         try:
             if blob.size != info.size:
-                return False
+                return "damaged"
             sha = hashlib.sha256()
             for piece in BlockReader(blob, info, f"blob {digest}").blocks(0, info.size):
                 sha.update(piece)
-            return sha.hexdigest() == digest
+            return None if sha.hexdigest() == digest else "damaged"
         except Damaged:
-            return False
+            return "damaged"
         finally:
             blob.close()
+
+    def remove_leak(self, digest: str) -> bool:
+        """Delete the bytes of blob ``digest``, which no catalog row references (``tannery scrub
+        --repair``; the store is this process's alone: its lock is held). Whether removed."""
+        self.blobs.remove(digest)
+        return True
 
     # What a driver's error means --------------------------------------------------------
 

@@ -28,7 +28,8 @@ log = logging.getLogger("tannery_server.storage")
 
 def open_storage(config: Config, collecting: bool = True, offer_create: bool = True) -> Storage:
     """The storage ``config`` names, opened and recovered (ready to serve). ``collecting=False``
-    for a tool beside running servers: a shared store then collects nothing itself.
+    for a tool beside running servers: a shared store then collects nothing itself, and a data
+    directory is not recovered (what recovery would remove, ``tannery scrub`` reports).
     ``offer_create=False`` for a tool without ``--create-bucket`` (see :func:`open_blobs`)."""
     catalog_scheme = _scheme(config.catalog, "sqlite")
     blobs_scheme = _scheme(config.blobs, "file")
@@ -36,10 +37,10 @@ def open_storage(config: Config, collecting: bool = True, offer_create: bool = T
         _check_same_directory(config)
         check_private(config.data_dir, config.fix_permissions)
         if blobs_scheme == "file":
-            return Storage.open_local(config.data_dir, config.reserve_bytes)
+            return Storage.open_local(config.data_dir, config.reserve_bytes, recovering=collecting)
         blobs = open_blobs(config, offer_create)
         try:
-            return Storage.open_local(config.data_dir, config.reserve_bytes, blobs=blobs)
+            return Storage.open_local(config.data_dir, config.reserve_bytes, blobs=blobs, recovering=collecting)
         except BaseException:
             blobs.close()  # a bucket's threads, a cache's files: the storage never took them
             raise

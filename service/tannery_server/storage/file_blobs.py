@@ -177,6 +177,9 @@ class FileBlobStore(BlobStore):
             return 0
         return size
 
+    def modified_ns(self, digest: str) -> int:
+        return self.path(digest).stat().st_mtime_ns
+
     def digests(self) -> Iterator[str]:
         for sub in self.blobs.iterdir():
             if sub.is_dir():

@@ -15,11 +15,12 @@ How writers stay apart:
 * an archive being built has no name (NULL) until its transaction renames it, so it may be
   made from the archive it replaces; the UNIQUE constraint on names backs the lock up;
 * a union's sources are locked ``FOR SHARE`` so none is deleted or replaced under it;
-* blob rows are the unit of collection: a lease, a commit of leased blobs and
-  :meth:`PostgresCatalog.collect_blob` each hold the rows they decide on (lease and collection
+* blob rows are the unit of collection: a lease, a commit of leased blobs and the claim of
+  :meth:`PostgresCatalog.collect_blob` each hold the rows they decide on (lease and claim
   ``FOR UPDATE``, a commit ``FOR SHARE``), always blob rows before lease rows, so a lease and a
-  collection of one blob are ordered: the lease comes first (no collection), or the row is gone
-  and the lease creates it again (its caller uploads the bytes again).
+  collection of one blob are ordered: the lease comes first (no claim), or it waits for the
+  claim to end: the row gone (the lease creates it again and its caller uploads the bytes
+  again) or back (the delete failed). The bucket's delete runs outside any transaction.
 
 Statements run on :class:`~.postgres_pool.PostgresPool` (which retries what is safe to run
 again and raises every driver error as :class:`~.errors.StorageUnavailable` naming the
@@ -47,6 +48,12 @@ from .same_content import AlreadyThere
 
 #: ``%(p)s`` (a prefix) before an entry name, with the dot, as :func:`tannery_protocol.names.join` does.
 _PREFIXED = "CASE WHEN %(p)s = '' THEN {0} ELSE %(p)s || '.' || {0} END"
+#: How long a collection's claim on a blob row lasts: longer than the bucket client can take
+#: over one delete (connect and read timeouts, three attempts), so a delete is never in flight
+#: after its claim ended.
+CLAIM_SECONDS = 300.0
+#: How often a lease looks again at a blob row a collection has claimed.
+CLAIM_POLL_SECONDS = 0.05
 _UNREFERENCED = "NOT EXISTS (SELECT 1 FROM entries e WHERE e.blob = b.digest)"
 
 
@@ -182,11 +189,12 @@ class PostgresCatalog(SharedCatalog):
             (list(dict.fromkeys(digests)),)).fetchall())
         return [BlobInfo(*row[:5]) if row[5] else BlobInfo(row[0], 0, 0, b"") for row in rows]
 
-    def collectable(self, touched_before_ns: int, now_ns: int, limit: int) -> list[str]:
+    def collectable(self, touched_before_ns: int, now_ns: int, limit: int, skip: Iterable[str] = ()) -> list[str]:
         rows = self._db.read("finding collectable blobs", lambda cur: cur.execute(
             f"SELECT digest FROM blobs b WHERE touched_ns < %s AND {_UNREFERENCED} AND NOT EXISTS "
-            "(SELECT 1 FROM leases l WHERE l.digest = b.digest AND l.expires_ns > %s) ORDER BY touched_ns LIMIT %s",
-            (touched_before_ns, now_ns, limit)).fetchall())
+            "(SELECT 1 FROM leases l WHERE l.digest = b.digest AND l.expires_ns > %s) "
+            "AND collecting_until_ns <= %s AND digest <> ALL(%s::text[]) ORDER BY touched_ns LIMIT %s",
+            (touched_before_ns, now_ns, time.time_ns(), list(skip), limit)).fetchall())
         return [row[0] for row in rows]
 
     def check(self) -> None:
@@ -355,20 +363,38 @@ class PostgresCatalog(SharedCatalog):
     # Leases and collection --------------------------------------------------------------
 
     def lease(self, blob: BlobInfo, replica: str, holder: str, expires_ns: int) -> bool:
-        def work(cur: Cursor) -> bool:
-            # The upsert locks the row (created, or touched); xmax = 0 only on a row it inserted.
-            inserted = cur.execute(
-                f"INSERT INTO blobs ({BLOB_COLUMNS}, touched_ns) VALUES (%s, %s, %s, %s, %s, %s) "
-                "ON CONFLICT (digest) DO UPDATE SET touched_ns = EXCLUDED.touched_ns RETURNING (xmax = 0)",
-                (blob.digest, blob.size, blob.block_size, blob.block_crcs, blob.checksum, time.time_ns()),
-            ).fetchone()[0]
-            cur.execute(
-                "INSERT INTO leases (digest, replica, holder, expires_ns) VALUES (%s, %s, %s, %s) "
-                "ON CONFLICT (digest, replica, holder) DO UPDATE SET expires_ns = EXCLUDED.expires_ns",
-                (blob.digest, replica, holder, expires_ns))
-            return not inserted
+        """Lease ``blob`` (True: its row was there, bytes and all). A row a collection has claimed
+        (:meth:`collect_blob`) is waited for: its bytes are being deleted, so the lease comes
+        after, when the row is gone (False: the caller uploads again) or back (the delete failed)."""
+        while True:
+            claimed_until = self._db.write(f"leasing blob {blob.digest} to {replica}/{holder}",
+                                           lambda cur: self._lease_once(cur, blob, replica, holder, expires_ns))
+            if isinstance(claimed_until, bool):
+                return claimed_until
+            time.sleep(min(CLAIM_POLL_SECONDS, max(0.0, (claimed_until - time.time_ns()) / 1e9)))
 
-        return self._db.write(f"leasing blob {blob.digest} to {replica}/{holder}", work)
+    @staticmethod
+    def _lease_once(cur: Cursor, blob: BlobInfo, replica: str, holder: str, expires_ns: int) -> bool | int:
+        """One try of :meth:`lease`: whether the row (and its bytes) was there, or the end of a
+        collection's live claim on it (nothing written then)."""
+        now = time.time_ns()
+        row = cur.execute("SELECT collecting_until_ns FROM blobs WHERE digest = %s FOR UPDATE",
+                          (blob.digest,)).fetchone()
+        if row is not None and row[0] > now:
+            return int(row[0])
+        if row is not None and row[0] != 0:  # a claim whose collector died mid-delete: the bytes may be gone
+            cur.execute("DELETE FROM blobs WHERE digest = %s", (blob.digest,))
+        # The upsert locks the row (created, or touched); xmax = 0 only on a row it inserted.
+        inserted = cur.execute(
+            f"INSERT INTO blobs ({BLOB_COLUMNS}, touched_ns) VALUES (%s, %s, %s, %s, %s, %s) "
+            "ON CONFLICT (digest) DO UPDATE SET touched_ns = EXCLUDED.touched_ns RETURNING (xmax = 0)",
+            (blob.digest, blob.size, blob.block_size, blob.block_crcs, blob.checksum, now),
+        ).fetchone()[0]
+        cur.execute(
+            "INSERT INTO leases (digest, replica, holder, expires_ns) VALUES (%s, %s, %s, %s) "
+            "ON CONFLICT (digest, replica, holder) DO UPDATE SET expires_ns = EXCLUDED.expires_ns",
+            (blob.digest, replica, holder, expires_ns))
+        return not inserted
 
     def renew_leases(self, replica: str, expires_ns: int) -> int:
         return self._db.write(f"renewing the leases of {replica}", lambda cur: cur.execute(
@@ -408,37 +434,92 @@ class PostgresCatalog(SharedCatalog):
     def _hold_leased(self, cur: Cursor, digests: list[str], name: str, replica: str, holder: str,
                      now_ns: int) -> None:
         """Lock these blob rows ``FOR SHARE`` (no collection until this transaction ends) and
-        check each has a lease of ``(replica, holder)`` live at ``now_ns``."""
-        present = {row[0] for row in cur.execute(
-            "SELECT digest FROM blobs WHERE digest = ANY(%s) ORDER BY digest FOR SHARE", (digests,)).fetchall()}
+        check each has a lease of ``(replica, holder)`` live at ``now_ns`` and no collection's
+        claim (a lease that expired, was claimed, then renewed must not commit: the bytes are
+        being deleted)."""
+        present = {digest for digest, claim in cur.execute(
+            "SELECT digest, collecting_until_ns FROM blobs WHERE digest = ANY(%s) ORDER BY digest FOR SHARE",
+            (digests,)).fetchall() if claim == 0}
         live = {row[0] for row in cur.execute(
             "SELECT digest FROM leases WHERE replica = %s AND holder = %s AND expires_ns > %s AND digest = ANY(%s)",
             (replica, holder, now_ns, digests)).fetchall()}
         for digest in digests:
             if digest not in present or digest not in live:
-                gone = "was collected" if digest not in present else "has no live lease"
+                gone = "was collected (or is being)" if digest not in present else "has no live lease"
                 raise StorageUnavailable(
                     f"catalog {self.name}: archive {name!r} not committed: blob {digest} {gone} "
                     f"(lease of {replica}/{holder} expired or never taken); store it again"
                 )
 
     def collect_blob(self, digest: str, touched_before_ns: int, now_ns: int, remove: Callable[[str], object]) -> bool:
-        def work(cur: Cursor) -> bool:
-            row = cur.execute("SELECT touched_ns FROM blobs WHERE digest = %s FOR UPDATE", (digest,)).fetchone()
-            if row is None or row[0] >= touched_before_ns:
-                return False
-            busy = cur.execute(
-                "SELECT EXISTS (SELECT 1 FROM entries WHERE blob = %(d)s) OR EXISTS "
-                "(SELECT 1 FROM leases WHERE digest = %(d)s AND expires_ns > %(now)s)",
-                {"d": digest, "now": now_ns}).fetchone()[0]
-            if busy:
-                return False
-            cur.execute("DELETE FROM blobs WHERE digest = %s", (digest,))  # and its expired leases
-            remove(digest)  # under the row's lock; an exception rolls the deletion back
-            return True
+        """Collect blob ``digest`` in three steps, so no bucket call runs under a row lock:
 
-        # Not run again on a deadlock: ``remove`` may have run.
-        return self._db.write(f"collecting blob {digest}", work, retry=False)
+        1. claim: one short transaction locks the row, checks it is still collectable (no
+           reference, no live lease, untouched since ``touched_before_ns``) and sets
+           ``collecting_until_ns`` (now + :data:`CLAIM_SECONDS`);
+        2. ``remove(digest)`` deletes the bytes, outside any transaction;
+        3. forget: another short transaction deletes the row if the claim is still ours; if
+           ``remove`` failed, the claim is dropped instead and the row stays (collectable again).
+
+        Why a Store cannot lose bytes to this: a lease locks the row too, so it comes before the
+        claim (which then sees the touch or the lease and does not claim) or after it. After, the
+        lease sees a live claim and waits (:meth:`lease`) until the row is gone (it inserts a
+        new row and its caller uploads the bytes again, after the delete) or back (the delete
+        failed; the bytes are there). A commit holds its blob rows ``FOR SHARE``, needs a live
+        lease and refuses a claimed row (a lease that expired, let the claim in, and was renewed
+        after cannot commit). A collector that dies mid-delete leaves a claim
+        that expires; a lease then takes the row over as if it were new (the bytes may be gone),
+        and the bucket client's timeouts (well under :data:`CLAIM_SECONDS`) bound a delete in
+        flight. Another replica skips a claimed row."""
+        claim = self._db.write(f"claiming blob {digest} for collection",
+                               lambda cur: self._claim(cur, digest, touched_before_ns, now_ns), retry=False)
+        if claim is None:
+            return False
+        try:
+            remove(digest)
+        except BaseException:
+            self._db.write(f"releasing the claim on blob {digest}", lambda cur: cur.execute(
+                "UPDATE blobs SET collecting_until_ns = 0 WHERE digest = %s AND collecting_until_ns = %s",
+                (digest, claim)))
+            raise
+        self._db.write(f"forgetting collected blob {digest}", lambda cur: cur.execute(
+            "DELETE FROM blobs WHERE digest = %s AND collecting_until_ns = %s", (digest, claim)))  # and its leases
+        return True
+
+    def collect_orphan(self, digest: str, remove: Callable[[str], object]) -> bool:
+        """Delete bytes that no catalog row names (``tannery scrub --repair``) as
+        :meth:`collect_blob` does, a claim first: a placeholder row, claimed, is inserted only if
+        there is no row (False otherwise: a Store leased it meanwhile), so a Store leasing the
+        blob meanwhile waits, then uploads again; the placeholder goes after ``remove``."""
+        claim = time.time_ns() + int(CLAIM_SECONDS * 1e9)
+        inserted = self._db.write(f"claiming unreferenced blob {digest}", lambda cur: cur.execute(
+            f"INSERT INTO blobs ({BLOB_COLUMNS}, touched_ns, collecting_until_ns) VALUES (%s, 0, 0, '', '', 0, %s) "
+            "ON CONFLICT (digest) DO NOTHING", (digest, claim)).rowcount, retry=False)
+        if not inserted:
+            return False
+        try:
+            remove(digest)
+        finally:
+            self._db.write(f"forgetting unreferenced blob {digest}", lambda cur: cur.execute(
+                "DELETE FROM blobs WHERE digest = %s AND collecting_until_ns = %s", (digest, claim)))
+        return True
+
+    @staticmethod
+    def _claim(cur: Cursor, digest: str, touched_before_ns: int, now_ns: int) -> int | None:
+        """Claim the row of ``digest`` for collection if it is collectable; the claim's end, or None."""
+        row = cur.execute("SELECT touched_ns, collecting_until_ns FROM blobs WHERE digest = %s FOR UPDATE",
+                          (digest,)).fetchone()
+        if row is None or row[0] >= touched_before_ns or row[1] > time.time_ns():
+            return None
+        busy = cur.execute(
+            "SELECT EXISTS (SELECT 1 FROM entries WHERE blob = %(d)s) OR EXISTS "
+            "(SELECT 1 FROM leases WHERE digest = %(d)s AND expires_ns > %(now)s)",
+            {"d": digest, "now": now_ns}).fetchone()[0]
+        if busy:
+            return None
+        claim = time.time_ns() + int(CLAIM_SECONDS * 1e9)
+        cur.execute("UPDATE blobs SET collecting_until_ns = %s WHERE digest = %s", (claim, digest))
+        return claim
 
     def close(self) -> None:
         self._db.close()

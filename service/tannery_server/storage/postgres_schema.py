@@ -101,9 +101,15 @@ def _to_version_5(cur: Cursor) -> None:
     cur.execute("CREATE INDEX alias_moves_by_alias ON alias_moves (alias, id)")
 
 
+def _to_version_6(cur: Cursor) -> None:
+    """``blobs.collecting_until_ns``: a collection's claim on the row while it deletes the bytes
+    outside any transaction (0: none); a lease waits for a live claim to end."""
+    cur.execute("ALTER TABLE blobs ADD COLUMN IF NOT EXISTS collecting_until_ns bigint NOT NULL DEFAULT 0")
+
+
 #: ``MIGRATIONS[n]`` brings schema version ``n`` to ``n + 1`` (0: an empty database).
 MIGRATIONS: tuple[Callable[[Cursor], None], ...] = (_to_version_1, _to_version_2, _to_version_3, _to_version_4,
-                                                    _to_version_5)
+                                                    _to_version_5, _to_version_6)
 SCHEMA_VERSION = len(MIGRATIONS)
 #: The advisory lock (two-key form, apart from the names' one-key locks) of schema changes.
 _SCHEMA_LOCK = (0x7A77, 1)

@@ -74,6 +74,11 @@ class S3BlobStore(S3Bucket, BlobStore):
         self.delete_key(key)
         return int(head["ContentLength"])
 
+    def modified_ns(self, digest: str) -> int:
+        head = self.call(f"look up blob {digest}", self.client.head_object, Bucket=self.bucket, Key=self.key(digest),
+                         not_found=True)
+        return int(head["LastModified"].timestamp() * 1e9)
+
     def digests(self) -> Iterator[str]:
         start = len(self.prefix) + len("blobs/")
         for item in self.listing(f"{self.prefix}blobs/"):

@@ -10,10 +10,14 @@ being collected is in the catalog (see :class:`~.base.SharedCatalog` and
 * an unreferenced blob is collected only after a grace period since it was last touched
   (its last reference went, or its last lease), which also gives a Fetch that was reading
   it when its archive was deleted that long to finish; no Fetch writes to the catalog;
-* collection decides under the blob row's lock, so it never races a lease.
+* collection claims the blob row under its lock, deletes the bytes outside any transaction,
+  then forgets the row (:meth:`~.base.SharedCatalog.collect_blob`), so it never races a lease
+  and never holds a lock while the bucket answers.
 
-A background sweeper does the collecting and the lease renewal: Delete and a replacing
-Store answer at once and free the bucket's space after the grace period.
+A background sweeper collects: Delete and a replacing Store answer at once and free the
+bucket's space after the grace period. A blob whose removal fails is skipped and tried again
+later with backoff (:class:`~.collect_backoff.CollectBackoff`), so one stuck object never
+stops the rest. Leases are renewed by a thread of their own, never behind a collection.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import uuid
 from typing import Callable, Iterable, Mapping, Sequence, TypeVar
 
 from .base import ArchiveLimits, MoveNote, ArchiveRecord, BlobInfo, BlobStore, EntryRecord, SharedCatalog
+from .collect_backoff import CollectBackoff
 from .core import Collected, StorageBase
 from .integrity import BLOCK_SIZE
 from .payload_writer import PayloadWriter
@@ -32,6 +37,12 @@ from .payload_writer import PayloadWriter
 log = logging.getLogger("tannery_server.storage")
 T = TypeVar("T")
 NS = 1_000_000_000
+#: Collectable blobs read from the catalog at a time.
+BATCH = 256
+
+
+class _RemoveFailed(Exception):
+    """The bucket's (or disk's) removal of one blob failed: that blob is skipped, not the sweep."""
 
 
 class SharedStorage(StorageBase):
@@ -46,27 +57,36 @@ class SharedStorage(StorageBase):
         self.replica = replica or uuid.uuid4().hex
         self.grace_ns = int(grace_seconds * NS)
         self.lease_ns = int(lease_seconds * NS)
-        #: How often the sweeper renews leases and collects: often enough that a lease is
-        #: renewed at least three times before it would expire.
+        #: How often the lease renewer renews and the sweeper collects (each on its own thread):
+        #: often enough that a lease is renewed at least three times before it would expire.
         self.sweep_seconds = sweep_seconds if sweep_seconds is not None else min(lease_seconds / 4, 30.0)
-        #: False for a tool (``tannery migrate``, ``scrub``): its sweeper only renews its leases.
+        #: False for a tool (``tannery migrate``, ``scrub``): no sweeper, only lease renewal.
         self.collecting = collecting
+        #: The blobs whose removal failed, and when to try each again.
+        self.backoff = CollectBackoff(first_seconds=max(self.sweep_seconds, 1.0))
         self._stopping = threading.Event()
-        self._sweeper: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
 
     # Life ---------------------------------------------------------------------------------
 
     def recover(self) -> None:
-        """Nothing is removed at start-up (other replicas are working): the sweeper starts."""
-        if self._sweeper is None:
-            self._sweeper = threading.Thread(target=self._sweep_forever, name="tannery-sweeper", daemon=True)
-            self._sweeper.start()
+        """Nothing is removed at start-up (other replicas are working): the lease renewer and
+        (when collecting) the sweeper start, each a thread of its own."""
+        if self._threads:
+            return
+        loops = [("tannery-lease-renewer", self._renew_forever)]
+        if self.collecting:
+            loops.append(("tannery-sweeper", self._sweep_forever))
+        for name, loop in loops:
+            thread = threading.Thread(target=loop, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
 
     def close(self) -> None:
         self._stopping.set()
-        if self._sweeper is not None:
-            self._sweeper.join(timeout=10)
-            self._sweeper = None
+        for thread in self._threads:
+            thread.join(timeout=10)
+        self._threads = []
         super().close()
 
     # Writing ------------------------------------------------------------------------------
@@ -142,45 +162,84 @@ class SharedStorage(StorageBase):
         except Exception as exc:  # they expire anyway; the call's own outcome matters more
             log.warning("could not drop the leases of %s (they expire on their own): %s", holder, exc)
 
+    def remove_leak(self, digest: str) -> bool:
+        """Delete bytes no catalog row names, beside running replicas: claimed in the catalog
+        first, so a Store leasing the same bytes meanwhile waits and uploads them again."""
+        return self.catalog.collect_orphan(digest, self.blobs.remove)
+
     def pinned(self, lookup: Callable[[], T], digests_of: Callable[[T], Iterable[str]]) -> T:
         """A lookup with no pin: the grace period keeps an unreferenced blob for a read under way."""
         return lookup()
 
     # Collecting ---------------------------------------------------------------------------
 
-    def sweep(self, now_ns: int | None = None) -> Collected:
-        """Renew this replica's leases, remove uploads abandoned longer than the grace period,
-        and collect the blobs that have been unreferenced and unleased that long."""
+    def renew(self, now_ns: int | None = None) -> int:
+        """Extend this replica's leases to a lease period from now; how many."""
         now = time.time_ns() if now_ns is None else now_ns
-        self.catalog.renew_leases(self.replica, now + self.lease_ns)
+        return self.catalog.renew_leases(self.replica, now + self.lease_ns)
+
+    def sweep(self, now_ns: int | None = None) -> Collected:
+        """Remove uploads abandoned longer than the grace period, and collect the blobs that have
+        been unreferenced and unleased that long: every candidate is tried once (but those
+        waiting out a backoff), whatever the others do."""
         if not self.collecting:
             return Collected()
+        now = time.time_ns() if now_ns is None else now_ns
         before = now - self.grace_ns
         abandoned = self.blobs.clear_temporary(before)
         if abandoned:
             log.info("removed %d uploads abandoned for longer than the grace period", abandoned)
+        started = time.time_ns()
+        waiting = self.backoff.waiting(started)
+        tried = set(waiting)
         blobs = freed = 0
         while not self._stopping.is_set():
-            digests = self.catalog.collectable(before, now, 256)
-            collected_now = 0
+            digests = self.catalog.collectable(before, now, BATCH, skip=tried)
             for digest in digests:
-                sizes: list[int] = []
-                if self.catalog.collect_blob(digest, before, now, lambda d: sizes.append(self.blobs.remove(d))):
-                    collected_now += 1
-                    freed += sum(sizes)
-            blobs += collected_now
-            if len(digests) < 256 or not collected_now:
+                size = self._collect_one(digest, before, now)
+                if size is not None:
+                    blobs, freed = blobs + 1, freed + size
+            tried.update(digests)
+            if len(digests) < BATCH:
+                self.backoff.forget_due_except(tried - waiting, started)
                 break
         if blobs:
             log.info("collected %d unreferenced blobs (%d bytes)", blobs, freed)
         return Collected(blobs, freed)
 
+    def _collect_one(self, digest: str, before: int, now: int) -> int | None:
+        """Collect one blob: the bytes freed, or None (still in use, or its removal failed: then it
+        is logged, counted and skipped until its backoff ends)."""
+        sizes: list[int] = []
+
+        def remove(d: str) -> None:
+            try:
+                sizes.append(self.blobs.remove(d))
+            except Exception as exc:
+                raise _RemoveFailed(str(exc)) from exc
+
+        try:
+            collected = self.catalog.collect_blob(digest, before, now, remove)
+        except _RemoveFailed as exc:
+            wait = self.backoff.failed(digest, str(exc), time.time_ns())
+            log.warning("could not collect blob %s (skipped; tried again in %.0f s): %s", digest, wait, exc)
+            return None
+        self.backoff.done(digest)
+        return sum(sizes) if collected else None
+
     def _sweep_forever(self) -> None:
+        self._every(self.sweep, "sweep")
+
+    def _renew_forever(self) -> None:
+        self._every(self.renew, "lease renewal")
+
+    def _every(self, work: Callable[[], object], what: str) -> None:
+        """Run ``work`` every :attr:`sweep_seconds` until closed; a failure is logged and tried again."""
         while not self._stopping.is_set():
             try:
-                self.sweep()
+                work()
             except Exception as exc:  # the catalog or bucket away: try again at the next round
-                log.warning("sweep failed (retried in %.0f s): %s", self.sweep_seconds, exc)
+                log.warning("%s failed (retried in %.0f s): %s", what, self.sweep_seconds, exc)
             self._stopping.wait(self.sweep_seconds)
 
     # Unions and deletes answer at once; the catalog touches what they release ---------------
