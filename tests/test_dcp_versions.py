@@ -145,8 +145,8 @@ def _moved_load_worker(rank: int, world: int, port: int, target: str, run: str, 
 
 @pytest.mark.slow
 def test_three_saves_keep_the_two_newest_and_resume_from_the_alias(server, client):
-    said = _run(_three_saves_worker, 2, server.target, "runs/7/")
-    assert said == {r: [("ok", {"exact": True, "step": 3})] for r in (0, 1)}, said
+    said, exits = _run(_three_saves_worker, 2, server.target, "runs/7/")
+    assert said == {r: [("ok", {"exact": True, "step": 3})] for r in (0, 1)}, (said, exits)
     assert client.resolve("runs/7/latest") == "runs/7/step-3"
     assert sorted(info.name for info in client.list("runs/7/")) == ["runs/7/step-2", "runs/7/step-3"]  # no parts either
     _assert_is(_loaded(client, "runs/7/latest"), step=3)  # resharded into one process, bit-exact
@@ -154,12 +154,12 @@ def test_three_saves_keep_the_two_newest_and_resume_from_the_alias(server, clien
 
 @pytest.mark.slow
 def test_a_rank_killed_during_async_save_leaves_the_alias_on_the_last_whole_checkpoint(server, client):
-    said = _run(_killed_async_worker, 2, server.target, "runs/8/")
+    said, exits = _run(_killed_async_worker, 2, server.target, "runs/8/")
     statuses = {rank: [status for status, _ in answers] for rank, answers in said.items()}
-    assert sorted(statuses[1]) == ["returned", "uploading"], said
+    assert sorted(statuses[1]) == ["returned", "uploading"], (said, exits)
     # Rank 0's future never succeeds (it raises once gloo notices the dead peer; under load that
     # may come after the test has stopped waiting, so "ok" is what is ruled out).
-    assert statuses[0][0] == "returned" and "ok" not in statuses[0], said
+    assert statuses[0][0] == "returned" and "ok" not in statuses[0], (said, exits)
     # The alias still names the last whole checkpoint; nothing newer or within keep_last was pruned.
     assert client.resolve("runs/8/latest") == "runs/8/step-2"
     assert _checkpoints(client, "runs/8/") == ["runs/8/step-1", "runs/8/step-2"]
@@ -188,9 +188,9 @@ def test_every_rank_reads_the_archive_the_coordinator_resolved(server, client):
         dcp.save({"model": _state(step), "step": step},
                  storage_writer=tannery.dcp.Writer(client, f"runs/9/step-{step}", alias="runs/9/latest"))
     client.tag("runs/9/latest", "runs/9/step-1")
-    said = _run(_moved_load_worker, 2, server.target, "runs/9/")
+    said, exits = _run(_moved_load_worker, 2, server.target, "runs/9/")
     # The alias moved to step-2 after the coordinator opened step-1: both ranks loaded step-1 whole.
-    assert said == {r: [("ok", {"steps": [1], "read": "runs/9/step-1", "local": 4})] for r in (0, 1)}, said
+    assert said == {r: [("ok", {"steps": [1], "read": "runs/9/step-1", "local": 4})] for r in (0, 1)}, (said, exits)
     assert client.resolve("runs/9/latest") == "runs/9/step-2"
 
 
