@@ -244,7 +244,9 @@ def test_a_tls_hello_trickled_a_byte_at_a_time_is_closed_at_the_deadline(tmp_pat
     from tannery_server.dataplane import listeners
 
     monkeypatch.setattr(listeners, "HANDSHAKE_SECONDS", 1.0)
-    with running_server(tmp_path, tls_cert=pki["server_cert"], tls_key=pki["server_key"]) as server:
+    # Metrics in plain HTTP (scraped below): with TLS on, they would be HTTPS by default.
+    with running_server(tmp_path, tls_cert=pki["server_cert"], tls_key=pki["server_key"],
+                        metrics_tls="off") as server:
         with raw_connection(server, "tcp", timeout=10) as sock:
             sock.sendall(b"\x16\x03\x01\x02\x00")  # a TLS record header: a ClientHello of 512 bytes
             sock.setblocking(False)

@@ -9,7 +9,7 @@ import json
 import shlex
 import urllib.parse
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from aiohttp import web
 
@@ -185,16 +185,22 @@ async def entry_page(request: web.Request) -> web.Response:
     if entry is None:
         raise PageProblem(404, "Not Found", f"archive {record.name!r} has no entry {name!r}",
                           f"see its entries on /archive?name={record.name}")
+    async with site.statistics:
+        result = await _read_stored(site, f"entry {name!r}", stats.entry_stats, site.storage, record.name, entry)
+    return site.html("entry", archive=record.name, entry=entry, stats=result.__dict__, log_scale=log_scale,
+                     histogram=plots.histogram(result.edges, result.counts, log_scale))
+
+
+async def _read_stored(site: Site, what: str, read: Callable[..., Any], *args: Any) -> Any:
+    """``read(*args)`` of stored bytes on the page's threads; a blob gone meanwhile (404) or
+    failing its check (500) is the page's problem, naming ``what`` and the remedy."""
     try:
-        async with site.statistics:
-            result = await site.run(stats.entry_stats, site.storage, record.name, entry)
+        return await site.run(read, *args)
     except Missing as exc:
         raise PageProblem(404, "Not Found", str(exc), "reload the archive's page") from None
     except Damaged as exc:
-        raise PageProblem(500, "Damaged", f"the stored bytes of entry {name!r} failed their check: {exc}",
+        raise PageProblem(500, "Damaged", f"the stored bytes of {what} failed their check: {exc}",
                           "run tannery scrub to list every damaged blob; push the archive again") from None
-    return site.html("entry", archive=record.name, entry=entry, stats=result.__dict__, log_scale=log_scale,
-                     histogram=plots.histogram(result.edges, result.counts, log_scale))
 
 
 async def file_page(request: web.Request) -> web.Response:
@@ -210,13 +216,8 @@ async def file_page(request: web.Request) -> web.Response:
     if not kept:
         raise PageProblem(404, "Not Found", f"archive {record.name!r} keeps no file as entry {name!r}",
                           f"see its files on /archive?name={record.name}")
-    try:
-        shown = await site.run(kept_files.read_text, site.storage, record.name, entry)
-    except Missing as exc:
-        raise PageProblem(404, "Not Found", str(exc), "reload the archive's page") from None
-    except Damaged as exc:
-        raise PageProblem(500, "Damaged", f"the stored bytes of file {kept[0].name!r} failed their check: {exc}",
-                          "run tannery scrub to list every damaged blob; push the archive again") from None
+    shown = await _read_stored(site, f"file {kept[0].name!r}", kept_files.read_text, site.storage, record.name,
+                               entry)
     return site.html("file", archive=record.name, file=kept[0], shown=shown, most=kept_files.SHOWN_BYTES)
 
 
