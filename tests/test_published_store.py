@@ -41,7 +41,8 @@ def stored(client: tannery.Client, archive: str) -> dict[str, torch.Tensor]:
     return {name: fetched.find(name) for name in fetched.names()}
 
 
-def run(client: tannery.Client, steps):
+def run(steps):
+    """A call core's steps (here a Publish with ``store_as``, which no public call takes), run."""
     from tannery.client import _run
 
     return _run(steps)
@@ -70,7 +71,7 @@ def test_a_publish_with_store_as_stores_only_the_named_payloads_and_answers_the_
     tensors = [torch.arange(5, dtype=torch.uint8), torch.ones(3, 4), torch.full((2,), 7, dtype=torch.int32)]
     store_as = channels_pb2.StoreAs(archive="kept", metadata={"why": "test"}, entries=["", "ones", "sevens"])
     with tannery.Client(server.target) as client, client.subscribe("ch") as subscription:
-        published = run(client, client._publish("ch", tensors, None, store_as))
+        published = run(client._publish("ch", tensors, None, store_as))
         got = [next(subscription) for _ in tensors]
         assert [t.tolist() for t in got] == [t.tolist() for t in tensors]
         assert published.stored is not None and published.store_error == ""
@@ -89,7 +90,7 @@ def test_a_store_that_cannot_be_made_leaves_the_publish_whole_and_says_why(serve
         client.store("taken", {"x": torch.zeros(2)})
         store_as = channels_pb2.StoreAs(archive="taken", entries=["x"])
         with client.subscribe("ch") as subscription:
-            published = run(client, client._publish("ch", [torch.ones(2)], None, store_as))
+            published = run(client._publish("ch", [torch.ones(2)], None, store_as))
             assert torch.equal(next(subscription), torch.ones(2))
         assert published.stored is None
         assert "taken" in published.store_error and "exists" in published.store_error
@@ -99,7 +100,7 @@ def test_a_store_that_cannot_be_made_leaves_the_publish_whole_and_says_why(serve
 def test_store_as_naming_a_payload_that_never_came_stores_nothing(server):
     with tannery.Client(server.target) as client:
         store_as = channels_pb2.StoreAs(archive="short", entries=["a", "b"])
-        published = run(client, client._publish("ch", [torch.ones(2)], None, store_as))
+        published = run(client._publish("ch", [torch.ones(2)], None, store_as))
         assert published.stored is None and "'b' never came" in published.store_error
         assert [info.name for info in client.list()] == []
 
@@ -108,7 +109,7 @@ def test_a_bad_archive_name_in_store_as_refuses_the_publish_before_any_payload(s
     with tannery.Client(server.target) as client:
         store_as = channels_pb2.StoreAs(archive="bad\x00name", entries=["a"])
         with pytest.raises(tannery.ServiceError, match="archive name"):
-            run(client, client._publish("ch", [torch.ones(2)], None, store_as))
+            run(client._publish("ch", [torch.ones(2)], None, store_as))
 
 
 def test_a_server_that_does_not_store_what_it_relays_gets_a_store_call(tmp_path, monkeypatch):

@@ -139,7 +139,9 @@ class PublishedStore:
             step, args, nbytes = item
             if self.failure is None:
                 try:
-                    self._record = await self.steps.run(step, *args)  # the last step, finish, commits
+                    result = await self.steps.run(step, *args)
+                    if step == self.session.finish:  # the last step: the archive committed
+                        self._record = result
                 except Exception as exc:
                     self._fail(exc)
             self._queued -= nbytes

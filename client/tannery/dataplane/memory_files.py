@@ -133,8 +133,13 @@ def _prepare(files: "weakref.ref[MemoryFiles]", sizes: list[int]) -> None:
         except OSError:  # no memory for it now: the send makes its file as it goes
             os.close(fd)
             return
-        with owner._lock:
-            bisect.insort(owner._ready, (size, fd))
+        with owner._lock:  # asked again under the lock: a newer expect may have dropped the files meanwhile
+            current = owner._thread is threading.current_thread() and not owner._closed
+            if current:
+                bisect.insort(owner._ready, (size, fd))
+        if not current:
+            os.close(fd)
+            return
         del owner
 
 
