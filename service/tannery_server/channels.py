@@ -55,7 +55,7 @@ from tannery_protocol.v1 import channels_pb2, channels_pb2_grpc
 
 from .calllog import current_call
 from .config import Config
-from .failures import BadPayload, Failure, LimitExceeded, Malformed, Unavailable
+from .failures import BadPayload, Failure, LimitExceeded, Malformed, Unavailable, Unimplemented
 from .handling import Undecodable, add_service, answering_failures
 from .dataplane.channel_links import relay_publisher, serve_subscriber
 from .dataplane.channel_pieces import Chunk, data_of, grpc_messages
@@ -63,6 +63,7 @@ from .dataplane.links import LINK_ERRORS, fail, link_failure
 from .dataplane.listeners import DataPaths
 from .dataplane.plane import DataPlane
 from .fabric import open_fabric
+from .relay_plan import Member, RoutePlanner
 from .published_store import PublishedStore, Storing, open_store, stored_answer
 from .workers import Workers
 from .hub import Channel, FellBehind, Hub, HubClosed, Piece, Relay, SubscriptionEnded
@@ -133,6 +134,8 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
         #: What joins this server's channels with other replicas' (:func:`~.fabric.open_fabric`).
         self.fabric = open_fabric(config, self.hub, self.pieces, data_of)
         self.hub.exporter = self.fabric.exporter
+        #: The relay plans of this server's channels (None: relays off, ``relay_fanout`` 0).
+        self.routes = RoutePlanner(config.relay_fanout) if config.relay_fanout > 0 else None
 
     async def start(self) -> None:
         """Connect the fabric (a no-op without replicas)."""
@@ -216,6 +219,30 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
         finally:
             self.hub.unsubscribe(subscription)
             self.fabric.leave(request.channel)
+
+    @answering_failures
+    async def Route(
+        self, request: channels_pb2.RouteRequest | Undecodable, context: grpc.aio.ServicerContext
+    ) -> None:
+        """Keep this member in its channel's relay plan while the call lasts, telling it its route
+        at once and again whenever it changes (:mod:`.relay_plan`)."""
+        self._check_name(request.channel)
+        if self.routes is None:
+            raise Unimplemented("this server's relays are off (--relay-fanout 0): subscribe instead")
+        if self.hub.closed:
+            raise Unavailable("the server is shutting down")
+        member = Member(request.member or context.peer(), relay_address(request.address, context.peer()),
+                        bytes(request.key))
+        if len(member.key) < 16:
+            raise Malformed(f"a relay key of {len(member.key)} bytes: 16 or more")
+        replaced = self.routes.join(request.channel, member, request.unreachable)
+        if replaced is not None:
+            replaced.updates.put_nowait(None)  # its older call ends: this one holds the slot now
+        try:
+            while (update := await member.updates.get()) is not None:
+                await context.write(update)
+        finally:
+            self.routes.leave(request.channel, member)
 
     # -- the data paths: the same-host socket, the TCP data port ------------------------------
 
@@ -408,6 +435,20 @@ async def _relay_last(relay: Relay, piece: Piece, timeout: float) -> int:
         return await relay.put(message, nbytes, timeout)
     finally:
         relay.finish()
+
+
+def relay_address(asked: str, peer: str) -> str:
+    """Where a member's relay port is reached: ``asked`` ("host:port"), or for ":port" the host
+    the member's call comes from (``peer``, as gRPC gives it: "ipv4:10.0.0.2:5123", "ipv6:[::1]:5123")."""
+    host, _, port = asked.rpartition(":")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise Malformed(f"relay address {asked!r} is not host:port or :port")
+    if host:
+        return asked
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        raise Malformed(f"relay address {asked!r} names no host, and this call comes from {peer!r}: name the host")
+    return f"{rest.rpartition(':')[0]}:{port}"
 
 
 def add_to_server(servicer: ChannelsServicer, server: grpc.aio.Server) -> None:

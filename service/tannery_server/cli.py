@@ -70,6 +70,9 @@ _FLAGS = [
                    "duration, peer"),
     ("channel_buffer_bytes", "bytes a channel subscriber may have queued before publishers wait for it"),
     ("channel_timeout_seconds", "seconds a publisher waits for a full subscriber before dropping it"),
+    ("relay_fanout", "weight followers that relay pass each version on to this many others, so the server sends "
+                     "it about once whatever their number: 1 (the default) is a chain, 2 or more a tree of that "
+                     "fan-out, 0 turns relays off (every follower subscribes to this server)"),
     ("nats", "NATS server URLs, comma-separated (nats://[USER:PASS@]HOST:PORT, tls:// for TLS): channels "
              "across replicas, a payload published on any replica reaching subscribers on every replica; "
              "empty for channels within this server"),

@@ -86,6 +86,9 @@ class Config:
     channel_buffer_bytes: int = 64 * MiB
     #: Seconds a publisher waits for a full subscriber before that subscriber is dropped.
     channel_timeout_seconds: float = 10.0
+    #: Followers each relay member passes a channel's payloads on to (1: a chain; 0: no relays,
+    #: every follower subscribes to this server): docs/weight-sync.md, "Relays".
+    relay_fanout: int = 1
     #: NATS server URLs, comma-separated (``nats://[USER:PASS@]HOST:PORT``, ``tls://`` for TLS):
     #: channels across replicas (:mod:`.nats_fabric`); empty for channels in this server only.
     nats: str = field(default="", repr=False)
@@ -177,6 +180,8 @@ class Config:
             problems.append(f"health_check_seconds {self.health_check_seconds} must be positive")
         if self.lease_seconds <= 0:
             problems.append(f"lease_seconds {self.lease_seconds} must be positive")
+        if self.relay_fanout < 0:
+            problems.append(f"relay_fanout {self.relay_fanout} is negative (0 turns relays off)")
         for name in ("grace_seconds", "channel_timeout_seconds", "gc_grace_seconds"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} {getattr(self, name)} is negative")

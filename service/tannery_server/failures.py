@@ -72,6 +72,10 @@ class Unavailable(Failure, code=Code.UNAVAILABLE):
     """Storage that cannot answer now (an I/O error, a locked database): worth a retry."""
 
 
+class Unimplemented(Failure, code=Code.UNIMPLEMENTED):
+    """A call this server does not serve as configured (its relays are off)."""
+
+
 class Internal(Failure, code=Code.INTERNAL):
     """A bug: the server logged the traceback."""
 

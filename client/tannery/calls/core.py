@@ -431,10 +431,12 @@ class CallCore:
         stored = store_as.SerializeToString() if store_as is not None else b""
         return Published.of((yield from transport.publish(self._calls, channel, tensors, progress, stored, files)))
 
-    def _subscribe(self, channel: str, progress: Progress) -> Steps[Feed]:
-        """A subscription the server has registered (everything published afterwards arrives)."""
+    def _subscribe(self, channel: str, progress: Progress, reader: _readers.PayloadReader | None = None
+                   ) -> Steps[Feed]:
+        """A subscription the server has registered (everything published afterwards arrives);
+        ``reader`` makes its tensors (a relaying follower's passes its pieces on as well)."""
         transport = yield from self._transport_now()
-        return (yield from transport.subscribe(self._calls, channel, _readers.PayloadReader(progress)))
+        return (yield from transport.subscribe(self._calls, channel, reader or _readers.PayloadReader(progress)))
 
 
 class _Noted:

@@ -46,6 +46,7 @@ from tannery.dataplane.memory_files import DEFAULT_BUDGET
 from tannery.weights.sources import AGAIN, FIRST_VERSION_POLL_SECONDS, Newest, Pauses
 from tannery.calls.running import run as run_blocking, run_async
 from tannery.rpc.waits import END, Blocking, Rpc, Steps
+from tannery.weights.relays import Relaying, relays_by_default
 from tannery.weights.stream import Assembler, StreamedVersion
 from tannery.weights.versions import FROM_STORE, Applied, Following, Pushed, Pushing, apply_steps, apply_streamed, push_steps
 
@@ -239,8 +240,11 @@ class Follower(_Follower):
     """
 
     def __init__(self, client: Client, name: str, target: Any, *, prefix: str = "", strict: bool = True,
-                 rows: Rows | None = None, stream: bool = True) -> None:
+                 rows: Rows | None = None, stream: bool = True, relay: bool | None = None,
+                 relay_host: str | None = None, relay_port: int = 0) -> None:
         super().__init__(client, name, target, prefix, strict, rows, stream)
+        relaying = stream and (relay if relay is not None else relays_by_default(client))
+        self._relaying = Relaying(client, name, relay_host, relay_port) if relaying else None
         self._ready = self._lock = threading.Condition()
         self._wake = self._ready.notify_all
         self._subscribed = threading.Event()
@@ -275,6 +279,8 @@ class Follower(_Follower):
         return next(source, END)
 
     def _subscribe(self) -> Any:
+        if self._relaying is not None:
+            return self._relaying.open_source()
         return self.client.subscribe(self.following.name)
 
     def _close_source(self, source: Any) -> None:
@@ -292,6 +298,8 @@ class Follower(_Follower):
             self._ready.notify_all()
         for source in sources:
             source.close()
+        if self._relaying is not None:
+            self._relaying.close()
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join(5)

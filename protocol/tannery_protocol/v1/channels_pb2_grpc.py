@@ -44,6 +44,11 @@ class ChannelsStub:
                 request_serializer=tannery__protocol_dot_v1_dot_channels__pb2.SubscribeRequest.SerializeToString,
                 response_deserializer=tannery__protocol_dot_v1_dot_channels__pb2.SubscribeResponse.FromString,
                 _registered_method=True)
+        self.Route = channel.unary_stream(
+                '/tannery.v1.Channels/Route',
+                request_serializer=tannery__protocol_dot_v1_dot_channels__pb2.RouteRequest.SerializeToString,
+                response_deserializer=tannery__protocol_dot_v1_dot_channels__pb2.RouteUpdate.FromString,
+                _registered_method=True)
 
 
 class ChannelsServicer:
@@ -67,6 +72,18 @@ class ChannelsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Route(self, request, context):
+        """Joins a channel's relay plan (docs/weight-sync.md, "Relays"): the caller listens on a
+        port of its own and passes on the payloads it receives to the followers the server sends
+        to it. The answer is this member's route: the first RouteUpdate once it has joined, and a
+        new one whenever the plan moves it (a member joined, left, or was reported unreachable).
+        A member takes its payloads from its route's parent: a Subscribe to the server (parent
+        empty), or the relay port of another member. Leaving is ending the call.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ChannelsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -79,6 +96,11 @@ def add_ChannelsServicer_to_server(servicer, server):
                     servicer.Subscribe,
                     request_deserializer=tannery__protocol_dot_v1_dot_channels__pb2.SubscribeRequest.FromString,
                     response_serializer=tannery__protocol_dot_v1_dot_channels__pb2.SubscribeResponse.SerializeToString,
+            ),
+            'Route': grpc.unary_stream_rpc_method_handler(
+                    servicer.Route,
+                    request_deserializer=tannery__protocol_dot_v1_dot_channels__pb2.RouteRequest.FromString,
+                    response_serializer=tannery__protocol_dot_v1_dot_channels__pb2.RouteUpdate.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -135,6 +157,33 @@ class Channels:
             '/tannery.v1.Channels/Subscribe',
             tannery__protocol_dot_v1_dot_channels__pb2.SubscribeRequest.SerializeToString,
             tannery__protocol_dot_v1_dot_channels__pb2.SubscribeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Route(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tannery.v1.Channels/Route',
+            tannery__protocol_dot_v1_dot_channels__pb2.RouteRequest.SerializeToString,
+            tannery__protocol_dot_v1_dot_channels__pb2.RouteUpdate.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,248 @@
+"""A follower's relay port: the payloads it receives, passed on to the followers it feeds, piece
+by piece as they arrive (docs/weight-sync.md, "Relays").
+
+The port speaks the data connection's frames (``data.proto``) as the server's TCP data port does
+to a subscriber: ``welcome``, then the child's ``hello`` with the key the server handed it (a
+wrong key is answered ``failure`` PERMISSION_DENIED), then ``entry`` frames each followed by one
+piece of a payload, ``abandoned`` when the payload in progress was cut off upstream. A child
+that connects mid-payload gets its first bytes at the next payload's start, never a tail.
+
+Each child is sent to by a thread of its own from a queue bounded in bytes (:data:`CHILD_BUFFER`):
+the receiving thread only queues views of the bytes it received (no copy), so a child as fast
+as the link keeps the pipeline moving, and one whose queue stays full for :data:`CHILD_TIMEOUT`
+is dropped (``failure`` RESOURCE_EXHAUSTED), so a slow child never stalls its parent and
+everyone upstream. A dropped or broken child asks the server for a new route.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import socket
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from tannery_protocol.datalink import HANDSHAKE_SECONDS, MAX_HANDSHAKE_FRAME, Link, LinkError, expect, frame, tune_tcp
+from tannery_protocol.v1.data_pb2 import Abandoned, DataFailure, EntryBytes, Welcome
+
+log = logging.getLogger("tannery.weights")
+
+#: The id a relay port says in its welcome (a child checks it: another service on that port is not a relay).
+RELAY_ID = "tannery-relay"
+#: Bytes of one relayed piece: a child gets a payload's bytes this much after its parent does.
+PIECE = 1 << 20
+#: Bytes queued for one child at most before its parent waits for it.
+CHILD_BUFFER = 64 << 20
+#: Seconds a parent waits for a full child before it drops it (less than the server's channel
+#: timeout, so a slow child is dropped before its parent is).
+CHILD_TIMEOUT = 5.0
+#: Connections that have not said hello yet, at most (each closes after HANDSHAKE_SECONDS).
+MAX_GREETING = 64
+
+_ABANDONED = object()
+
+
+class _Child:
+    """One follower fed by this port: its connection, its queue, and the thread that sends it."""
+
+    def __init__(self, link: Link, peer: str, dropped: Any) -> None:
+        self.link, self.peer = link, peer
+        self._dropped = dropped
+        self._queue: deque[Any] = deque()
+        self._bytes = 0
+        self._room = threading.Condition()
+        self.alive = True
+        self.thread = threading.Thread(target=self._send_all, daemon=True, name=f"tannery-relay-to-{peer}")
+        self.thread.start()
+
+    def put(self, item: Any, nbytes: int) -> bool:
+        """Queue ``item`` (a piece's view, or :data:`_ABANDONED`); False once the child is gone,
+        or dropped for keeping its queue full for :data:`CHILD_TIMEOUT`."""
+        deadline = time.monotonic() + CHILD_TIMEOUT
+        with self._room:
+            while self.alive and self._bytes and self._bytes + nbytes > CHILD_BUFFER:
+                left = deadline - time.monotonic()
+                if left <= 0:  # its sending thread may be inside a piece: no frame, the connection ends
+                    log.warning("relay: dropped child %s: it fell behind (%d bytes waited for it for %g s); it asks "
+                                "the server for a new route", self.peer, self._bytes, CHILD_TIMEOUT)
+                    self.alive = False
+                    self.link.abort()
+                    return False
+                self._room.wait(left)
+            if not self.alive:
+                return False
+            self._queue.append(item)
+            self._bytes += nbytes
+            self._room.notify_all()
+        return True
+
+    def _send_all(self) -> None:
+        try:
+            while True:
+                with self._room:
+                    while self.alive and not self._queue:
+                        self._room.wait()
+                    if not self.alive:
+                        return
+                    item = self._queue[0]
+                if item is _ABANDONED:
+                    self.link.send(frame(abandoned=Abandoned()))
+                    size = 0
+                elif item is None:  # the port closes: said between pieces, on this thread
+                    self.link.sock.settimeout(1.0)
+                    self.link.send(frame(failure=DataFailure(code="UNAVAILABLE", message=(
+                        "the relay stopped; ask the server for a new route"))))
+                    return
+                else:
+                    size = item.nbytes
+                    self.link.send(frame(entry=EntryBytes(payload_bytes=size)))
+                    self.link.send_bytes(item)
+                with self._room:
+                    self._queue.popleft()
+                    self._bytes -= size
+                    self._room.notify_all()
+        except (OSError, LinkError) as exc:
+            log.info("relay: child %s left (%s)", self.peer, exc)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        with self._room:
+            self.alive = False
+            self._queue.clear()
+            self._room.notify_all()
+        self.link.abort()
+        self.link.close()
+        self._dropped(self)
+
+
+class RelayPort:
+    """A listening TCP port that feeds the followers the server routes through this one.
+
+    The follower's receiving thread calls :meth:`piece` with each piece of a payload as it
+    lands (a view of the received bytes), :meth:`payload_done` after a payload's last piece,
+    and :meth:`abandon` when the payload in progress was cut off upstream.
+    """
+
+    def __init__(self, host: str = "", port: int = 0, key: bytes | None = None) -> None:
+        #: What a child presents in its hello (the server hands it to this port's children only).
+        self.key = key or os.urandom(32)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._listener.bind((host, port))
+            self._listener.listen(64)
+        except BaseException:
+            self._listener.close()
+            raise
+        self.host, self.port = self._listener.getsockname()[:2]
+        self._lock = threading.Lock()
+        self._children: list[_Child] = []  # fed from the next piece on
+        self._waiting: list[_Child] = []  # joined mid-payload: fed from the next payload's start
+        self._at_start = True
+        self._greeting = threading.BoundedSemaphore(MAX_GREETING)
+        self.closed = False
+        self._accepting = threading.Thread(target=self._accept_all, daemon=True, name=f"tannery-relay-port-{self.port}")
+        self._accepting.start()
+
+    @property
+    def children(self) -> int:
+        """Followers connected to this port now."""
+        with self._lock:
+            return len(self._children) + len(self._waiting)
+
+    # -- the receiving side -----------------------------------------------------------------
+
+    def piece(self, view: memoryview) -> None:
+        """Pass on ``view``, the next bytes of the payload in progress (queued, not copied: the
+        caller never writes them again)."""
+        with self._lock:
+            if self._at_start:
+                self._children += self._waiting
+                self._waiting = []
+                self._at_start = False
+            children = list(self._children)
+        for child in children:
+            child.put(view, view.nbytes)
+
+    def payload_done(self) -> None:
+        """The payload in progress is whole: a child waiting starts with the next one."""
+        with self._lock:
+            self._at_start = True
+
+    def abandon(self) -> None:
+        """The payload in progress was cut off upstream: the children discard what came of it."""
+        with self._lock:
+            children = [] if self._at_start else list(self._children)
+            self._at_start = True
+        for child in children:
+            child.put(_ABANDONED, 0)
+
+    # -- children ---------------------------------------------------------------------------
+
+    def _accept_all(self) -> None:
+        while not self.closed:
+            try:
+                sock, peer = self._listener.accept()
+            except OSError:
+                return
+            if not self._greeting.acquire(blocking=False):
+                sock.close()  # a flood of connections that say nothing: refused, not queued
+                continue
+            threading.Thread(target=self._greet, args=(sock, f"{peer[0]}:{peer[1]}"), daemon=True,
+                             name="tannery-relay-greet").start()
+
+    def _greet(self, sock: socket.socket, peer: str) -> None:
+        """Welcome a connection, check its key, and feed it from the next payload on."""
+        link = Link(sock, local=False)
+        try:
+            tune_tcp(sock)
+            sock.settimeout(HANDSHAKE_SECONDS)
+            link.send(frame(welcome=Welcome(server_id=RELAY_ID)))
+            hello, _ = link.receive(limit=MAX_HANDSHAKE_FRAME)
+            expect(hello, "hello")
+            if not hmac.compare_digest(hello.hello.ticket, self.key):
+                link.send(frame(failure=DataFailure(code="PERMISSION_DENIED", message=(
+                    f"relay {self.host}:{self.port} refused the key presented: it takes the key the server gives "
+                    "with the route to it (a route that is no longer current? ask the server again)"))))
+                link.close()
+                return
+            sock.settimeout(None)
+        except (OSError, LinkError) as exc:
+            log.info("relay: a connection from %s did not complete its hello: %s", peer, exc)
+            link.close()
+            return
+        finally:
+            self._greeting.release()
+        child = _Child(link, peer, self._dropped)
+        with self._lock:
+            if self.closed:
+                child.put(None, 0)
+                return
+            (self._waiting if not self._at_start else self._children).append(child)
+
+    def _dropped(self, child: _Child) -> None:
+        with self._lock:
+            for group in (self._children, self._waiting):
+                if child in group:
+                    group.remove(child)
+
+    def close(self) -> None:
+        """Stop listening and end every child's feed (they ask the server for a new route)."""
+        with self._lock:
+            self.closed = True
+            children, self._children, self._waiting = self._children + self._waiting, [], []
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        for child in children:
+            child.put(None, 0)
+
+
+__all__ = ["CHILD_BUFFER", "CHILD_TIMEOUT", "PIECE", "RELAY_ID", "RelayPort"]

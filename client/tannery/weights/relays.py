@@ -1,0 +1,268 @@
+"""Relays: a follower passes each version on to other followers as it receives it, so the server
+sends a version about once whatever the number of followers (docs/weight-sync.md, "Relays").
+
+A relaying follower listens on a port of its own (:class:`~tannery.dataplane.relay_port.RelayPort`)
+and joins its channel's relay plan (the ``Route`` RPC) on a thread of its own. The server answers
+its route: take payloads from the server (a Subscribe) or from another member's relay port; and a
+new route whenever the plan moves it. Whatever comes from upstream is passed on, piece by piece
+as it lands, to the children the server routes here, by :class:`RelayingReader` on the follower's
+receiving thread, never on the thread that iterates the follower: a worker busy with its model
+still relays.
+
+A parent that cannot be read (killed, a link cut, a key refused) is reported on the next Route
+call (``unreachable``): the server routes around it. The version in flight is then taken from
+the store, as every version a follower misses on the channel is, so a follower never applies
+a partial version whatever happens to its relays.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import uuid
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from tannery_protocol import errors
+from tannery_protocol.datalink import LinkError
+from tannery_protocol.v1 import channels_pb2
+from tannery.calls.running import run as run_blocking
+from tannery.client import LinkSubscription, Subscription
+from tannery.dataplane.links import Route, coded, next_published
+from tannery.dataplane.readers import PayloadReader
+from tannery.dataplane.relay_port import PIECE, RELAY_ID, RelayPort
+from tannery.dataplane.transports import LocalTransport
+from tannery.rpc.connection import rpc_error
+from tannery.weights.sources import Pauses
+
+if TYPE_CHECKING:
+    from tannery.client import Client
+
+log = logging.getLogger("tannery.weights")
+
+#: Seconds a relaying follower waits for its first route before it subscribes to the server.
+ROUTE_WAIT_SECONDS = 5.0
+
+
+class RelayingReader(PayloadReader):
+    """A subscription's reader that passes every piece it receives on to a relay port's children
+    before (or while) it makes tensors of them."""
+
+    def __init__(self, port: RelayPort) -> None:
+        super().__init__()
+        self.port = port
+
+    def receive(self, size: int, read_into: Any) -> list:
+        def relayed(view: memoryview) -> None:
+            for start in range(0, view.nbytes, PIECE):
+                piece = view[start:start + PIECE]
+                read_into(piece)
+                self.port.piece(piece)
+
+        tensors = super().receive(size, relayed)
+        if tensors:
+            self.port.payload_done()
+        return tensors
+
+    def feed(self, chunk: memoryview) -> list:
+        self.port.piece(memoryview(chunk))
+        tensors = super().feed(chunk)
+        if tensors:
+            self.port.payload_done()
+        return tensors
+
+    def arrived(self, item: Any) -> Any:
+        self.port.piece(memoryview(item.data).cast("B"))
+        self.port.payload_done()
+        return super().arrived(item)
+
+    def discard(self) -> None:
+        super().discard()
+        self.port.abandon()
+
+
+class ParentFeed:
+    """The tensors a parent member's relay port passes on: an iterator; ``close()`` ends it."""
+
+    def __init__(self, parent: str, key: bytes, reader: PayloadReader, relaying: Relaying) -> None:
+        host, _, port = parent.rpartition(":")
+        self.parent, self.reader, self._relaying = parent, reader, relaying
+        self.closed = False
+        self._ready: deque[Any] = deque()
+        try:
+            self.link = Route("tcp", RELAY_ID, host=host.strip("[]"), port=int(port)).connect(key.hex())
+        except (OSError, LinkError) as exc:
+            raise self._unreachable(exc) from None
+
+    def __iter__(self) -> ParentFeed:
+        return self
+
+    def __next__(self) -> Any:
+        while not self._ready:
+            try:
+                self._ready.extend(next_published(self.link, self.reader))
+            except (OSError, LinkError) as exc:
+                self.link.close()
+                if self.closed:
+                    raise StopIteration from None
+                raise self._unreachable(exc) from None
+        return self._ready.popleft()
+
+    def _unreachable(self, exc: BaseException) -> errors.ServiceError:
+        self._relaying.unreachable(self.parent)
+        return coded(errors.Unavailable, "UNAVAILABLE", f"relay {self.parent} could not be read ({exc}); the "
+                                                        "server is asked for another route")
+
+    def close(self) -> None:
+        self.closed = True
+        if getattr(self, "link", None) is not None:
+            self.link.abort()
+
+
+class Relaying:
+    """A sync follower's relay: its port, its place in the channel's plan, and its current route."""
+
+    def __init__(self, client: Client, channel: str, host: str | None = None, port: int = 0) -> None:
+        self.client, self.channel = client, channel
+        host = host if host is not None else _host_toward(client._calls.target)
+        self.port = RelayPort(host or "", port)
+        self.address = f"{host}:{self.port.port}" if host else f":{self.port.port}"
+        if ":" in (host or "") and host:
+            self.address = f"[{host}]:{self.port.port}"
+        self.member = uuid.uuid4().hex
+        self.closed = False
+        self._changed = threading.Condition()
+        #: The route: None until the first answer; then (parent, key) with parent "" for the server.
+        self.route: tuple[str, bytes] | None = None
+        self.off: str | None = None  # why this follower does not relay (the server's relays are off)
+        self._unreachable = ""
+        self._call: Any = None
+        self._source: Any = None
+        self._thread = threading.Thread(target=self._route_all, daemon=True, name=f"tannery-route-{channel}")
+        self._thread.start()
+
+    # -- the receiving side -----------------------------------------------------------------
+
+    def open_source(self) -> Any:
+        """The source of this follower's payloads by its current route (waiting for the first one
+        for at most :data:`ROUTE_WAIT_SECONDS`): a subscription to the server, or a parent's relay
+        port; either passes on what it brings to this follower's children."""
+        with self._changed:
+            self._changed.wait_for(lambda: self.route is not None or self.off is not None or self.closed,
+                                   ROUTE_WAIT_SECONDS)
+            parent, key = self.route or ("", b"")
+        self.port.abandon()  # a payload the last source left half-passed-on is discarded below
+        reader = RelayingReader(self.port)
+        if parent:
+            source: Any = ParentFeed(parent, key, reader, self)
+        else:
+            feed = run_blocking(self.client._subscribe(self.channel, None, reader))
+            source = LinkSubscription(feed) if feed.link is not None else Subscription(feed)
+        with self._changed:
+            self._source = source
+            if self.route is not None and self.route[0] != parent:  # moved meanwhile
+                source.close()
+        return source
+
+    def unreachable(self, parent: str) -> None:
+        """Report ``parent`` to the server (the Route call is made again, naming it)."""
+        with self._changed:
+            if self.route is None or self.route[0] != parent:
+                return  # already moved elsewhere
+            self._unreachable = parent
+            call = self._call
+        log.warning("%s: relay %s could not be read; asking the server for another route", self.channel, parent)
+        if call is not None:
+            call.cancel()
+
+    # -- the route --------------------------------------------------------------------------
+
+    def _route_all(self) -> None:
+        pauses = Pauses()
+        while not self.closed:
+            with self._changed:
+                request = channels_pb2.RouteRequest(channel=self.channel, address=self.address, key=self.port.key,
+                                                    member=self.member, unreachable=self._unreachable)
+                call = self._call = self.client._calls.methods.route(request, **self.client._calls.options(timeout=False))
+            try:
+                for update in call:
+                    pauses.reset()
+                    with self._changed:
+                        if self._unreachable == request.unreachable:
+                            self._unreachable = ""
+                    self._moved(update)
+            except grpc.RpcError as error:
+                if self.closed:
+                    return
+                code = error.code()
+                if code is grpc.StatusCode.CANCELLED and self._unreachable:
+                    continue  # made again at once, naming the parent that failed
+                if code in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED,
+                            grpc.StatusCode.INVALID_ARGUMENT):
+                    self._stop_relaying(str(rpc_error(error, self.client._calls.target)))
+                    return
+            if not self.closed:
+                threading.Event().wait(pauses.take())
+
+    def _moved(self, update: channels_pb2.RouteUpdate) -> None:
+        """Take the route the server gave; the source of the old one ends (the receiving loop
+        opens the new one)."""
+        route = (update.parent, bytes(update.parent_key))
+        with self._changed:
+            if route == self.route:
+                return
+            old, self.route = self.route, route
+            source = self._source
+            self._changed.notify_all()
+        log.info("%s: route %s (children %d, plan %d)", self.channel, update.parent or "from the server",
+                 update.children, update.generation)
+        if old is not None and source is not None:
+            source.close()
+
+    def _stop_relaying(self, why: str) -> None:
+        log.warning("%s: this follower does not relay (%s); it subscribes to the server", self.channel, why)
+        with self._changed:
+            self.off, self.route = why, ("", b"")
+            self._changed.notify_all()
+        self.port.close()
+
+    def close(self) -> None:
+        with self._changed:
+            self.closed = True
+            call, source = self._call, self._source
+            self._changed.notify_all()
+        if call is not None:
+            call.cancel()
+        self.port.close()
+        self._thread.join(5)
+
+
+def relays_by_default(client: Client) -> bool:
+    """Whether a follower of ``client`` relays when it is not told: when its payloads do not come on
+    the same-host path (where every follower maps the same memory file: nothing to pass on)."""
+    try:
+        return not isinstance(run_blocking(client._transport_now()), LocalTransport)
+    except errors.ServiceError:
+        return False
+
+
+def _host_toward(target: str) -> str | None:
+    """The local address this host reaches the server's host from (where other followers reach it
+    too), None when the target names no host."""
+    host, sep, port = target.rpartition(":")
+    if not sep or "://" in target or target.startswith(("unix:", "dns:", "ipv4:", "ipv6:")):
+        return None
+    host = host.strip("[]")
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, int(port), type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(address)  # no packet is sent: the kernel only picks the route
+            return probe.getsockname()[0]
+    except (OSError, ValueError):
+        return None
+
+
+__all__ = ["ParentFeed", "Relaying", "RelayingReader", "relays_by_default"]
