@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from . import weight_sync_rl
 from .harness import (GiB, MiB, CaseResult, Options, PeakRss, Samples, Table, cpu_seconds, fmt_ratio, fmt_size,
@@ -48,8 +48,9 @@ GOALS = {"local": 1.0, "tcp": 1.5}  # at most this many times gloo's time, at K 
 class Worker:
     """A worker process; its JSON lines are read on a thread of its own."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
-        self.process = subprocess.Popen([sys.executable, "-m", "tests.benchmarks.weight_sync_worker", *args],
+    def __init__(self, *args: str, env: dict[str, str] | None = None, prefix: Sequence[str] = (),
+                 module: str = "tests.benchmarks.weight_sync_worker") -> None:
+        self.process = subprocess.Popen([*prefix, sys.executable, "-m", module, *args],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         text=True, env={**os.environ, **(env or {})})
         self.lines: list[dict[str, Any]] = []

@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -30,18 +31,33 @@ def state_dict(size: int, count: int, fill: bool = False, dtype: str | None = No
     return {f"layers.{i}.weight": make() for i in range(count)}
 
 
-def report(version: int, **more: float) -> None:
+def report(version: int, **more: Any) -> None:
     print(json.dumps({"version": version, "t": time.time(), "cpu": time.process_time(), **more}), flush=True)
 
 
 def tannery_worker(size: int, count: int, target: str, name: str) -> None:
+    """Follow ``name``; TANNERY_RELAY (on/off, unset: the follower's default) says whether this
+    worker relays, TANNERY_BENCH_DIGEST=1 adds the SHA-256 of the whole state to each line."""
     import tannery
 
     state = state_dict(size, count)
+    relay = {"on": True, "off": False}.get(os.environ.get("TANNERY_RELAY", ""))
     print(json.dumps({"ready": True}), flush=True)
-    with tannery.Client(target) as client, tannery.weights.Follower(client, name, state) as follower:
+    with tannery.Client(target) as client, tannery.weights.Follower(client, name, state, relay=relay) as follower:
         for applied in follower:
-            report(applied.version, seconds=applied.seconds, delta=applied.delta)
+            t = time.time()
+            more = {"sha": state_digest(state)} if os.environ.get("TANNERY_BENCH_DIGEST") == "1" else {}
+            report(applied.version, seconds=applied.seconds, delta=applied.delta, via=applied.via, t=t, **more)
+
+
+def state_digest(state: dict[str, torch.Tensor]) -> str:
+    """The SHA-256 of every tensor's bytes, in key order."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for key in sorted(state):
+        digest.update(state[key].contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def safetensors_worker(size: int, count: int) -> None:
@@ -62,7 +78,8 @@ def gloo_worker(size: int, count: int, rank: int, world: int, port: int) -> None
     import torch.distributed as dist
 
     state = state_dict(size, count, fill=rank == 0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    master = os.environ.get("TANNERY_GLOO_MASTER", "127.0.0.1")  # rank 0's address (another namespace's)
+    dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=world)
     print(json.dumps({"ready": True}), flush=True)
     go = torch.zeros(1)
     version = 0
