@@ -91,6 +91,12 @@ class Hosts:
         self.processes.append(process)
         return process
 
+    def rate(self, index: int, rate: str) -> None:
+        """Change host ``index``'s link to ``rate``, both ways (a slow host)."""
+        shape = ["root", "tbf", "rate", rate, "burst", "512kb", "latency", "20ms"]
+        _ip("tc", "qdisc", "change", "dev", f"{self.tag}v{index}", *shape, ns=self.names[index])
+        _ip("tc", "qdisc", "change", "dev", f"{self.tag}h{index}", *shape)
+
     def link(self, index: int, up: bool) -> None:
         """Take host ``index``'s link down (a cable pulled) or up again."""
         _ip("ip", "link", "set", f"{self.tag}h{index}", "up" if up else "down")

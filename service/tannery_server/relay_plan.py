@@ -7,9 +7,9 @@ first ``f`` members (by their Subscribe), and member ``j`` feeds the members of 
 receiving and sending a version once: the server's egress is one model per version, whatever
 the number of members, and each link carries it once (docs/weight-sync.md, "Relays").
 
-The plan changes as little as it can: a member that leaves is replaced in its slot by the last
-member (only the members whose parent changed are told); a member reported unreachable by its
-child goes to the last slot, a leaf. Every member is told its parent again whenever it changes,
+The plan changes as little as it can: in a chain, the member after one that leaves takes its
+grandparent; in a tree, the last member takes the slot left (only the members whose parent
+changed are told); a member reported unreachable by its child goes to the last slot, a leaf. Every member is told its parent again whenever it changes,
 on its own Route call; what a member misses while it moves (a version cut off) it takes from
 the store, so the plan only decides how fast versions arrive, never whether they are whole.
 """
@@ -60,7 +60,10 @@ class ChannelPlan:
         return next((index for index, member in enumerate(self.slots) if member.address == address), None)
 
     def remove(self, index: int) -> Member:
-        """Take the member out of slot ``index``, the last member moving into it."""
+        """Take the member out of slot ``index``: a chain closes over the gap (the next member takes
+        its grandparent; no other moves), a tree puts its last member there (its children take it)."""
+        if self.fanout == 1:
+            return self.slots.pop(index)
         member = self.slots[index]
         last = self.slots.pop()
         if last is not member:

@@ -118,23 +118,48 @@ class Fleet:
         self.procs.append(proc)
         return proc
 
-    def worker(self, host: int, relay: bool | None = True, digest: bool = True, extra: dict[str, str] | None = None
-               ) -> Proc:
+    def worker(self, host: int, relay: bool | None = True, digest: bool = True, wait: bool = False,
+               ready: bool = True) -> Proc:
         """A weight worker in ``host`` following the trainer's versions over TCP; its lines say
-        each version applied (time, via, SHA-256)."""
+        each version applied (time, via, SHA-256). ``wait``: it follows once told ``go`` (:meth:`chain`)."""
         env = {"TANNERY_TRANSPORT": "tcp", "TANNERY_BENCH_DIGEST": "1" if digest else "0",
-               "TANNERY_RELAY": {True: "on", False: "off", None: ""}[relay], **(extra or {})}
+               "TANNERY_RELAY": {True: "on", False: "off", None: ""}[relay], "TANNERY_BENCH_WAIT": "1" if wait else "0"}
         proc = self._start(f"worker{host}", host, ["-m", "tests.benchmarks.weight_sync_worker", "tannery",
                                                    str(self.size), str(self.count), self.target, self.name], env)
-        proc.wait_for(lambda line: isinstance(line, dict) and line.get("ready"), what="ready line")
+        if ready:
+            proc.wait_for(lambda line: isinstance(line, dict) and line.get("ready"), what="ready line")
         return proc
+
+    def chain(self, hosts: list[int], version: int = 0, relay: bool | None = True) -> list[Proc]:
+        """Workers in ``hosts`` (started together) that join one after the other, each once the one
+        before holds ``version``: the plan's order is theirs (a chain: each feeds the next)."""
+        workers = [self.worker(host, relay, wait=True, ready=False) for host in hosts]
+        for worker in workers:
+            worker.wait_for(lambda line: isinstance(line, dict) and line.get("ready"), what="ready line")
+            worker.tell("go")
+            self.applied(version, [worker])
+        return workers
 
     def push(self, version: int, delta: bool = False, timeout: float = 300) -> dict[str, Any]:
         """Push ``version`` (whole, or a delta from the last): the trainer's line once ``push`` returned."""
+        self.start_push(version, delta)
+        return self.pushed(version, timeout)
+
+    def start_push(self, version: int, delta: bool = False) -> None:
+        """Tell the trainer to push ``version``, without waiting (:meth:`pushed` waits)."""
         assert self.trainer is not None
         self.trainer.tell(f"push {version}{' delta' if delta else ''}")
+
+    def pushed(self, version: int, timeout: float = 300) -> dict[str, Any]:
+        assert self.trainer is not None
         return self.trainer.wait_for(lambda line: isinstance(line, dict) and line.get("kind") == "pushed"
                                      and line["version"] == version, timeout, f"push of version {version}")
+
+    def member(self, host: int, module: str, *args: str) -> Proc:
+        """Another process of the tests in ``host`` (``python -m module TARGET NAME *args``), once it said ready."""
+        proc = self._start(module.rsplit(".", 1)[-1], host, ["-m", module, self.target, self.name, *args], {})
+        proc.wait_for(lambda line: isinstance(line, dict) and line.get("ready"), what="ready line")
+        return proc
 
     def applied(self, version: int, workers: list[Proc], timeout: float = 120) -> list[dict[str, Any]]:
         """Each worker's line for ``version`` (or a newer one), waited for."""

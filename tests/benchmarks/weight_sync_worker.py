@@ -37,12 +37,15 @@ def report(version: int, **more: Any) -> None:
 
 def tannery_worker(size: int, count: int, target: str, name: str) -> None:
     """Follow ``name``; TANNERY_RELAY (on/off, unset: the follower's default) says whether this
-    worker relays, TANNERY_BENCH_DIGEST=1 adds the SHA-256 of the whole state to each line."""
+    worker relays, TANNERY_BENCH_DIGEST=1 adds the SHA-256 of the whole state to each line, and
+    TANNERY_BENCH_WAIT=1 makes it start following only once a line comes on stdin."""
     import tannery
 
     state = state_dict(size, count)
     relay = {"on": True, "off": False}.get(os.environ.get("TANNERY_RELAY", ""))
     print(json.dumps({"ready": True}), flush=True)
+    if os.environ.get("TANNERY_BENCH_WAIT") == "1":  # follow once told (the tests choose the order of joining)
+        sys.stdin.readline()
     with tannery.Client(target) as client, tannery.weights.Follower(client, name, state, relay=relay) as follower:
         for applied in follower:
             t = time.time()

@@ -112,7 +112,7 @@ class ParentFeed:
         return self._ready.popleft()
 
     def _unreachable(self, exc: BaseException) -> errors.ServiceError:
-        self._relaying.unreachable(self.parent)
+        self._relaying.unreachable(self.parent, str(exc))
         return coded(errors.Unavailable, "UNAVAILABLE", f"relay {self.parent} could not be read ({exc}); the "
                                                         "server is asked for another route")
 
@@ -167,14 +167,15 @@ class Relaying:
                 source.close()
         return source
 
-    def unreachable(self, parent: str) -> None:
+    def unreachable(self, parent: str, why: str) -> None:
         """Report ``parent`` to the server (the Route call is made again, naming it)."""
         with self._changed:
             if self.route is None or self.route[0] != parent:
                 return  # already moved elsewhere
             self._unreachable = parent
             call = self._call
-        log.warning("%s: relay %s could not be read; asking the server for another route", self.channel, parent)
+        log.warning("%s: relay %s could not be read (%s); asking the server for another route", self.channel, parent,
+                    why)
         if call is not None:
             call.cancel()
 

@@ -1,0 +1,253 @@
+"""Relays (docs/weight-sync.md, "Relays"): followers pass each version on to each other, so the
+server sends it about once; every failure ends with every follower on a whole version, bit-exact.
+
+The plan's rules are checked on :class:`~tannery_server.relay_plan.RoutePlanner` itself; the
+relaying on loopback with an in-process server; the failures against real processes on
+simulated hosts (:mod:`tests.netns`: network namespaces behind shaped links), skipped, naming
+why, where namespaces cannot be made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import tannery
+from tannery_server.relay_plan import Member, RoutePlanner
+
+from .benchmarks.relay_fleet import Fleet
+from .netns import Hosts, unavailable
+from .server_harness import running_server, wait_for
+
+#: The simulated model and links of the failure tests: a version takes about 1.3 s per link.
+SIZE, RATE = 16 << 20, "100mbit"
+
+
+# -- the plan -----------------------------------------------------------------------------------
+
+
+def _routes(planner: RoutePlanner, members: list[Member]) -> dict[str, str]:
+    """Each member's latest route (its parent's address, "" for the server), from its queued updates."""
+    routes = {}
+    for member in members:
+        while not member.updates.empty():
+            update = member.updates.get_nowait()
+            if update is not None:
+                routes[member.id] = update.parent
+    return routes
+
+
+def test_the_plan_is_a_chain_that_heals_with_as_few_moves_as_it_can():
+    async def run() -> None:
+        planner = RoutePlanner(fanout=1)
+        members = [Member(f"m{i}", f"10.0.0.{i}:7000", bytes(16)) for i in range(5)]
+        for member in members:
+            planner.join("w", member)
+        routes = _routes(planner, members)
+        assert routes == {"m0": "", "m1": "10.0.0.0:7000", "m2": "10.0.0.1:7000", "m3": "10.0.0.2:7000",
+                          "m4": "10.0.0.3:7000"}
+
+        def moved() -> dict[str, str]:
+            told = _routes(planner, members)
+            changed = {key: parent for key, parent in told.items() if parent != routes.get(key)}
+            routes.update(told)
+            return changed
+
+        planner.leave("w", members[1])  # its child takes its grandparent; nobody else moves
+        assert moved() == {"m2": "10.0.0.0:7000"}
+        again = Member("m3", "10.0.0.3:7000", bytes(16))  # m3 calls again: m2 could not be read
+        assert planner.join("w", again, unreachable="10.0.0.2:7000") is members[3]
+        members[3] = again
+        assert moved() == {"m3": "10.0.0.0:7000", "m2": "10.0.0.4:7000"}  # around m2, now the last, a leaf
+        assert [member.id for member in planner.plans["w"].slots] == ["m0", "m3", "m4", "m2"]
+        planner.leave("w", members[1])  # a member no longer in the plan: nothing moves
+        assert moved() == {}
+
+    asyncio.run(run())
+
+
+def test_a_fanout_lays_a_tree_and_the_server_feeds_only_its_first_tier():
+    async def run() -> None:
+        planner = RoutePlanner(fanout=2)
+        members = [Member(f"m{i}", f"h{i}:1", bytes(16)) for i in range(7)]
+        for member in members:
+            planner.join("w", member)
+        routes = _routes(planner, members)
+        assert [routes[f"m{i}"] for i in range(7)] == ["", "", "h0:1", "h0:1", "h1:1", "h1:1", "h2:1"]
+        planner.leave("w", members[1])  # the last member takes its slot: fed by the server, feeding m4 and m5
+        told = _routes(planner, members)
+        assert {key: told[key] for key in ("m6", "m4", "m5")} == {"m6": "", "m4": "h6:1", "m5": "h6:1"}
+        with pytest.raises(ValueError, match="fan-out"):
+            RoutePlanner(fanout=0)
+
+    asyncio.run(run())
+
+
+# -- on loopback --------------------------------------------------------------------------------
+
+
+def _state(seed: int | None = None) -> dict[str, torch.Tensor]:
+    if seed is None:
+        return {"a": torch.zeros(512, 1024), "b": torch.zeros(300)}
+    generator = torch.Generator().manual_seed(seed)
+    return {"a": torch.rand(512, 1024, generator=generator), "b": torch.rand(300, generator=generator)}
+
+
+def test_followers_relay_on_loopback_and_the_server_feeds_one(tmp_path: Path):
+    with running_server(tmp_path, data_port=0, socket="off") as server:
+        target = f"127.0.0.1:{server.port}"
+        with tannery.Client(target, transport="tcp") as trainer:
+            publisher = tannery.weights.Publisher(trainer, "w")
+            publisher.push(_state(0), 0)
+            followers, applied = [], {}
+            for index in range(3):
+                client = tannery.Client(target, transport="tcp")
+                state = _state()
+                follower = tannery.weights.Follower(client, "w", state, relay=True)
+                followers.append((client, follower, state))
+
+                def follow(follower=follower, index=index) -> None:
+                    for done in follower:
+                        applied.setdefault(index, []).append((done.version, done.via))
+
+                threading.Thread(target=follow, daemon=True).start()
+            try:
+                assert wait_for(lambda: server.hub.subscribers == 1, 10), "one follower subscribes, the others relay"
+                assert wait_for(lambda: all(f._relaying.route is not None for _, f, _ in followers), 10)
+                for version in (1, 2):
+                    publisher.push(_state(version), version)
+                    assert wait_for(lambda: all(any(v == version for v, _ in applied.get(i, [])) for i in range(3)), 30)
+                assert server.hub.subscribers == 1
+                expected = _state(2)
+                for _, follower, state in followers:
+                    assert all(torch.equal(state[key], expected[key]) for key in expected)
+                assert all((2, "channel") in applied[i] for i in range(3)), applied
+            finally:
+                for client, follower, _ in followers:
+                    follower.close()
+                    client.close()
+
+
+# -- on simulated hosts ---------------------------------------------------------------------------
+
+needs_namespaces = pytest.mark.skipif(unavailable() is not None, reason=f"no network namespaces: {unavailable()}")
+
+
+def _fleet(hosts: Hosts, tmp_path: Path) -> Fleet:
+    fleet = Fleet(hosts, tmp_path, SIZE, count=8)
+    fleet.__enter__()
+    fleet.push(0)
+    return fleet
+
+
+def _whole(lines: list[dict], pushed: dict) -> None:
+    """Every worker's line holds the version pushed, bit for bit."""
+    assert [line["version"] for line in lines] == [pushed["version"]] * len(lines)
+    assert all(line["sha"] == pushed["sha"] for line in lines), "a follower holds other bytes than the trainer's"
+
+
+@needs_namespaces
+def test_a_chain_carries_whole_versions_and_deltas_with_the_server_sending_each_once(tmp_path: Path):
+    with Hosts(6, rate=RATE) as hosts:
+        fleet = _fleet(hosts, tmp_path)
+        try:
+            workers = fleet.chain([1, 2, 3, 4])
+            time.sleep(1.0)
+            for version, delta in ((1, False), (2, True), (3, False)):
+                sent = fleet.egress()
+                pushed = fleet.push(version, delta=delta)
+                lines = fleet.applied(version, workers)
+                _whole(lines, pushed)
+                assert [line["via"] for line in lines] == ["channel"] * 4
+                assert pushed["delta"] == delta
+                egress = fleet.egress() - sent
+                limit = 1.2 * SIZE if not delta else 0.2 * SIZE
+                assert egress <= limit, f"the server sent {egress / SIZE:.2f}x the model for version {version}"
+            late = fleet.worker(5, wait=True)
+            fleet.start_push(4)
+            time.sleep(0.4)
+            late.tell("go")  # joins mid-push: the version in flight comes whole, from the store or the chain
+            pushed = fleet.pushed(4)
+            _whole(fleet.applied(4, [*workers, late]), pushed)
+            time.sleep(1.0)
+            pushed = fleet.push(5)
+            lines = fleet.applied(5, [*workers, late])
+            _whole(lines, pushed)
+            assert lines[-1]["via"] == "channel", "the late joiner is in the chain for the next version"
+        finally:
+            fleet.close()
+
+
+@needs_namespaces
+def test_a_relay_killed_mid_version_and_a_link_cut_leave_every_follower_whole(tmp_path: Path):
+    with Hosts(5, rate=RATE) as hosts:
+        fleet = _fleet(hosts, tmp_path)
+        try:
+            first, killed, *rest = fleet.chain([1, 2, 3, 4])
+            time.sleep(1.0)
+            fleet.start_push(1)
+            time.sleep(0.5)  # mid-version: its children have part of it
+            killed.kill()
+            pushed = fleet.pushed(1)
+            _whole(fleet.applied(1, [first, *rest]), pushed)  # the rest of the version from the store
+            time.sleep(1.0)
+            pushed = fleet.push(2)
+            lines = fleet.applied(2, [first, *rest])
+            _whole(lines, pushed)
+            assert [line["via"] for line in lines] == ["channel"] * 3, "the chain closed around the killed relay"
+            fleet.start_push(3)
+            time.sleep(0.4)
+            hosts.link(3, up=False)  # the link of the relay in the middle, pulled mid-version
+            time.sleep(3.0)
+            hosts.link(3, up=True)
+            pushed = fleet.pushed(3)
+            _whole(fleet.applied(3, [first, *rest], timeout=60), pushed)
+            pushed = fleet.push(4)
+            _whole(fleet.applied(4, [first, *rest], timeout=60), pushed)
+        finally:
+            fleet.close()
+
+
+@needs_namespaces
+def test_a_slow_relay_holds_back_only_those_behind_it(tmp_path: Path):
+    with Hosts(4, rate=RATE) as hosts:
+        fleet = _fleet(hosts, tmp_path)
+        try:
+            workers = fleet.chain([1, 2, 3])
+            time.sleep(1.0)
+            hosts.rate(2, "20mbit")  # the middle relay: 16 MiB take it about 7 s
+            pushed = fleet.push(1)
+            lines = fleet.applied(1, workers, timeout=90)
+            _whole(lines, pushed)
+            assert lines[0]["t"] - pushed["started"] < 5.0, "the slow relay's parent was held back by it"
+            hosts.rate(2, RATE)
+            time.sleep(1.0)
+            pushed = fleet.push(2)
+            _whole(fleet.applied(2, workers, timeout=60), pushed)
+        finally:
+            fleet.close()
+
+
+@needs_namespaces
+def test_a_relay_that_refuses_its_key_is_routed_around(tmp_path: Path):
+    with Hosts(4, rate=RATE) as hosts:
+        fleet = _fleet(hosts, tmp_path)
+        try:
+            fleet.member(3, "tests.relay_impostor")  # first in the plan: the server routes the next through it
+            workers = fleet.chain([1, 2])
+            time.sleep(1.5)
+            sent = fleet.egress()
+            pushed = fleet.push(1)
+            lines = fleet.applied(1, workers)
+            _whole(lines, pushed)
+            assert [line["via"] for line in lines] == ["channel"] * 2, "the refused child was not routed around"
+            assert fleet.egress() - sent <= 1.2 * SIZE
+            log = "".join(path.read_text() for path in tmp_path.glob("worker1-*.log"))
+            assert "could not be read" in log and "refused the key" in log, log[-2000:]
+        finally:
+            fleet.close()
