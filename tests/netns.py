@@ -91,7 +91,7 @@ class Hosts:
         self.processes.append(process)
         return process
 
-    def rate(self, index: int, rate: str) -> None:
+    def shape(self, index: int, rate: str) -> None:
         """Change host ``index``'s link to ``rate``, both ways (a slow host)."""
         shape = ["root", "tbf", "rate", rate, "burst", "512kb", "latency", "20ms"]
         _ip("tc", "qdisc", "change", "dev", f"{self.tag}v{index}", *shape, ns=self.names[index])

@@ -220,12 +220,12 @@ def test_a_slow_relay_holds_back_only_those_behind_it(tmp_path: Path):
         try:
             workers = fleet.chain([1, 2, 3])
             time.sleep(1.0)
-            hosts.rate(2, "20mbit")  # the middle relay: 16 MiB take it about 7 s
+            hosts.shape(2, "20mbit")  # the middle relay: 16 MiB take it about 7 s
             pushed = fleet.push(1)
             lines = fleet.applied(1, workers, timeout=90)
             _whole(lines, pushed)
             assert lines[0]["t"] - pushed["started"] < 5.0, "the slow relay's parent was held back by it"
-            hosts.rate(2, RATE)
+            hosts.shape(2, RATE)
             time.sleep(1.0)
             pushed = fleet.push(2)
             _whole(fleet.applied(2, workers, timeout=60), pushed)
