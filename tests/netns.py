@@ -79,6 +79,10 @@ class Hosts:
         _ip("tc", "qdisc", "add", "dev", inside, *shape, ns=ns)  # what the host sends
         _ip("tc", "qdisc", "add", "dev", outside, *shape)  # what it receives
 
+    def interface(self, index: int) -> str:
+        """The name of host ``index``'s network interface, inside its namespace."""
+        return f"{self.tag}v{index}"
+
     def address(self, index: int) -> str:
         return f"{self.subnet}.{index + 1}"
 

@@ -10,6 +10,7 @@ why, where namespaces cannot be made.
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 from pathlib import Path
@@ -18,11 +19,18 @@ import pytest
 import torch
 
 import tannery
+from tannery.dataplane.links import next_published
+from tannery.dataplane.readers import PayloadReader
+from tannery.dataplane.relay_port import RELAY_ID
+from tannery.weights.relays import _connect_parent
+from tannery_protocol.datalink import LinkError
 from tannery_server.relay_plan import Member, RoutePlanner
 
 from .benchmarks.relay_fleet import Fleet
 from .netns import Hosts, unavailable
 from .server_harness import running_server, wait_for
+from .test_channel_tcp import READ_TOKEN, WRITE_TOKEN
+from .test_security import pki  # noqa: F401  (a fixture)
 
 #: The simulated model and links of the failure tests: a version takes about 1.3 s per link.
 SIZE, RATE = 16 << 20, "100mbit"
@@ -251,3 +259,47 @@ def test_a_relay_that_refuses_its_key_is_routed_around(tmp_path: Path):
             assert "could not be read" in log and "refused the key" in log, log[-2000:]
         finally:
             fleet.close()
+
+
+def test_relay_links_take_tls_and_the_key_when_the_server_does(tmp_path: Path, pki):  # noqa: F811
+    """A follower of a TLS server serves its relay port over TLS with a certificate made at start,
+    which its children pin; a plain connection gets nothing, and a wrong key is refused."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{WRITE_TOKEN} write\n{READ_TOKEN} read\n")
+    tls = tannery.TLS(ca=pki["ca"])
+    with running_server(tmp_path, tls_cert=pki["server_cert"], tls_key=pki["server_key"], tokens_file=tokens,
+                        data_port=0, socket="off") as server:
+        with tannery.Client(server.target, token=WRITE_TOKEN, tls=tls, transport="tcp") as trainer:
+            publisher = tannery.weights.Publisher(trainer, "w")
+            publisher.push(_state(0), 0)
+            clients = [tannery.Client(server.target, token=READ_TOKEN, tls=tls, transport="tcp") for _ in range(2)]
+            states = [_state(), _state()]
+            followers = [tannery.weights.Follower(client, "w", state, relay=True) for client, state in zip(clients, states)]
+            try:
+                for follower in followers:
+                    assert next(follower).version == 0
+                head, tail = (f._relaying for f in followers)
+                assert wait_for(lambda: tail.route is not None and tail.route[0] == head.address, 10), tail.route
+                assert tail.route[2].startswith(b"-----BEGIN CERTIFICATE-----")
+                with socket.create_connection((head.port.host, head.port.port), timeout=5) as plain:
+                    plain.sendall(b"\0\0\0\2hi")  # not a TLS hello: the port says nothing to it
+                    plain.settimeout(5)
+                    try:
+                        said = plain.recv(64)
+                    except ConnectionResetError:
+                        said = b""
+                    assert RELAY_ID.encode() not in said, "a relay port of a TLS fleet welcomed a plain connection"
+                with pytest.raises((LinkError, OSError)) as refused:
+                    link = _connect_parent(head.address, b"x" * 32, tail.route[2])
+                    next_published(link, PayloadReader())
+                assert "refused the key" in str(refused.value)
+                assert wait_for(lambda: head.port.children == 1, 10)
+                publisher.push(_state(1), 1)
+                applied = next(followers[1])
+                assert (applied.version, applied.via) == (1, "channel")
+                assert all(torch.equal(states[1][key], _state(1)[key]) for key in states[1])
+                assert server.hub.subscribers == 1
+            finally:
+                for follower, client in zip(followers, clients):
+                    follower.close()
+                    client.close()

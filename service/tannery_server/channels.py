@@ -232,7 +232,7 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
         if self.hub.closed:
             raise Unavailable("the server is shutting down")
         member = Member(request.member or context.peer(), relay_address(request.address, context.peer()),
-                        bytes(request.key))
+                        bytes(request.key), bytes(request.certificate))
         if len(member.key) < 16:
             raise Malformed(f"a relay key of {len(member.key)} bytes: 16 or more")
         replaced = self.routes.join(request.channel, member, request.unreachable)

@@ -33,6 +33,8 @@ class Member:
     id: str
     address: str
     key: bytes
+    #: The PEM certificate its relay port serves TLS with (empty: plain TCP).
+    certificate: bytes = b""
     updates: asyncio.Queue = field(default_factory=asyncio.Queue)
     #: The member this one takes payloads from (None: the server), as last told.
     told: tuple[Member | None, int] | None = None
@@ -126,7 +128,8 @@ class RoutePlanner:
             parent, children = route
             member.updates.put_nowait(channels_pb2.RouteUpdate(
                 parent=parent.address if parent is not None else "", parent_key=parent.key if parent is not None else b"",
-                children=children, generation=generation, address=member.address))
+                parent_certificate=parent.certificate if parent is not None else b"", children=children,
+                generation=generation, address=member.address))
 
 
 __all__ = ["ChannelPlan", "DEFAULT_FANOUT", "Member", "RoutePlanner"]

@@ -38,6 +38,7 @@ CASES = {
     "dcp": "bench_dcp",
     "small-entries": "bench_small_entries",
     "weight-sync": "bench_weight_sync",
+    "relays": "bench_relays",
 }
 
 

@@ -86,6 +86,7 @@ class Fleet:
     def __init__(self, hosts: Hosts, workdir: Path, size: int, count: int = 16, name: str = "policy",
                  server_flags: dict[str, Any] | None = None) -> None:
         self.hosts, self.workdir, self.size, self.count, self.name = hosts, Path(workdir), size, count, name
+        self.workdir.mkdir(parents=True, exist_ok=True)
         self.target = f"{hosts.address(0)}:{GRPC_PORT}"
         self.server_flags = server_flags or {}
         self.procs: list[Proc] = []
@@ -130,10 +131,10 @@ class Fleet:
             proc.wait_for(lambda line: isinstance(line, dict) and line.get("ready"), what="ready line")
         return proc
 
-    def chain(self, hosts: list[int], version: int = 0, relay: bool | None = True) -> list[Proc]:
+    def chain(self, hosts: list[int], version: int = 0, relay: bool | None = True, digest: bool = True) -> list[Proc]:
         """Workers in ``hosts`` (started together) that join one after the other, each once the one
         before holds ``version``: the plan's order is theirs (a chain: each feeds the next)."""
-        workers = [self.worker(host, relay, wait=True, ready=False) for host in hosts]
+        workers = [self.worker(host, relay, digest, wait=True, ready=False) for host in hosts]
         for worker in workers:
             worker.wait_for(lambda line: isinstance(line, dict) and line.get("ready"), what="ready line")
             worker.tell("go")

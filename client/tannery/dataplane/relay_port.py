@@ -16,10 +16,13 @@ everyone upstream. A dropped or broken child asks the server for a new route.
 
 from __future__ import annotations
 
+import datetime
 import hmac
 import logging
 import os
 import socket
+import ssl
+import tempfile
 import threading
 import time
 from collections import deque
@@ -127,9 +130,11 @@ class RelayPort:
     and :meth:`abandon` when the payload in progress was cut off upstream.
     """
 
-    def __init__(self, host: str = "", port: int = 0, key: bytes | None = None) -> None:
+    def __init__(self, host: str = "", port: int = 0, key: bytes | None = None, tls: bool = False) -> None:
         #: What a child presents in its hello (the server hands it to this port's children only).
         self.key = key or os.urandom(32)
+        #: With ``tls``: the certificate (PEM) this port serves, made now; children pin it.
+        self.certificate, self._tls = (_self_signed() if tls else (b"", None))
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -198,10 +203,18 @@ class RelayPort:
 
     def _greet(self, sock: socket.socket, peer: str) -> None:
         """Welcome a connection, check its key, and feed it from the next payload on."""
-        link = Link(sock, local=False)
         try:
             tune_tcp(sock)
             sock.settimeout(HANDSHAKE_SECONDS)
+            if self._tls is not None:
+                sock = self._tls.wrap_socket(sock, server_side=True)
+        except (OSError, ssl.SSLError) as exc:
+            log.info("relay: a connection from %s did not complete its TLS handshake: %s", peer, exc)
+            sock.close()
+            self._greeting.release()
+            return
+        link = Link(sock, local=False)
+        try:
             link.send(frame(welcome=Welcome(server_id=RELAY_ID)))
             hello, _ = link.receive(limit=MAX_HANDSHAKE_FRAME)
             expect(hello, "hello")
@@ -245,4 +258,40 @@ class RelayPort:
             child.put(None, 0)
 
 
-__all__ = ["CHILD_BUFFER", "CHILD_TIMEOUT", "PIECE", "RELAY_ID", "RelayPort"]
+def _self_signed() -> tuple[bytes, ssl.SSLContext]:
+    """A fresh key and a self-signed certificate for one relay port (the children pin it: no name
+    is checked, no authority involved), and the server-side TLS context serving them."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "tannery-relay")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    certificate = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+                   .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(now + datetime.timedelta(days=30))
+                   .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+                   .sign(key, hashes.SHA256()))
+    pem = certificate.public_bytes(serialization.Encoding.PEM)
+    private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption())
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    with tempfile.TemporaryDirectory(prefix="tannery-relay-") as directory:  # 0700: the key is read, then gone
+        path = os.path.join(directory, "relay.pem")
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as file:
+            file.write(private + pem)
+        context.load_cert_chain(path)
+    return pem, context
+
+
+def pinned_context(certificate: bytes) -> ssl.SSLContext:
+    """A client TLS context that trusts ``certificate`` (a relay port's, as the server handed it) and no other."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False  # the pinned certificate is the identity: no name to check
+    context.load_verify_locations(cadata=certificate.decode())
+    return context
+
+
+__all__ = ["CHILD_BUFFER", "CHILD_TIMEOUT", "PIECE", "RELAY_ID", "RelayPort", "pinned_context"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import threading
 import uuid
 from collections import deque
@@ -27,13 +28,14 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from tannery_protocol import errors
-from tannery_protocol.datalink import LinkError
+from tannery_protocol.datalink import HANDSHAKE_SECONDS, MAX_HANDSHAKE_FRAME, Link, LinkError, expect, frame, tune_tcp
+from tannery_protocol.v1.data_pb2 import Hello
 from tannery_protocol.v1 import channels_pb2
 from tannery.calls.running import run as run_blocking
 from tannery.client import LinkSubscription, Subscription
-from tannery.dataplane.links import Route, coded, next_published
+from tannery.dataplane.links import coded, next_published
 from tannery.dataplane.readers import PayloadReader
-from tannery.dataplane.relay_port import PIECE, RELAY_ID, RelayPort
+from tannery.dataplane.relay_port import PIECE, RELAY_ID, RelayPort, pinned_context
 from tannery.dataplane.transports import LocalTransport
 from tannery.rpc.connection import rpc_error
 from tannery.weights.sources import Pauses
@@ -87,20 +89,21 @@ class RelayingReader(PayloadReader):
 class ParentFeed:
     """The tensors a parent member's relay port passes on: an iterator; ``close()`` ends it."""
 
-    def __init__(self, parent: str, key: bytes, reader: PayloadReader, relaying: Relaying) -> None:
-        host, _, port = parent.rpartition(":")
+    def __init__(self, parent: str, key: bytes, certificate: bytes, reader: PayloadReader, relaying: Relaying) -> None:
         self.parent, self.reader, self._relaying = parent, reader, relaying
         self.closed = False
+        self.link: Link | None = None
         self._ready: deque[Any] = deque()
         try:
-            self.link = Route("tcp", RELAY_ID, host=host.strip("[]"), port=int(port)).connect(key.hex())
-        except (OSError, LinkError) as exc:
+            self.link = _connect_parent(parent, key, certificate)
+        except (OSError, LinkError, ssl.SSLError, ValueError) as exc:
             raise self._unreachable(exc) from None
 
     def __iter__(self) -> ParentFeed:
         return self
 
     def __next__(self) -> Any:
+        assert self.link is not None
         while not self._ready:
             try:
                 self._ready.extend(next_published(self.link, self.reader))
@@ -118,8 +121,30 @@ class ParentFeed:
 
     def close(self) -> None:
         self.closed = True
-        if getattr(self, "link", None) is not None:
+        if self.link is not None:
             self.link.abort()
+
+
+def _connect_parent(parent: str, key: bytes, certificate: bytes) -> Link:
+    """A connection to a parent's relay port that it has welcomed as a relay, its key presented;
+    over TLS, trusting only the certificate the server handed (``certificate``), when there is one."""
+    host, _, port = parent.rpartition(":")
+    sock = socket.create_connection((host.strip("[]"), int(port)), timeout=HANDSHAKE_SECONDS)
+    try:
+        tune_tcp(sock)
+        if certificate:
+            sock = pinned_context(certificate).wrap_socket(sock)
+        link = Link(sock, local=False)
+        welcome, _ = link.receive(limit=MAX_HANDSHAKE_FRAME)
+        expect(welcome, "welcome")
+        if welcome.welcome.server_id != RELAY_ID:
+            raise LinkError(f"{parent} answers, but not as a tannery relay port")
+        link.send(frame(hello=Hello(ticket=key)))
+        sock.settimeout(None)
+    except BaseException:
+        sock.close()
+        raise
+    return link
 
 
 class Relaying:
@@ -128,15 +153,15 @@ class Relaying:
     def __init__(self, client: Client, channel: str, host: str | None = None, port: int = 0) -> None:
         self.client, self.channel = client, channel
         host = host if host is not None else _host_toward(client._calls.target)
-        self.port = RelayPort(host or "", port)
+        self.port = RelayPort(host or "", port, tls=client._calls.connection.tls is not None)
         self.address = f"{host}:{self.port.port}" if host else f":{self.port.port}"
         if ":" in (host or "") and host:
             self.address = f"[{host}]:{self.port.port}"
         self.member = uuid.uuid4().hex
         self.closed = False
         self._changed = threading.Condition()
-        #: The route: None until the first answer; then (parent, key) with parent "" for the server.
-        self.route: tuple[str, bytes] | None = None
+        #: The route: None until the first answer; then (parent, key, certificate), parent "" for the server.
+        self.route: tuple[str, bytes, bytes] | None = None
         self.off: str | None = None  # why this follower does not relay (the server's relays are off)
         self._unreachable = ""
         self._call: Any = None
@@ -153,11 +178,11 @@ class Relaying:
         with self._changed:
             self._changed.wait_for(lambda: self.route is not None or self.off is not None or self.closed,
                                    ROUTE_WAIT_SECONDS)
-            parent, key = self.route or ("", b"")
+            parent, key, certificate = self.route or ("", b"", b"")
         self.port.abandon()  # a payload the last source left half-passed-on is discarded below
         reader = RelayingReader(self.port)
         if parent:
-            source: Any = ParentFeed(parent, key, reader, self)
+            source: Any = ParentFeed(parent, key, certificate, reader, self)
         else:
             feed = run_blocking(self.client._subscribe(self.channel, None, reader))
             source = LinkSubscription(feed) if feed.link is not None else Subscription(feed)
@@ -186,7 +211,8 @@ class Relaying:
         while not self.closed:
             with self._changed:
                 request = channels_pb2.RouteRequest(channel=self.channel, address=self.address, key=self.port.key,
-                                                    member=self.member, unreachable=self._unreachable)
+                                                    member=self.member, unreachable=self._unreachable,
+                                                    certificate=self.port.certificate)
                 call = self._call = self.client._calls.methods.route(request, **self.client._calls.options(timeout=False))
             try:
                 for update in call:
@@ -211,7 +237,7 @@ class Relaying:
     def _moved(self, update: channels_pb2.RouteUpdate) -> None:
         """Take the route the server gave; the source of the old one ends (the receiving loop
         opens the new one)."""
-        route = (update.parent, bytes(update.parent_key))
+        route = (update.parent, bytes(update.parent_key), bytes(update.parent_certificate))
         with self._changed:
             if route == self.route:
                 return
@@ -226,7 +252,7 @@ class Relaying:
     def _stop_relaying(self, why: str) -> None:
         log.warning("%s: this follower does not relay (%s); it subscribes to the server", self.channel, why)
         with self._changed:
-            self.off, self.route = why, ("", b"")
+            self.off, self.route = why, ("", b"", b"")
             self._changed.notify_all()
         self.port.close()
 

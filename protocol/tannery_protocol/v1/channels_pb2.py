@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tannery_protocol.v1 import archives_pb2 as tannery__protocol_dot_v1_dot_archives__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"tannery_protocol/v1/channels.proto\x12\ntannery.v1\x1a\"tannery_protocol/v1/archives.proto\"b\n\x0cRouteRequest\x12\x0f\n\x07\x63hannel\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0b\n\x03key\x18\x03 \x01(\x0c\x12\x0e\n\x06member\x18\x04 \x01(\t\x12\x13\n\x0bunreachable\x18\x05 \x01(\t\"h\n\x0bRouteUpdate\x12\x0e\n\x06parent\x18\x01 \x01(\t\x12\x12\n\nparent_key\x18\x02 \x01(\x0c\x12\x10\n\x08\x63hildren\x18\x03 \x01(\r\x12\x12\n\ngeneration\x18\x04 \x01(\x04\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\"W\n\x0ePublishRequest\x12\x0f\n\x07\x63hannel\x18\x01 \x01(\t\x12\r\n\x05\x63hunk\x18\x02 \x01(\x0c\x12%\n\x08store_as\x18\x03 \x01(\x0b\x32\x13.tannery.v1.StoreAs\"\xa2\x01\n\x07StoreAs\x12\x0f\n\x07\x61rchive\x18\x01 \x01(\t\x12\x33\n\x08metadata\x18\x02 \x03(\x0b\x32!.tannery.v1.StoreAs.MetadataEntry\x12\x0f\n\x07replace\x18\x03 \x01(\x08\x12\x0f\n\x07\x65ntries\x18\x04 \x03(\t\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x8d\x01\n\x0fPublishResponse\x12\x10\n\x08payloads\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x1b\n\x13\x64ropped_subscribers\x18\x03 \x01(\x04\x12\'\n\x06stored\x18\x04 \x01(\x0b\x32\x17.tannery.v1.ArchiveInfo\x12\x13\n\x0bstore_error\x18\x05 \x01(\t\"#\n\x10SubscribeRequest\x12\x0f\n\x07\x63hannel\x18\x01 \x01(\t\"5\n\x11SubscribeResponse\x12\r\n\x05\x63hunk\x18\x01 \x01(\x0c\x12\x11\n\tabandoned\x18\x02 \x01(\x08\x32\xe4\x01\n\x08\x43hannels\x12\x44\n\x07Publish\x12\x1a.tannery.v1.PublishRequest\x1a\x1b.tannery.v1.PublishResponse(\x01\x12O\n\tSubscribe\x12\x1c.tannery.v1.SubscribeRequest\x1a\x1d.tannery.v1.SubscribeResponse\"\x03\x90\x02\x01\x30\x01\x12\x41\n\x05Route\x12\x18.tannery.v1.RouteRequest\x1a\x17.tannery.v1.RouteUpdate\"\x03\x90\x02\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"tannery_protocol/v1/channels.proto\x12\ntannery.v1\x1a\"tannery_protocol/v1/archives.proto\"w\n\x0cRouteRequest\x12\x0f\n\x07\x63hannel\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0b\n\x03key\x18\x03 \x01(\x0c\x12\x0e\n\x06member\x18\x04 \x01(\t\x12\x13\n\x0bunreachable\x18\x05 \x01(\t\x12\x13\n\x0b\x63\x65rtificate\x18\x06 \x01(\x0c\"\x84\x01\n\x0bRouteUpdate\x12\x0e\n\x06parent\x18\x01 \x01(\t\x12\x12\n\nparent_key\x18\x02 \x01(\x0c\x12\x10\n\x08\x63hildren\x18\x03 \x01(\r\x12\x12\n\ngeneration\x18\x04 \x01(\x04\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\x12\x1a\n\x12parent_certificate\x18\x06 \x01(\x0c\"W\n\x0ePublishRequest\x12\x0f\n\x07\x63hannel\x18\x01 \x01(\t\x12\r\n\x05\x63hunk\x18\x02 \x01(\x0c\x12%\n\x08store_as\x18\x03 \x01(\x0b\x32\x13.tannery.v1.StoreAs\"\xa2\x01\n\x07StoreAs\x12\x0f\n\x07\x61rchive\x18\x01 \x01(\t\x12\x33\n\x08metadata\x18\x02 \x03(\x0b\x32!.tannery.v1.StoreAs.MetadataEntry\x12\x0f\n\x07replace\x18\x03 \x01(\x08\x12\x0f\n\x07\x65ntries\x18\x04 \x03(\t\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x8d\x01\n\x0fPublishResponse\x12\x10\n\x08payloads\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x1b\n\x13\x64ropped_subscribers\x18\x03 \x01(\x04\x12\'\n\x06stored\x18\x04 \x01(\x0b\x32\x17.tannery.v1.ArchiveInfo\x12\x13\n\x0bstore_error\x18\x05 \x01(\t\"#\n\x10SubscribeRequest\x12\x0f\n\x07\x63hannel\x18\x01 \x01(\t\"5\n\x11SubscribeResponse\x12\r\n\x05\x63hunk\x18\x01 \x01(\x0c\x12\x11\n\tabandoned\x18\x02 \x01(\x08\x32\xe4\x01\n\x08\x43hannels\x12\x44\n\x07Publish\x12\x1a.tannery.v1.PublishRequest\x1a\x1b.tannery.v1.PublishResponse(\x01\x12O\n\tSubscribe\x12\x1c.tannery.v1.SubscribeRequest\x1a\x1d.tannery.v1.SubscribeResponse\"\x03\x90\x02\x01\x30\x01\x12\x41\n\x05Route\x12\x18.tannery.v1.RouteRequest\x1a\x17.tannery.v1.RouteUpdate\"\x03\x90\x02\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,21 +39,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHANNELS'].methods_by_name['Route']._loaded_options = None
   _globals['_CHANNELS'].methods_by_name['Route']._serialized_options = b'\220\002\001'
   _globals['_ROUTEREQUEST']._serialized_start=86
-  _globals['_ROUTEREQUEST']._serialized_end=184
-  _globals['_ROUTEUPDATE']._serialized_start=186
-  _globals['_ROUTEUPDATE']._serialized_end=290
-  _globals['_PUBLISHREQUEST']._serialized_start=292
-  _globals['_PUBLISHREQUEST']._serialized_end=379
-  _globals['_STOREAS']._serialized_start=382
-  _globals['_STOREAS']._serialized_end=544
-  _globals['_STOREAS_METADATAENTRY']._serialized_start=497
-  _globals['_STOREAS_METADATAENTRY']._serialized_end=544
-  _globals['_PUBLISHRESPONSE']._serialized_start=547
-  _globals['_PUBLISHRESPONSE']._serialized_end=688
-  _globals['_SUBSCRIBEREQUEST']._serialized_start=690
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=725
-  _globals['_SUBSCRIBERESPONSE']._serialized_start=727
-  _globals['_SUBSCRIBERESPONSE']._serialized_end=780
-  _globals['_CHANNELS']._serialized_start=783
-  _globals['_CHANNELS']._serialized_end=1011
+  _globals['_ROUTEREQUEST']._serialized_end=205
+  _globals['_ROUTEUPDATE']._serialized_start=208
+  _globals['_ROUTEUPDATE']._serialized_end=340
+  _globals['_PUBLISHREQUEST']._serialized_start=342
+  _globals['_PUBLISHREQUEST']._serialized_end=429
+  _globals['_STOREAS']._serialized_start=432
+  _globals['_STOREAS']._serialized_end=594
+  _globals['_STOREAS_METADATAENTRY']._serialized_start=547
+  _globals['_STOREAS_METADATAENTRY']._serialized_end=594
+  _globals['_PUBLISHRESPONSE']._serialized_start=597
+  _globals['_PUBLISHRESPONSE']._serialized_end=738
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=740
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=775
+  _globals['_SUBSCRIBERESPONSE']._serialized_start=777
+  _globals['_SUBSCRIBERESPONSE']._serialized_end=830
+  _globals['_CHANNELS']._serialized_start=833
+  _globals['_CHANNELS']._serialized_end=1061
 # @@protoc_insertion_point(module_scope)

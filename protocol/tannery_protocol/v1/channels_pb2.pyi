@@ -8,32 +8,36 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RouteRequest(_message.Message):
-    __slots__ = ("channel", "address", "key", "member", "unreachable")
+    __slots__ = ("channel", "address", "key", "member", "unreachable", "certificate")
     CHANNEL_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     MEMBER_FIELD_NUMBER: _ClassVar[int]
     UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
+    CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
     channel: str
     address: str
     key: bytes
     member: str
     unreachable: str
-    def __init__(self, channel: _Optional[str] = ..., address: _Optional[str] = ..., key: _Optional[bytes] = ..., member: _Optional[str] = ..., unreachable: _Optional[str] = ...) -> None: ...
+    certificate: bytes
+    def __init__(self, channel: _Optional[str] = ..., address: _Optional[str] = ..., key: _Optional[bytes] = ..., member: _Optional[str] = ..., unreachable: _Optional[str] = ..., certificate: _Optional[bytes] = ...) -> None: ...
 
 class RouteUpdate(_message.Message):
-    __slots__ = ("parent", "parent_key", "children", "generation", "address")
+    __slots__ = ("parent", "parent_key", "children", "generation", "address", "parent_certificate")
     PARENT_FIELD_NUMBER: _ClassVar[int]
     PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
     CHILDREN_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
     parent: str
     parent_key: bytes
     children: int
     generation: int
     address: str
-    def __init__(self, parent: _Optional[str] = ..., parent_key: _Optional[bytes] = ..., children: _Optional[int] = ..., generation: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
+    parent_certificate: bytes
+    def __init__(self, parent: _Optional[str] = ..., parent_key: _Optional[bytes] = ..., children: _Optional[int] = ..., generation: _Optional[int] = ..., address: _Optional[str] = ..., parent_certificate: _Optional[bytes] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
     __slots__ = ("channel", "chunk", "store_as")
