@@ -21,9 +21,10 @@ import torch
 import tannery
 from tannery.dataplane.links import next_published
 from tannery.dataplane.readers import PayloadReader
+from tannery.dataplane import relay_port
 from tannery.dataplane.relay_port import RELAY_ID
 from tannery.weights.relays import _connect_parent
-from tannery_protocol.datalink import LinkError
+from tannery_protocol.datalink import LinkError, PeerFailed
 from tannery_server.relay_plan import Member, RoutePlanner
 
 from .benchmarks.relay_fleet import Fleet
@@ -303,3 +304,66 @@ def test_relay_links_take_tls_and_the_key_when_the_server_does(tmp_path: Path, p
                 for follower, client in zip(followers, clients):
                     follower.close()
                     client.close()
+
+
+# -- a relay port on its own ----------------------------------------------------------------------
+
+
+def _frames(link, timeout: float = 10.0) -> list:
+    """Every frame (and its bytes' length) a child reads until the port ends its feed: a
+    ``failure`` frame, or ("cut", 0) when the connection ends (in a piece or between)."""
+    link.sock.settimeout(timeout)
+    got: list = []
+    while True:
+        try:
+            received, _ = link.receive()
+            kind = received.WhichOneof("kind")
+            if kind == "failure":
+                return got + [("failure", received.failure.code)]
+            if kind == "entry":
+                link.receive_exactly(received.entry.payload_bytes)
+                got.append(("entry", received.entry.payload_bytes))
+            else:
+                got.append((kind, 0))
+        except PeerFailed as failed:
+            return got + [("failure", failed.code)]
+        except (LinkError, OSError):
+            return got + [("cut", 0)]
+
+
+def test_a_child_joining_mid_payload_starts_at_the_next_and_a_slow_one_is_dropped(monkeypatch):
+    monkeypatch.setattr(relay_port, "CHILD_BUFFER", 1 << 20)
+    monkeypatch.setattr(relay_port, "CHILD_TIMEOUT", 0.5)
+    port = relay_port.RelayPort("127.0.0.1", 0)
+    try:
+        address = f"127.0.0.1:{port.port}"
+        early = _connect_parent(address, port.key, b"")
+        assert wait_for(lambda: port.children == 1, 5)
+        piece = memoryview(bytearray(1000))
+        port.piece(piece)  # payload 1 begins
+        late = _connect_parent(address, port.key, b"")  # joins in the middle of payload 1
+        assert wait_for(lambda: port.children == 2, 5)
+        late_frames: list = []
+        reading = threading.Thread(target=lambda: late_frames.extend(_frames(late, 30)), daemon=True)
+        reading.start()  # the late child keeps up
+        port.piece(piece)
+        port.payload_done()
+        port.piece(memoryview(bytearray(300)))  # payload 2: both get it
+        port.abandon()
+        big = memoryview(bytearray(1 << 20))
+        started = time.monotonic()
+        for _ in range(48):  # the early child reads nothing: its queue fills, and it is dropped
+            port.piece(big)
+            port.payload_done()
+        assert time.monotonic() - started < 20, "a child that reads nothing held its parent"
+        assert wait_for(lambda: port.children == 1, 10), "the child that reads nothing was not dropped"
+        early_frames = _frames(early)
+        assert early_frames[:4] == [("entry", 1000), ("entry", 1000), ("entry", 300), ("abandoned", 0)]
+        assert early_frames[-1] in (("failure", "RESOURCE_EXHAUSTED"), ("cut", 0))
+        port.close()
+        reading.join(30)
+        assert late_frames[:2] == [("entry", 300), ("abandoned", 0)], "the late child got the tail of payload 1"
+        assert late_frames[-1] == ("failure", "UNAVAILABLE"), late_frames[-3:]
+        assert sum(size for kind, size in late_frames if kind == "entry") == 300 + len(late_frames[2:-1]) * (1 << 20)
+    finally:
+        port.close()

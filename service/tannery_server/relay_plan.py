@@ -85,8 +85,9 @@ class RoutePlanner:
 
     def join(self, channel: str, member: Member, unreachable: str = "") -> Member | None:
         """Put ``member`` in the plan of ``channel`` (in the slot of a member of the same id, which
-        it replaces: returned, to end its older call), demote the parent it reports unreachable,
-        and tell every member whose route changed."""
+        it replaces: returned, to end its older call), move the member it reports ``unreachable``
+        (its parent, or itself when it fell behind) to the end, and tell every member whose route
+        changed."""
         plan = self.plans.setdefault(channel, ChannelPlan(self.fanout))
         replaced = None
         index = plan.find(member.id)
@@ -94,8 +95,8 @@ class RoutePlanner:
             replaced, plan.slots[index] = plan.slots[index], member
         else:
             plan.slots.append(member)
-        if unreachable and (bad := plan.find_address(unreachable)) is not None and plan.slots[bad] is not member:
-            plan.slots.append(plan.remove(bad))
+        if unreachable and (bad := plan.find_address(unreachable)) is not None:
+            plan.slots.append(plan.remove(bad))  # to the end, a leaf (the caller itself, when it fell behind)
         self._tell(plan)
         return replaced
 

@@ -10,8 +10,9 @@ that connects mid-payload gets its first bytes at the next payload's start, neve
 Each child is sent to by a thread of its own from a queue bounded in bytes (:data:`CHILD_BUFFER`):
 the receiving thread only queues views of the bytes it received (no copy), so a child as fast
 as the link keeps the pipeline moving, and one whose queue stays full for :data:`CHILD_TIMEOUT`
-is dropped (``failure`` RESOURCE_EXHAUSTED), so a slow child never stalls its parent and
-everyone upstream. A dropped or broken child asks the server for a new route.
+is dropped (told ``failure`` RESOURCE_EXHAUSTED after the piece in flight), so a slow child
+never stalls its parent and everyone upstream: it asks the server to move it to the end of the
+plan. A child whose parent broke asks the server for a route around it.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ class _Child:
         self._bytes = 0
         self._room = threading.Condition()
         self.alive = True
+        #: Dropped for keeping its queue full (told so, then closed).
+        self.behind = False
         self.thread = threading.Thread(target=self._send_all, daemon=True, name=f"tannery-relay-to-{peer}")
         self.thread.start()
 
@@ -68,11 +71,14 @@ class _Child:
         with self._room:
             while self.alive and self._bytes and self._bytes + nbytes > CHILD_BUFFER:
                 left = deadline - time.monotonic()
-                if left <= 0:  # its sending thread may be inside a piece: no frame, the connection ends
+                if left <= 0:  # its sending thread says so after the piece it is in (or is cut off)
                     log.warning("relay: dropped child %s: it fell behind (%d bytes waited for it for %g s); it asks "
                                 "the server for a new route", self.peer, self._bytes, CHILD_TIMEOUT)
-                    self.alive = False
-                    self.link.abort()
+                    self.alive, self.behind = False, True
+                    self._room.notify_all()
+                    cut = threading.Timer(CHILD_TIMEOUT, self.link.abort)
+                    cut.daemon = True
+                    cut.start()
                     return False
                 self._room.wait(left)
             if not self.alive:
@@ -89,7 +95,7 @@ class _Child:
                     while self.alive and not self._queue:
                         self._room.wait()
                     if not self.alive:
-                        return
+                        break
                     item = self._queue[0]
                 if item is _ABANDONED:
                     self.link.send(frame(abandoned=Abandoned()))
@@ -107,6 +113,10 @@ class _Child:
                     self._queue.popleft()
                     self._bytes -= size
                     self._room.notify_all()
+            if self.behind:  # between pieces, on this thread: the child knows it was too slow
+                self.link.sock.settimeout(1.0)
+                self.link.send(frame(failure=DataFailure(code="RESOURCE_EXHAUSTED", message=(
+                    f"fell behind: its queue stayed full ({CHILD_BUFFER} bytes) for {CHILD_TIMEOUT:g} s"))))
         except (OSError, LinkError) as exc:
             log.info("relay: child %s left (%s)", self.peer, exc)
         finally:

@@ -28,7 +28,9 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from tannery_protocol import errors
-from tannery_protocol.datalink import HANDSHAKE_SECONDS, MAX_HANDSHAKE_FRAME, Link, LinkError, expect, frame, tune_tcp
+from tannery_protocol.datalink import (
+    HANDSHAKE_SECONDS, MAX_HANDSHAKE_FRAME, Link, LinkError, PeerFailed, expect, frame, tune_tcp,
+)
 from tannery_protocol.v1.data_pb2 import Hello
 from tannery_protocol.v1 import channels_pb2
 from tannery.calls.running import run as run_blocking
@@ -111,6 +113,10 @@ class ParentFeed:
                 self.link.close()
                 if self.closed:
                     raise StopIteration from None
+                if isinstance(exc, PeerFailed) and exc.code == "RESOURCE_EXHAUSTED":
+                    self._relaying.unreachable(self._relaying.address, f"this follower {exc.message}", own=True)
+                    raise coded(errors.ResourceExhausted, exc.code, f"relay {self.parent} dropped this follower: "
+                                f"{exc.message}; the server is asked to move it to the end") from None
                 raise self._unreachable(exc) from None
         return self._ready.popleft()
 
@@ -192,10 +198,11 @@ class Relaying:
                 source.close()
         return source
 
-    def unreachable(self, parent: str, why: str) -> None:
-        """Report ``parent`` to the server (the Route call is made again, naming it)."""
+    def unreachable(self, parent: str, why: str, own: bool = False) -> None:
+        """Report ``parent`` to the server (the Route call is made again, naming it); ``own``: this
+        follower's own address, when it fell behind its parent (the server moves it to the end)."""
         with self._changed:
-            if self.route is None or self.route[0] != parent:
+            if not own and (self.route is None or self.route[0] != parent):
                 return  # already moved elsewhere
             self._unreachable = parent
             call = self._call
