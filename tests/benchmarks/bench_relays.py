@@ -66,7 +66,7 @@ def _tannery(hosts: Hosts, directory: Path, k: int, relay: bool, reps: int, delt
 def _gloo(hosts: Hosts, k: int, reps: int) -> list[float]:
     from .bench_weight_sync import Worker
 
-    env = {"TANNERY_GLOO_MASTER": hosts.address(0), "TANNERY_BENCH_DTYPE": "float32"}
+    env = {"TANNERY_GLOO_MASTER": hosts.address(0), "TANNERY_BENCH_DTYPE": "float32", "OMP_NUM_THREADS": "1"}
     ranks = [Worker("gloo", str(SIZE), str(COUNT), str(rank), str(k + 1), str(GLOO_PORT),
                     env={**env, "GLOO_SOCKET_IFNAME": hosts.interface(rank)}, prefix=hosts.command(rank, []))
              for rank in range(k + 1)]
@@ -135,5 +135,8 @@ def run(options: Options) -> CaseResult:
                                 f"{delta['egress'] / SIZE:.3f}x the model, {delta['via']:.0%} of workers from the channel.")
     result.tables.append(times)
     result.notes.append(f"{fmt_size(SIZE)} in {COUNT} float32 tensors; every host's link {RATE} each way (tc tbf). "
-                        "All hosts share this machine's CPUs: the workers' CPU-s/GiB says what a faster machine frees.")
+                        "All hosts share this machine's CPUs: the workers' CPU-s/GiB says what a faster machine frees. "
+                        "Every process of every competitor runs with OMP_NUM_THREADS=1 (each namespace stands for a "
+                        "host of its own; torch's thread pool spinning on the shared cores otherwise doubles a "
+                        "worker's user time).")
     return result

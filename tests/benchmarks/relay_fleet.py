@@ -114,8 +114,10 @@ class Fleet:
 
     def _start(self, label: str, host: int, args: list[str], env: dict[str, str], stdout_log: bool = False) -> Proc:
         log = self.workdir / f"{label}-{len(self.procs)}.log"
-        proc = Proc(self.hosts.command(host, [sys.executable, *args]), {"PYTHONPATH": os.getcwd(), **env}, log,
-                    merged=stdout_log)
+        # One intra-op thread per process: each namespace stands for a host of its own, and torch's
+        # thread pool spinning on cores the simulated hosts all share would bill one host's copies to all.
+        proc = Proc(self.hosts.command(host, [sys.executable, *args]),
+                    {"PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1", **env}, log, merged=stdout_log)
         self.procs.append(proc)
         return proc
 
