@@ -34,6 +34,9 @@ Piece = Union[bytes, bytearray, memoryview]
 BATCHED_BELOW = 64 << 10
 #: The field numbers of ``entries`` in ``StoreRequest`` and ``FetchResponse``.
 STORE_ENTRIES, FETCH_ENTRIES = 6, 3
+#: The initial metadata of a Fetch that names the version of the archive it reads
+#: (``FetchRequest.version`` of a resumed Fetch sends it back).
+VERSION_KEY = "tannery-archive-version"
 
 
 class WireError(ValueError):

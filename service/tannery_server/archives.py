@@ -27,7 +27,7 @@ from .dataplane.plane import DataPlane
 from .dataplane.store import SessionSteps, receive_store
 from .derive import DeriveSession
 from .diffing import diff_archives
-from .fetching import check_request, gone_while_read
+from .fetching import check_request
 from .handling import Undecodable, add_service, answering_failures
 from .storage import AliasRecord, ArchiveLimits, ArchiveRecord, MoveNote, Storage
 from .storage_failures import failure_of
@@ -158,18 +158,12 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
         catalog = self.storage.catalog
 
         def read():
-            record = catalog.lookup(request.archive)  # an alias resolved once: its info names the archive
-            if record is None:
+            # One snapshot: the info and the entries are of one version, whatever replaces it meanwhile.
+            found = catalog.read_archive(request.archive, list(request.names) if request.names else None,
+                                         entries=not request.no_entries)
+            if found is None:
                 raise Missing(f"archive {request.archive!r} not found")
-            if request.no_entries:
-                return record, []
-            if request.names:
-                found = catalog.entries(record.name, request.names)
-                return record, [found[name] for name in sorted(found)]
-            entries = catalog.entries_under(record.name, "")
-            if not entries and record.entries:
-                raise gone_while_read(request.archive, record.name)
-            return record, entries
+            return found.record, found.entries
 
         record, entries = await self._run(read)
         current_call().note("described", len(entries))

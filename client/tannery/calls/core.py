@@ -223,7 +223,7 @@ class CallCore:
         retry = 0
         while True:
             try:
-                asked = request if not noted.done else (yield from self._rest_of(request, noted.done))
+                asked = request if not noted.done else (yield from self._rest_of(request, noted.done, noted.version))
                 if asked is None:
                     return noted.kept
                 transport = yield from self._transport_now()
@@ -238,18 +238,20 @@ class CallCore:
             yield from self._forget(pause)
             reader.restart()
 
-    def _rest_of(self, request: archives_pb2.FetchRequest, done: Sequence[str]
+    def _rest_of(self, request: archives_pb2.FetchRequest, done: Sequence[str], version: str
                  ) -> Steps[archives_pb2.FetchRequest | None]:
-        """The Fetch of what ``request`` asks but the entries ``done``; a request by prefix
-        learns the archive's names from one Describe, tried once (it is part of the Fetch's
-        attempt: the Fetch's retries cover it)."""
+        """The Fetch of what ``request`` asks but the entries ``done``, pinned to ``version`` of
+        the archive (the server refuses it if the archive was replaced meanwhile); a request by
+        prefix learns the archive's names from one Describe, tried once (it is part of the
+        Fetch's attempt: the Fetch's retries cover it); names of another version are harmless,
+        since the pinned Fetch is then refused."""
         yield from self._refuse_resuming_an_alias(request.archive, len(done))
         listed = None
         if not request.entries:
             described = yield from self._unary_once(self._methods.describe,
                                                     archives_pb2.DescribeRequest(archive=request.archive))
             listed = [entry.name for entry in described.entries]
-        return resumed_request(request, done, listed)
+        return resumed_request(request, done, listed, version)
 
     def _refuse_resuming_an_alias(self, name: str, done: int) -> Steps[None]:
         """AliasError when ``name`` is an alias: the Fetch cut off asked for what it pointed at
@@ -444,11 +446,21 @@ class _Noted:
     def __init__(self, reader: Any, keep: bool, hide_files: bool = False, keep_values: bool = False) -> None:
         self.reader, self.pieces, self.pool = reader, reader.pieces, reader.pool
         self.done: list[str] = []
+        #: The version of the archive the entries done were read from (initial metadata): what
+        #: a resumed Fetch sends back, pinned to it; "" until known (or from an older server).
+        self.version = ""
         self.kept: list[Any] | None = [] if keep else None
         #: Leave out the files and plain values kept with the archive (a Fetch of every entry gives the tensors).
         self.hide_files = hide_files
         #: ... but keep those of the plain values (``Client.fetch`` lifts them out of the entries).
         self.keep_values = keep_values
+
+    def began(self, version: str) -> None:
+        """An attempt began on ``version`` of the archive. Kept while no entry came whole (the
+        next attempt asks for everything again, of whatever version is there then); after, a
+        resumed attempt is pinned to it, so it is given the same version or fails."""
+        if not self.done:
+            self.version = version
 
     def feed(self, message: Any) -> Sequence[Any]:
         return self._noted(self.reader.feed(message))

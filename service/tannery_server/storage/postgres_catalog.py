@@ -37,7 +37,7 @@ import time
 from typing import Callable, Iterable, Mapping, Sequence
 
 from . import alias_sql
-from .base import AliasMove, AliasRecord, ArchiveLimits, MoveNote, ArchiveRecord, BlobInfo, CatalogTotals, EntryRecord, SharedCatalog
+from .base import AliasMove, AliasRecord, ArchiveLimits, ArchiveRead, MoveNote, ArchiveRecord, BlobInfo, CatalogTotals, EntryRecord, SharedCatalog
 from .catalog_sql import (ARCHIVE_COLUMNS, BLOB_COLUMNS, ENTRY_COLUMNS, ENTRY_COPIED, ENTRY_INSERT, archive_from_row,
                           check_union_limits, compare_existing, duplicate_error, entries_under_query, entry_from_row,
                           entry_values, metadata_text)
@@ -128,6 +128,32 @@ class PostgresCatalog(SharedCatalog):
             return alias_sql.untag(_query(cur), "%s", alias, now_ns or time.time_ns(), note)
 
         return self._db.write(f"removing alias {alias!r}", work)
+
+    def read_archive(self, name: str, names: Sequence[str] | None = None, prefix: str = "", *,
+                     entries: bool = True) -> ArchiveRead | None:
+        """In one ``REPEATABLE READ`` transaction: every statement sees one snapshot (under the
+        pool's default, ``READ COMMITTED``, each statement would take its own)."""
+        def work(cur: Cursor) -> ArchiveRead | None:
+            with cur.connection.transaction():
+                cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+                row = cur.execute(f"SELECT {ARCHIVE_COLUMNS} FROM archives WHERE {alias_sql.lookup_sql('%s')}",
+                                  (name, name)).fetchone()
+                if row is None:
+                    return None
+                record = archive_from_row(row)
+                if not entries:
+                    return ArchiveRead(record, [])
+                if names is not None:
+                    rows = cur.execute(
+                        f"SELECT {ENTRY_COLUMNS} FROM entries e JOIN archives a ON a.id = e.archive_id "
+                        "WHERE a.name = %s AND e.name = ANY(%s)", (record.name, list(dict.fromkeys(names)))).fetchall()
+                    rows.sort(key=lambda r: r[0])  # by name as Python sorts it (the column's collation aside)
+                else:
+                    query, args = entries_under_query("%s", prefix)
+                    rows = cur.execute(query, (record.name, *args)).fetchall()
+                return ArchiveRead(record, [entry_from_row(r) for r in rows])
+
+        return self._db.read(f"reading archive {name!r} and its entries", work)
 
     def entries(self, archive: str, names: Sequence[str]) -> dict[str, EntryRecord]:
         rows = self._db.read(f"reading entries of {archive!r}", lambda cur: cur.execute(

@@ -9,15 +9,16 @@ versioned (:mod:`.sqlite_schema`): a catalog of an older version is migrated
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sqlite3
 import threading
 import time
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence
 
 from . import alias_sql
-from .base import AliasMove, AliasRecord, ArchiveLimits, MoveNote, ArchiveRecord, BlobInfo, Catalog, CatalogTotals, EntryRecord
+from .base import AliasMove, AliasRecord, ArchiveLimits, ArchiveRead, MoveNote, ArchiveRecord, BlobInfo, Catalog, CatalogTotals, EntryRecord
 from .catalog_sql import (ARCHIVE_COLUMNS, BLOB_COLUMNS, ENTRY_COLUMNS, ENTRY_COPIED, ENTRY_INSERT, archive_from_row,
                           check_union_limits, compare_existing, duplicate_error, entries_under_query, entry_from_row,
                           entry_values, metadata_text)
@@ -95,28 +96,29 @@ class SqliteCatalog(Catalog):
         with self._transaction() as conn:
             return alias_sql.import_moves(_query(conn), "?", moves)
 
+    def read_archive(self, name: str, names: Sequence[str] | None = None, prefix: str = "", *,
+                     entries: bool = True) -> ArchiveRead | None:
+        conn = self._reader()
+        with _snapshot(conn):
+            row = conn.execute(f"SELECT {ARCHIVE_COLUMNS} FROM archives WHERE {alias_sql.lookup_sql('?')}",
+                               (name, name)).fetchone()
+            if row is None:
+                return None
+            record = archive_from_row(row)
+            if not entries:
+                return ArchiveRead(record, [])
+            if names is not None:
+                found = _entries_named(conn, record.name, names)
+                return ArchiveRead(record, [found[n] for n in sorted(found)])
+            return ArchiveRead(record, _entries_under(conn, record.name, prefix))
+
     def entries(self, archive: str, names: Sequence[str]) -> dict[str, EntryRecord]:
         conn = self._reader()
-        found: dict[str, EntryRecord] = {}
-        unique = list(dict.fromkeys(names))
-        conn.execute("BEGIN")  # one snapshot for every batch
-        try:
-            for start in range(0, len(unique), _IN_BATCH):
-                batch = unique[start : start + _IN_BATCH]
-                rows = conn.execute(
-                    f"SELECT {ENTRY_COLUMNS} FROM entries e JOIN archives a ON a.id = e.archive_id "
-                    f"WHERE a.name = ? AND e.name IN ({','.join('?' * len(batch))})",
-                    (archive, *batch),
-                )
-                for row in rows:
-                    found[row[0]] = entry_from_row(row)
-        finally:
-            conn.execute("COMMIT")
-        return found
+        with _snapshot(conn):  # one snapshot for every batch
+            return _entries_named(conn, archive, names)
 
     def entries_under(self, archive: str, prefix: str) -> list[EntryRecord]:
-        query, args = entries_under_query("?", prefix)
-        return [entry_from_row(row) for row in self._reader().execute(query, (archive, *args))]
+        return _entries_under(self._reader(), archive, prefix)
 
     def list_archives(self, prefix: str, after: str, limit: int) -> list[ArchiveRecord]:
         rows = self._reader().execute(
@@ -345,6 +347,38 @@ class SqliteCatalog(Catalog):
             self._readers.clear()
         with self._write_lock:
             self._writer.close()
+
+
+@contextlib.contextmanager
+def _snapshot(conn: sqlite3.Connection) -> Iterator[None]:
+    """One read transaction on a reader connection: every read inside sees one snapshot (WAL
+    takes it at the first read), whatever a writer commits meanwhile."""
+    conn.execute("BEGIN")
+    try:
+        yield
+    finally:
+        conn.execute("COMMIT")
+
+
+def _entries_named(conn: sqlite3.Connection, archive: str, names: Sequence[str]) -> dict[str, EntryRecord]:
+    """The entries of these names that ``archive`` holds, asked in batches (in the caller's transaction)."""
+    found: dict[str, EntryRecord] = {}
+    unique = list(dict.fromkeys(names))
+    for start in range(0, len(unique), _IN_BATCH):
+        batch = unique[start : start + _IN_BATCH]
+        rows = conn.execute(
+            f"SELECT {ENTRY_COLUMNS} FROM entries e JOIN archives a ON a.id = e.archive_id "
+            f"WHERE a.name = ? AND e.name IN ({','.join('?' * len(batch))})",
+            (archive, *batch),
+        )
+        for row in rows:
+            found[row[0]] = entry_from_row(row)
+    return found
+
+
+def _entries_under(conn: sqlite3.Connection, archive: str, prefix: str) -> list[EntryRecord]:
+    query, args = entries_under_query("?", prefix)
+    return [entry_from_row(row) for row in conn.execute(query, (archive, *args))]
 
 
 def _query(conn: sqlite3.Connection) -> alias_sql.Query:
