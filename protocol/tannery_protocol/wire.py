@@ -37,6 +37,9 @@ STORE_ENTRIES, FETCH_ENTRIES = 6, 3
 #: The initial metadata of a Fetch that names the version of the archive it reads
 #: (``FetchRequest.version`` of a resumed Fetch sends it back).
 VERSION_KEY = "tannery-archive-version"
+#: The initial metadata a Delete sends before it deletes anything: a client whose attempt
+#: broke off after seeing it knows that attempt reached the server (and may have deleted).
+RECEIVED_KEY = "tannery-received"
 
 
 class WireError(ValueError):

@@ -36,7 +36,7 @@ from .store_session import StoreSession
 from .validation import check_archive_name, check_metadata, check_prefix
 from .watching import add_watch
 from .workers import Workers
-from tannery_protocol.wire import parse_store_request, serialize_response
+from tannery_protocol.wire import RECEIVED_KEY, parse_store_request, serialize_response
 
 DEFAULT_PAGE = 100
 MAX_PAGE = 1000
@@ -190,6 +190,9 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
     @answering_failures
     async def Delete(self, request: archives_pb2.DeleteRequest, context) -> archives_pb2.DeleteResponse:
         current_call().note("archive", request.archive)
+        # Before anything is deleted: a retry after a lost answer may then say the archive is
+        # already gone (an attempt that broke off before this reached nothing).
+        await context.send_initial_metadata(((RECEIVED_KEY, "delete"),))
         record, collected = await self._run(self.storage.delete, request.archive, request.force,
                                             self._move_note(context))
         if record is None:

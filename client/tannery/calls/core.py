@@ -20,7 +20,7 @@ import grpc
 
 from tannery_protocol import errors
 from tannery_protocol._lazy import lazy_module
-from tannery.rpc.connection import Calls, Connection, TLSLike, check_transport, rpc_error
+from tannery.rpc.connection import Calls, Connection, TLSLike, check_transport, received, rpc_error
 from tannery.records import (
     Alias, ArchiveDescription, ArchiveInfo, Deleted, Pruned, Published, Tagged, Untagged, is_kept_entry, values_prefix,
 )
@@ -183,7 +183,9 @@ class CallCore:
         try:
             answer = yield Rpc(method, request, **self._calls.options())
         except grpc.RpcError as error:
-            raise rpc_error(error, self.target) from None
+            failure = rpc_error(error, self.target)
+            failure.reached = received(error)  # type: ignore[attr-defined]
+            raise failure from None
         self._retries.contact.reached = True
         return answer
 
@@ -337,12 +339,21 @@ class CallCore:
     def _delete(self, name: str, force: bool = False) -> Steps[Deleted]:
         request = archives_pb2.DeleteRequest(archive=name, force=force)
 
+        reached = False  # an earlier attempt broke off after the server had it (and may have deleted)
+
         def attempt(retry: int) -> Steps[Deleted]:
+            nonlocal reached
             try:
                 return Deleted.of((yield from self._unary_once(self._methods.delete, request)))
-            except errors.NotFound:
-                if retry:  # the attempt whose answer was lost deleted it
+            except errors.NotFound as error:
+                if reached:  # the attempt whose answer was lost deleted it
                     return Deleted.gone(name)
+                if retry:
+                    error.args = (f"{error.args[0]} (no earlier attempt of this Delete was seen to reach the server)",
+                                  *error.args[1:])
+                raise
+            except errors.Unavailable as error:
+                reached = reached or bool(getattr(error, "reached", False))
                 raise
 
         return (yield from self._retrying(f"Delete of {name!r}", attempt))

@@ -10,7 +10,9 @@ off). Every retry is logged at INFO on the ``tannery.client`` logger. What is re
 - Store, sent again from its start: the server stores nothing of a call that did not
   finish, and answers an identical Store of an archive that is already there with OK;
 - Delete: an archive already gone when a retry arrives was deleted by the attempt whose
-  answer was lost, so that retry reports it deleted (``Deleted.already_gone``);
+  answer was lost, so that retry reports it deleted (``Deleted.already_gone``), but only when
+  that attempt was seen to reach the server (the Delete's initial metadata ``tannery-received``,
+  sent before anything is deleted, had come); else the retry's NotFound stands;
 - Resolve and ListAliases as reads; Tag as it is (a Tag whose lost attempt moved the alias
   finds it there and answers OK, ``expect`` or not); Untag as Delete (``Untagged.already_gone``);
 - Watch, reopened: its first answer (the alias's target then) is handed on only when it
