@@ -39,7 +39,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 from . import alias_sql
 from .base import AliasMove, AliasRecord, ArchiveLimits, ArchiveRead, MoveNote, ArchiveRecord, BlobInfo, CatalogTotals, EntryRecord, SharedCatalog
 from .catalog_sql import (ARCHIVE_COLUMNS, BLOB_COLUMNS, ENTRY_COLUMNS, ENTRY_COPIED, ENTRY_INSERT, archive_from_row,
-                          check_union_limits, compare_existing, duplicate_error, entries_under_query, entry_from_row,
+                          check_union_limits, compare_union_first, duplicate_error, entries_under_query, entry_from_row,
                           entry_values, metadata_text)
 from .errors import ArchiveExists, InvalidRequest, NoSuchArchive, StorageUnavailable
 from .postgres_pool import Cursor, PostgresPool, UniqueViolation, safe_name
@@ -315,7 +315,11 @@ class PostgresCatalog(SharedCatalog):
         def work(cur: Cursor) -> tuple[ArchiveRecord, list[str]]:
             self._lock_name(cur, target)
             ids = [self._source_id(cur, archive) for archive, _prefix in sources]
-            # An existing target is compared with the union once it is built (below).
+            if not replace:  # an existing target is compared with what the union would be, before it is built
+                compare_union_first(lambda sql, args: cur.execute(sql, args).fetchall(), "%s", target,
+                                    [(source_id, prefix) for source_id, (_a, prefix) in zip(ids, sources)], metadata,
+                                    limits)
+            # Past the comparison, an archive there is replaced, or the sources give a name twice (raised below).
             archive_id = self._begin_archive(cur, target, True, created_ns, metadata)
             for index, (prefix, source_id) in enumerate((prefix, i) for (_a, prefix), i in zip(sources, ids)):
                 try:
@@ -331,9 +335,6 @@ class PostgresCatalog(SharedCatalog):
             check_union_limits(target, count, longest, lambda: cur.execute(
                 "SELECT name FROM entries WHERE archive_id = %s ORDER BY octet_length(name) DESC LIMIT 1",
                 (archive_id,)).fetchone()[0], limits)
-            if not replace:
-                compare_existing(lambda sql, args: cur.execute(sql, args).fetchall(), "%s", target, archive_id,
-                                 metadata)
             return self._finish_archive(cur, archive_id, target, time.time_ns())
 
         try:

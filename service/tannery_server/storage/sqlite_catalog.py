@@ -20,7 +20,7 @@ from typing import Iterable, Iterator, Mapping, Sequence
 from . import alias_sql
 from .base import AliasMove, AliasRecord, ArchiveLimits, ArchiveRead, MoveNote, ArchiveRecord, BlobInfo, Catalog, CatalogTotals, EntryRecord
 from .catalog_sql import (ARCHIVE_COLUMNS, BLOB_COLUMNS, ENTRY_COLUMNS, ENTRY_COPIED, ENTRY_INSERT, archive_from_row,
-                          check_union_limits, compare_existing, duplicate_error, entries_under_query, entry_from_row,
+                          check_union_limits, compare_union_first, duplicate_error, entries_under_query, entry_from_row,
                           entry_values, metadata_text)
 from .errors import ArchiveExists, CatalogTooNew, InvalidRequest, NoSuchArchive
 from .same_content import AlreadyThere
@@ -259,8 +259,8 @@ class SqliteCatalog(Catalog):
         self, target: str, sources: Sequence[tuple[str, str]], replace: bool, created_ns: int, limits: ArchiveLimits,
         metadata: Mapping[str, str] | None = None,
     ) -> tuple[ArchiveRecord, list[str]]:
-        """The union built under a temporary name, checked, then compared with an archive of
-        that name (unless ``replace``), then named."""
+        """The union compared with an archive of that name (unless ``replace``), then built under
+        a temporary name, checked, and named."""
         with self._transaction() as conn:
             ids = []
             for archive, _prefix in sources:
@@ -269,7 +269,11 @@ class SqliteCatalog(Catalog):
                 if row is None:
                     raise NoSuchArchive(f"archive {archive!r} not found (a source of the union)")
                 ids.append(row[0])
-            # An existing target is compared with the union once it is built (below).
+            if not replace:  # an existing target is compared with what the union would be, before it is built
+                compare_union_first(lambda sql, args: conn.execute(sql, args).fetchall(), "?", target,
+                                    [(source_id, prefix) for source_id, (_a, prefix) in zip(ids, sources)], metadata,
+                                    limits)
+            # Past the comparison, an archive there is replaced, or the sources give a name twice (raised below).
             archive_id = self._begin_archive(conn, target, True, created_ns, metadata)
             for index, ((archive, prefix), source_id) in enumerate(zip(sources, ids)):
                 try:
@@ -289,9 +293,6 @@ class SqliteCatalog(Catalog):
                 "SELECT name FROM entries WHERE archive_id = ? ORDER BY length(CAST(name AS BLOB)) DESC LIMIT 1",
                 (archive_id,),
             ).fetchone()[0], limits)
-            if not replace:
-                compare_existing(lambda sql, args: conn.execute(sql, args).fetchall(), "?", target, archive_id,
-                                 metadata)
             return self._finish_archive(conn, archive_id, target)
 
     @staticmethod
