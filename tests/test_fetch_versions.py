@@ -92,3 +92,36 @@ def test_a_resumed_request_carries_the_version_it_began_on():
     assert [ask.name for ask in rest.entries] == ["b"] and rest.version == "123"
     again = resumed_request(rest, [], None)  # a later resume keeps the version
     assert again.version == "123"
+
+
+def test_a_fetch_pinned_to_another_version_is_refused_and_a_malformed_one_is_invalid(server):
+    """Without a kill: a Fetch naming the version it read gets the entries; naming another (the
+    archive was replaced) gets FAILED_PRECONDITION with the remedy; a version no server gives,
+    INVALID_ARGUMENT. The version comes in the initial metadata of every Fetch."""
+    import grpc
+
+    with tannery.Client(server.target, transport="grpc") as client:
+        client.store("m", {"w": torch.ones(3)})
+    channel = grpc.insecure_channel(server.target)
+    try:
+        from tannery_protocol.v1 import archives_pb2_grpc
+
+        stub = archives_pb2_grpc.ArchivesStub(channel)
+        call = stub.Fetch(pb.FetchRequest(archive="m"))
+        assert list(call) and dict(call.initial_metadata())["tannery-archive-version"].isdigit()
+        version = dict(call.initial_metadata())["tannery-archive-version"]
+        assert list(stub.Fetch(pb.FetchRequest(archive="m", version=version)))
+        with tannery.Client(server.target, transport="grpc") as client:
+            client.store("m", {"w": torch.zeros(3)}, replace=True)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Fetch(pb.FetchRequest(archive="m", version=version)))
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert refused.value.details().startswith(f"archive 'm' was replaced since this Fetch began (version {version}")
+        assert refused.value.details().endswith("fetch again")
+        for bad in ("v1", "9" * 40, "１２"):
+            with pytest.raises(grpc.RpcError) as malformed:
+                list(stub.Fetch(pb.FetchRequest(archive="m", version=bad)))
+            assert malformed.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
+            assert "is not one this server gives" in malformed.value.details()
+    finally:
+        channel.close()

@@ -52,8 +52,17 @@ def _dtype_asked(what: str, name: str, field: str) -> DType:
         raise Malformed(f"{what}: unknown dtype {name!r} in {field}; known: {', '.join(DTYPES)}") from None
 
 
+#: The longest ``FetchRequest.version`` taken: a version this server gives is a number of ns.
+MAX_VERSION_CHARS = 32
+
+
 def check_request(request: archives_pb2.FetchRequest) -> None:
     """Request-level errors, found before the catalog is read."""
+    version = request.version
+    if version and (len(version) > MAX_VERSION_CHARS or not version.isascii() or not version.isdigit()):
+        shown = repr(version[:MAX_VERSION_CHARS]) + ("..." if len(version) > MAX_VERSION_CHARS else "")
+        raise Malformed(f"Fetch of {request.archive!r}: version {shown} is not one this server gives (the digits "
+                        "its initial metadata tannery-archive-version named): send that, or leave it empty")
     for ask in request.entries:
         what = "Archive.float" if ask.cast else "Archive.tensor"
         if not ask.name:
