@@ -138,7 +138,7 @@ def resolve(storage: Storage, request: archives_pb2.FetchRequest) -> list[Plan]:
                                     else None, request.prefix)
         if read is None:
             raise Missing(f"archive {request.archive!r} not found" + (
-                " (deleted since this Fetch began: fetch again)" if request.version else ""))
+                " (deleted since this Fetch began: the rest of its entries is gone)" if request.version else ""))
         record = read.record
         archive, version = record.name, record.version
         check_version(request, record)
