@@ -210,6 +210,45 @@ def test_a_delete_whose_first_attempt_never_reached_the_server_is_not_found_not_
         assert tries == ["never", "never"]
 
 
+def test_a_delete_cut_off_by_a_kill_after_it_reached_the_server_reports_already_gone(server, tmp_path):
+    """A real server killed (-9) while its Delete waits for the catalog's write lock: the client
+    had the Delete's initial metadata, so when the retry finds the archive gone (deleted
+    meanwhile, as a lost attempt that committed would have) it reports ``already_gone``."""
+    import sqlite3
+
+    from tannery.records import Deleted
+    from tannery_server.storage.sqlite_catalog import SqliteCatalog
+
+    with tannery.Client(server.target, transport="grpc") as client:
+        client.store("old", {"w": torch.ones(3)})
+    path = tmp_path / "data" / "catalog.sqlite3"
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # the server's Delete waits for this lock
+    result: list[object] = []
+
+    def delete() -> None:
+        with tannery.Client(server.target, transport="grpc", retries=RetryPolicy(6, first_delay=0.5)) as client:
+            try:
+                result.append(client.delete("old"))
+            except Exception as exc:  # noqa: BLE001: the test looks at it
+                result.append(exc)
+
+    thread = threading.Thread(target=delete)
+    thread.start()
+    time.sleep(1.5)  # the Delete is in, waiting for the lock
+    server.kill()
+    holder.execute("ROLLBACK")
+    holder.close()
+    catalog = SqliteCatalog(path)
+    try:
+        assert catalog.delete_archive("old")[0] is not None  # what the lost attempt might have done
+    finally:
+        catalog.close()
+    server.start()
+    thread.join(60)
+    assert len(result) == 1 and isinstance(result[0], Deleted) and result[0].already_gone, result
+
+
 def test_unreachable_retries_then_names_the_server_and_the_retries(caplog):
     caplog.set_level(logging.INFO, logger="tannery.client")
     target = f"127.0.0.1:{free_port()}"
