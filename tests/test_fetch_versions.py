@@ -5,8 +5,6 @@ entries after old ones (issue 43, "one snapshot per read")."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -56,7 +54,6 @@ class KillAndReplace:
 
 @pytest.mark.parametrize("transport", ["grpc", "tcp"])
 def test_a_fetch_resumed_after_a_kill_and_a_replace_is_all_old_or_an_error_never_a_mix(server, transport):
-    started = time.monotonic()
     refused = whole = 0
     tries = TRIES if transport == "grpc" else 5
     for attempt in range(tries):
@@ -83,7 +80,6 @@ def test_a_fetch_resumed_after_a_kill_and_a_replace_is_all_old_or_an_error_never
     # A try is cut off after whole entries and the archive replaced: the rest is refused (a
     # Fetch whose bytes were all on their way before the kill may still end whole, all old).
     assert refused + whole == tries and refused >= tries // 2, (refused, whole)
-    assert time.monotonic() - started < 60
 
 
 def test_a_resumed_request_carries_the_version_it_began_on():
