@@ -245,3 +245,46 @@ def test_bad_versions_are_refused_clearly(client):
     dcp.save({"w": torch.ones(2)}, storage_writer=tannery.dcp.Writer(client, "flat-1", keep_last=1, prune_prefix="flat-"))
     dcp.save({"w": torch.ones(2)}, storage_writer=tannery.dcp.Writer(client, "flat-2", keep_last=1, prune_prefix="flat-"))
     assert _checkpoints(client, "flat-") == ["flat-2"]
+
+
+class _HeldWriter(tannery.dcp.Writer):
+    """A Writer whose save stops once its part is stored, before its metadata and Union, until
+    ``release`` is set (``reached`` says it got there)."""
+
+    def __init__(self, *args, reached, release, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.reached, self.release = reached, release
+
+    def finish(self, metadata, results) -> None:
+        self.reached.set()
+        assert self.release.wait(TIMEOUT), "never released"
+        super().finish(metadata, results)
+
+
+def test_overlapping_async_saves_with_keep_last_1_both_land_whole(server, client):
+    """Save 1 has stored its part when save 2 begins and ends, whose prune (keep_last=1) finds
+    that part older than the one checkpoint it keeps: it is still running, so it is left alone,
+    and save 1 lands whole after (then prunes save 2's checkpoint, being newer)."""
+    import threading
+
+    reached, release = threading.Event(), threading.Event()
+    first = _HeldWriter(server.target, "runs/ov/step-1", keep_last=1, reached=reached, release=release)
+    second = tannery.dcp.Writer(server.target, "runs/ov/step-2", keep_last=1)
+    try:
+        saving_1 = dcp.async_save({"model": _state(1), "step": 1}, storage_writer=first)
+        assert reached.wait(TIMEOUT)
+        parts = [info.name for info in client.list("runs/ov/") if is_save_part(info.name)]
+        assert len(parts) == 1 and parts[0].startswith("runs/ov/step-1.rank-0."), parts
+        dcp.async_save({"model": _state(2), "step": 2}, storage_writer=second).result(timeout=TIMEOUT)
+        _assert_is(_loaded(client, "runs/ov/step-2"), 2)  # landed whole
+        assert [info.name for info in second.pruned.deleted] == []  # save 1's part was left alone
+        assert parts[0] in [info.name for info in client.list("runs/ov/")]
+        release.set()
+        saving_1.result(timeout=TIMEOUT)
+    finally:
+        release.set()
+        first.close()
+        second.close()
+    _assert_is(_loaded(client, "runs/ov/step-1"), 1)  # landed whole too
+    assert [info.name for info in first.pruned.deleted] == ["runs/ov/step-2"]  # the older of the two
+    assert [info.name for info in client.list("runs/ov/")] == ["runs/ov/step-1"]  # no part left

@@ -198,28 +198,40 @@ def test_same_host_small_payloads_go_on_the_connection_itself_only_with_a_server
     assert len(mapped) == (1 if reads_inline else len(SMALL) + 1)
 
 
-def test_a_read_racing_a_delete_is_not_found_never_an_empty_archive(tmp_path, monkeypatch):
+def test_a_read_racing_a_delete_reads_the_archive_as_it_was_never_an_empty_one(tmp_path, monkeypatch):
     """The archive is found, then deleted before its entries are read (a prune right behind an
-    alias's move): the call answers NOT_FOUND saying so, not OK with no entries."""
+    alias's move): Describe and Fetch read the record and the entries in one snapshot, so they
+    answer the archive whole, as it was when the read began, never OK with no entries."""
+    from tannery_server.storage import sqlite_catalog
+
     with running_server(tmp_path) as server:
         with tannery.Client(server.target, transport="grpc") as client:
             client.store("model", SMALL)
             client.tag("latest", "model")
             catalog = server.storage.catalog
-            real = catalog.entries_under
+            deleted = []
 
-            def deleted_first(archive: str, prefix: str):
-                catalog.delete_archive(archive, force=True)  # fault injection: a Delete between the two reads
-                return real(archive, prefix)
+            def deleted_first(real):
+                def read(conn, archive, *rest):
+                    # fault injection: a Delete commits between the read's two queries
+                    deleted.append(catalog.delete_archive(archive, force=True)[0])
+                    return real(conn, archive, *rest)
+                return read
 
-            monkeypatch.setattr(catalog, "entries_under", deleted_first)
-            with pytest.raises(tannery.NotFound, match=r"archive 'model' \(what 'latest' named\) was deleted while"):
-                client.fetch("latest")
-            monkeypatch.undo()
+            monkeypatch.setattr(sqlite_catalog, "_entries_under", deleted_first(sqlite_catalog._entries_under))
+            _same(client.fetch("latest"), SMALL)
+            assert deleted[-1].name == "model"
+            with pytest.raises(tannery.NotFound, match="'latest'"):
+                client.fetch("latest")  # it was deleted all the same
             client.store("other", SMALL)
-            monkeypatch.setattr(catalog, "entries_under", deleted_first)
-            with pytest.raises(tannery.NotFound, match="archive 'other' was deleted while this call read it"):
-                client.describe("other")
+            described = client.describe("other")
+            assert deleted[-1].name == "other"
+            assert described.info.entries == len(SMALL)
+            assert sorted(e.name for e in described.entries) == sorted(SMALL)
+            client.store("third", SMALL)
+            monkeypatch.setattr(sqlite_catalog, "_entries_named", deleted_first(sqlite_catalog._entries_named))
+            _same(client.fetch("third", ["step", "mask"]), {n: SMALL[n] for n in ("step", "mask")})
+            assert deleted[-1].name == "third"
 
 
 def test_a_store_that_finds_its_content_stored_meanwhile_leaves_no_pack(tmp_path):

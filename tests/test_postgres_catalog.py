@@ -125,6 +125,29 @@ def test_two_replicas_replacing_one_name_at_once_leave_one_whole_archive(open_ca
         assert a.archive("model").entries == 40
 
 
+def test_a_read_of_an_archive_takes_its_record_and_entries_from_one_snapshot(open_catalogs, monkeypatch):
+    """Another replica replaces the archive between the read's two statements: the read answers
+    the old record with the old entries (REPEATABLE READ), never old info with new entries."""
+    from tannery_server.storage import postgres_catalog
+
+    a, b = open_catalogs(2)
+    a.commit_archive("model", [_entry(f"old.{i}", _blob(1)) for i in range(3)], [_blob(1)], False, 1)
+    real = postgres_catalog.entries_under_query
+
+    def replaced_first(mark, prefix):
+        b.commit_archive("model", [_entry(f"new.{i}", _blob(2)) for i in range(5)], [_blob(2)], True, 2)
+        return real(mark, prefix)
+
+    monkeypatch.setattr(postgres_catalog, "entries_under_query", replaced_first)
+    read = a.read_archive("model")
+    assert read.record.created_ns == 1 and read.record.entries == 3
+    assert [e.name for e in read.entries] == ["old.0", "old.1", "old.2"]
+    monkeypatch.undo()
+    read = a.read_archive("model", ["new.4", "new.0", "old.0"])
+    assert read.record.version == "2" and [e.name for e in read.entries] == ["new.0", "new.4"]
+    assert a.read_archive("model", entries=False).entries == [] and a.read_archive("nothing") is None
+
+
 # Leases and collection -----------------------------------------------------------------
 
 

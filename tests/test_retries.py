@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 
+import grpc
 import pytest
 import torch
 
@@ -150,6 +151,26 @@ def test_with_retries_off_a_killed_server_fails_the_calls_naming_it(server):
         restarter.join()
 
 
+class _Broken(grpc.RpcError):
+    """What a unary call raises when its connection breaks: UNAVAILABLE, no trailers, and the
+    initial metadata that had come before (none when the request never reached the server)."""
+
+    def __init__(self, initial=()) -> None:
+        self._initial = tuple(initial)
+
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "Socket closed"
+
+    def trailing_metadata(self):
+        return ()
+
+    def initial_metadata(self):
+        return self._initial
+
+
 def test_a_delete_retried_after_a_lost_answer_reports_the_archive_gone(server, monkeypatch):
     with tannery.Client(server.target, retries=2, transport="grpc") as client:
         client.store("old", {"w": torch.ones(3)})
@@ -157,10 +178,10 @@ def test_a_delete_retried_after_a_lost_answer_reports_the_archive_gone(server, m
         lost = []
 
         def answer_lost(request, **options):
-            result = real(request, **options)
+            result, call = real.with_call(request, **options)
             if isinstance(request, pb.DeleteRequest) and not lost:
-                lost.append(result)
-                raise tannery.Unavailable("the answer was lost")
+                lost.append(result)  # deleted, then the connection broke before the answer came
+                raise _Broken(call.initial_metadata())
             return result
 
         monkeypatch.setattr(client._methods, "delete", answer_lost)
@@ -168,6 +189,64 @@ def test_a_delete_retried_after_a_lost_answer_reports_the_archive_gone(server, m
         assert lost and deleted.already_gone and deleted.archive.name == "old"
         with pytest.raises(tannery.NotFound):
             client.delete("old")  # a first attempt that finds nothing is still NotFound
+
+
+def test_a_delete_whose_first_attempt_never_reached_the_server_is_not_found_not_already_gone(server, monkeypatch):
+    """The first attempt broke off before the server got it (no initial metadata came): the
+    archive was never there, so the retry's NOT_FOUND is the answer, not ``already_gone``."""
+    with tannery.Client(server.target, retries=2, transport="grpc") as client:
+        real = client._methods.delete
+        tries = []
+
+        def never_sent(request, **options):
+            tries.append(request.archive)
+            if len(tries) == 1:
+                raise _Broken()
+            return real(request, **options)
+
+        monkeypatch.setattr(client._methods, "delete", never_sent)
+        with pytest.raises(tannery.NotFound, match="'never' not found.*no earlier attempt of this Delete was seen"):
+            client.delete("never")
+        assert tries == ["never", "never"]
+
+
+def test_a_delete_cut_off_by_a_kill_after_it_reached_the_server_reports_already_gone(server, tmp_path):
+    """A real server killed (-9) while its Delete waits for the catalog's write lock: the client
+    had the Delete's initial metadata, so when the retry finds the archive gone (deleted
+    meanwhile, as a lost attempt that committed would have) it reports ``already_gone``."""
+    import sqlite3
+
+    from tannery.records import Deleted
+    from tannery_server.storage.sqlite_catalog import SqliteCatalog
+
+    with tannery.Client(server.target, transport="grpc") as client:
+        client.store("old", {"w": torch.ones(3)})
+    path = tmp_path / "data" / "catalog.sqlite3"
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # the server's Delete waits for this lock
+    result: list[object] = []
+
+    def delete() -> None:
+        with tannery.Client(server.target, transport="grpc", retries=RetryPolicy(6, first_delay=0.5)) as client:
+            try:
+                result.append(client.delete("old"))
+            except Exception as exc:  # noqa: BLE001: the test looks at it
+                result.append(exc)
+
+    thread = threading.Thread(target=delete)
+    thread.start()
+    time.sleep(1.5)  # the Delete is in, waiting for the lock
+    server.kill()
+    holder.execute("ROLLBACK")
+    holder.close()
+    catalog = SqliteCatalog(path)
+    try:
+        assert catalog.delete_archive("old")[0] is not None  # what the lost attempt might have done
+    finally:
+        catalog.close()
+    server.start()
+    thread.join(60)
+    assert len(result) == 1 and isinstance(result[0], Deleted) and result[0].already_gone, result
 
 
 def test_unreachable_retries_then_names_the_server_and_the_retries(caplog):

@@ -736,6 +736,26 @@ def test_a_union_whose_entry_has_the_same_shape_but_other_bytes_is_refused_by_di
     assert fetch(stub, "u") == {"w": W_BYTES}
 
 
+def test_a_union_onto_an_existing_name_compares_before_it_builds(srv, stub, monkeypatch):
+    """A union that finds its target holding the same content, or other content, answers from
+    a comparison: no archive is begun (no entry copied) for a union that writes nothing."""
+    store(stub, "one", {"w": W})
+    store(stub, "two", {"w": W_BYTES})
+    union_of(stub, "u", ("one", ""))
+    catalog = srv.storage.catalog
+    real = catalog._begin_archive
+    begun = []
+    monkeypatch.setattr(catalog, "_begin_archive", lambda *args: (begun.append(args[1]), real(*args))[1])
+    assert union_of(stub, "u", ("one", "")).already_stored
+    expect(failure(union_of, stub, "u", ("two", "")), grpc.StatusCode.ALREADY_EXISTS,
+           "archive 'u' already exists with other content: entry 'w' differs")
+    expect(failure(union_of, stub, "u", ("one", ""), ("two", "")), grpc.StatusCode.INVALID_ARGUMENT,
+           "union: 'w' is in two sources, 'one' and 'two'")  # still found by the build, as before
+    assert begun == ["u"]  # the last union only: the build is what names a duplicate
+    assert union_of(stub, "u", ("two", ""), replace=True).entries == 1 and begun == ["u", "u"]
+    assert fetch(stub, "u") == {"w": W_BYTES}
+
+
 # Describe, List, Delete ---------------------------------------------------------------
 
 

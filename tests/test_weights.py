@@ -243,11 +243,53 @@ def test_one_push_at_a_time_per_publisher(srv):
     with tannery.Client(srv.target) as client:
         publisher = Publisher(client, "policy")
         pushing = publisher._pushing
-        pushing.busy = True  # as while another thread's push is under way
+        pushing.lock.acquire()  # as while another thread's push is under way
         with pytest.raises(RuntimeError, match="a push is under way; push one version at a time"):
             publisher.push({"w": torch.ones(2)}, 0)
-        pushing.busy = False
+        pushing.lock.release()
         assert publisher.push({"w": torch.ones(2)}, 0).version == 0
+
+
+def test_a_second_thread_pushing_meanwhile_fails_at_once_and_the_first_push_lands(srv):
+    """Two threads push through one publisher: the second, while the first is under way (held
+    inside it), raises RuntimeError at once; the first lands; the publisher is free after."""
+    with tannery.Client(srv.target) as client:
+        publisher = Publisher(client, "policy")
+        pushing = publisher._pushing
+        real, entered, release = pushing.learn, threading.Event(), threading.Event()
+
+        def held(core):
+            entered.set()
+            assert release.wait(30), "never released"
+            return (yield from real(core))
+
+        pushing.learn = held
+        first: list[Any] = []
+        thread = threading.Thread(target=lambda: first.append(publisher.push({"w": torch.ones(2)}, 0)))
+        thread.start()
+        try:
+            assert entered.wait(30)
+            second: list[BaseException] = []
+            started = time.monotonic()
+
+            def push_again() -> None:
+                try:
+                    publisher.push({"w": torch.full((2,), 2.0)}, 1)
+                except BaseException as exc:  # noqa: BLE001: the test looks at it
+                    second.append(exc)
+
+            other = threading.Thread(target=push_again)
+            other.start()
+            other.join(30)
+            assert time.monotonic() - started < 5  # at once: it did not wait for the first
+            assert len(second) == 1 and isinstance(second[0], RuntimeError), second
+            assert "a push is under way; push one version at a time" in str(second[0])
+        finally:
+            release.set()
+            thread.join(60)
+        assert [p.version for p in first] == [0] and client.resolve("policy") == "policy/v0"
+        del pushing.learn
+        assert publisher.push({"w": torch.full((2,), 2.0)}, 1).version == 1
 
 
 def test_a_late_joiner_starts_from_the_latest_version_then_follows(srv):

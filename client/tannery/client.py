@@ -218,8 +218,10 @@ class Client(CallCore):
 
         An archive an alias points at is refused (AliasError naming the aliases) unless
         ``force``, which removes those aliases with it (``aliases_removed``).
-        When an attempt's answer was lost (UNAVAILABLE) and the retry finds the archive gone,
-        the lost attempt deleted it: the result says so (``already_gone``), with no counts."""
+        When an attempt's answer was lost (UNAVAILABLE) after it reached the server and the
+        retry finds the archive gone, the lost attempt deleted it: the result says so
+        (``already_gone``), with no counts. An attempt never seen to reach the server deleted
+        nothing: the retry's NotFound is raised."""
         return _run(self._delete(name, force))
 
     def tag(self, alias: str, archive: str, *, expect: str | None = None) -> Tagged:

@@ -34,6 +34,12 @@ Piece = Union[bytes, bytearray, memoryview]
 BATCHED_BELOW = 64 << 10
 #: The field numbers of ``entries`` in ``StoreRequest`` and ``FetchResponse``.
 STORE_ENTRIES, FETCH_ENTRIES = 6, 3
+#: The initial metadata of a Fetch that names the version of the archive it reads
+#: (``FetchRequest.version`` of a resumed Fetch sends it back).
+VERSION_KEY = "tannery-archive-version"
+#: The initial metadata a Delete sends before it deletes anything: a client whose attempt
+#: broke off after seeing it knows that attempt reached the server (and may have deleted).
+RECEIVED_KEY = "tannery-received"
 
 
 class WireError(ValueError):

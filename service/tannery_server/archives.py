@@ -27,7 +27,7 @@ from .dataplane.plane import DataPlane
 from .dataplane.store import SessionSteps, receive_store
 from .derive import DeriveSession
 from .diffing import diff_archives
-from .fetching import check_request, gone_while_read
+from .fetching import check_request
 from .handling import Undecodable, add_service, answering_failures
 from .storage import AliasRecord, ArchiveLimits, ArchiveRecord, MoveNote, Storage
 from .storage_failures import failure_of
@@ -36,7 +36,7 @@ from .store_session import StoreSession
 from .validation import check_archive_name, check_metadata, check_prefix
 from .watching import add_watch
 from .workers import Workers
-from tannery_protocol.wire import parse_store_request, serialize_response
+from tannery_protocol.wire import RECEIVED_KEY, parse_store_request, serialize_response
 
 DEFAULT_PAGE = 100
 MAX_PAGE = 1000
@@ -158,18 +158,12 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
         catalog = self.storage.catalog
 
         def read():
-            record = catalog.lookup(request.archive)  # an alias resolved once: its info names the archive
-            if record is None:
+            # One snapshot: the info and the entries are of one version, whatever replaces it meanwhile.
+            found = catalog.read_archive(request.archive, list(request.names) if request.names else None,
+                                         entries=not request.no_entries)
+            if found is None:
                 raise Missing(f"archive {request.archive!r} not found")
-            if request.no_entries:
-                return record, []
-            if request.names:
-                found = catalog.entries(record.name, request.names)
-                return record, [found[name] for name in sorted(found)]
-            entries = catalog.entries_under(record.name, "")
-            if not entries and record.entries:
-                raise gone_while_read(request.archive, record.name)
-            return record, entries
+            return found.record, found.entries
 
         record, entries = await self._run(read)
         current_call().note("described", len(entries))
@@ -196,6 +190,9 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
     @answering_failures
     async def Delete(self, request: archives_pb2.DeleteRequest, context) -> archives_pb2.DeleteResponse:
         current_call().note("archive", request.archive)
+        # Before anything is deleted: a retry after a lost answer may then say the archive is
+        # already gone (an attempt that broke off before this reached nothing).
+        await context.send_initial_metadata(((RECEIVED_KEY, "delete"),))
         record, collected = await self._run(self.storage.delete, request.archive, request.force,
                                             self._move_note(context))
         if record is None:

@@ -55,6 +55,11 @@ class Mismatch(Failure, code=Code.FAILED_PRECONDITION, kind="archive"):
     """An archive entry is not what the request asked for (the archive issue's messages)."""
 
 
+class Replaced(Failure, code=Code.FAILED_PRECONDITION, kind="replaced"):
+    """A resumed Fetch's archive was replaced since the Fetch began: the rest is not sent (it
+    would mix two versions); the remedy is to fetch again."""
+
+
 class AliasRefused(Failure, code=Code.FAILED_PRECONDITION, kind="alias"):
     """A write aliases forbid: a compare-and-set Tag whose alias moved, an alias where an archive
     is needed (or the reverse), an aliased archive deleted without ``force``."""

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from tannery_protocol import mismatches
 from tannery_protocol.codec import DTYPES, DType, encode_prefix
 from tannery_protocol.v1 import archives_pb2
 
-from .failures import Malformed, Mismatch, Missing
-from .storage import BlobInfo, EntryRecord, Storage
+from .failures import Malformed, Mismatch, Missing, Replaced
+from .storage import ArchiveRecord, BlobInfo, EntryRecord, Storage
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,9 @@ class Plan:
     blob: BlobInfo | None = None
     #: The archive the entry was read from (errors name it); empty when not known.
     archive: str = ""
+    #: That archive's version (:attr:`~.storage.ArchiveRecord.version`): what a Fetch's initial
+    #: metadata names, so that a resumed Fetch asks for the rest of this version only.
+    version: str = ""
 
 
 def _dtype_asked(what: str, name: str, field: str) -> DType:
@@ -49,8 +52,17 @@ def _dtype_asked(what: str, name: str, field: str) -> DType:
         raise Malformed(f"{what}: unknown dtype {name!r} in {field}; known: {', '.join(DTYPES)}") from None
 
 
+#: The longest ``FetchRequest.version`` taken: a version this server gives is a number of ns.
+MAX_VERSION_CHARS = 32
+
+
 def check_request(request: archives_pb2.FetchRequest) -> None:
     """Request-level errors, found before the catalog is read."""
+    version = request.version
+    if version and (len(version) > MAX_VERSION_CHARS or not version.isascii() or not version.isdigit()):
+        shown = repr(version[:MAX_VERSION_CHARS]) + ("..." if len(version) > MAX_VERSION_CHARS else "")
+        raise Malformed(f"Fetch of {request.archive!r}: version {shown} is not one this server gives (the digits "
+                        "its initial metadata tannery-archive-version named): send that, or leave it empty")
     for ask in request.entries:
         what = "Archive.float" if ask.cast else "Archive.tensor"
         if not ask.name:
@@ -121,20 +133,23 @@ def resolve(storage: Storage, request: archives_pb2.FetchRequest) -> list[Plan]:
     catalog = storage.catalog
 
     def lookup() -> list[Plan]:
-        record = catalog.lookup(request.archive)
-        if record is None:
-            raise Missing(f"archive {request.archive!r} not found")
-        archive = record.name
+        # One snapshot: the record and the entries are of one version, whatever replaces it meanwhile.
+        read = catalog.read_archive(request.archive, [ask.name for ask in request.entries] if request.entries
+                                    else None, request.prefix)
+        if read is None:
+            raise Missing(f"archive {request.archive!r} not found" + (
+                " (deleted since this Fetch began: the rest of its entries is gone)" if request.version else ""))
+        record = read.record
+        archive, version = record.name, record.version
+        check_version(request, record)
         if not request.entries:
-            entries = catalog.entries_under(archive, request.prefix)
-            if not entries and record.entries and not request.prefix:
-                raise gone_while_read(request.archive, archive)
+            entries = read.entries
             if request.prefix and not entries:
                 raise Missing(f"archive {request.archive!r}: no entry under prefix {request.prefix!r}")
             blobs = _packs(catalog, entries)
-            return [Plan(e, None, 0, e.payload_bytes, DTYPES[e.dtype], blob=blobs.get(e.blob), archive=archive)
-                    for e in entries]
-        found = catalog.entries(archive, [ask.name for ask in request.entries])
+            return [Plan(e, None, 0, e.payload_bytes, DTYPES[e.dtype], blob=blobs.get(e.blob), archive=archive,
+                         version=version) for e in entries]
+        found = {e.name: e for e in read.entries}
         blobs = _packs(catalog, found.values())
         plans = []
         for ask in request.entries:
@@ -142,10 +157,25 @@ def resolve(storage: Storage, request: archives_pb2.FetchRequest) -> list[Plan]:
             blob = None
             if entry is not None:
                 blob = blobs.get(entry.blob) or (catalog.blob(entry.blob) if ask.HasField("rows") else None)
-            plans.append(replace(plan_entry(ask, entry, blob), archive=archive))
+            plans.append(replace(plan_entry(ask, entry, blob), archive=archive, version=version))
         return plans
 
     return storage.pinned(lookup, digests)
+
+
+def check_version(request: archives_pb2.FetchRequest, record: ArchiveRecord) -> None:
+    """Replaced unless the request names no version or the one ``record`` is: a resumed Fetch
+    takes the rest of its entries from the version it began on, or fails (never a mix)."""
+    if request.version and request.version != record.version:
+        named = f"archive {request.archive!r}" + ("" if record.name == request.archive else f" ({record.name!r} now)")
+        raise Replaced(f"{named} was replaced since this Fetch began (version {request.version}, now "
+                       f"{record.version}): the rest of its entries is not sent, which would mix two versions; "
+                       "fetch again")
+
+
+def fetch_version(plans: Sequence[Plan]) -> str:
+    """The version of the archive a Fetch's plans read (empty for no plans)."""
+    return plans[0].version if plans else ""
 
 
 def gone_while_read(asked: str, archive: str) -> Missing:

@@ -20,7 +20,7 @@ import grpc
 
 from tannery_protocol import errors
 from tannery_protocol._lazy import lazy_module
-from tannery.rpc.connection import Calls, Connection, TLSLike, check_transport, rpc_error
+from tannery.rpc.connection import Calls, Connection, TLSLike, check_transport, received, rpc_error
 from tannery.records import (
     Alias, ArchiveDescription, ArchiveInfo, Deleted, Pruned, Published, Tagged, Untagged, is_kept_entry, values_prefix,
 )
@@ -183,7 +183,9 @@ class CallCore:
         try:
             answer = yield Rpc(method, request, **self._calls.options())
         except grpc.RpcError as error:
-            raise rpc_error(error, self.target) from None
+            failure = rpc_error(error, self.target)
+            failure.reached = received(error)  # type: ignore[attr-defined]
+            raise failure from None
         self._retries.contact.reached = True
         return answer
 
@@ -223,7 +225,7 @@ class CallCore:
         retry = 0
         while True:
             try:
-                asked = request if not noted.done else (yield from self._rest_of(request, noted.done))
+                asked = request if not noted.done else (yield from self._rest_of(request, noted.done, noted.version))
                 if asked is None:
                     return noted.kept
                 transport = yield from self._transport_now()
@@ -238,18 +240,20 @@ class CallCore:
             yield from self._forget(pause)
             reader.restart()
 
-    def _rest_of(self, request: archives_pb2.FetchRequest, done: Sequence[str]
+    def _rest_of(self, request: archives_pb2.FetchRequest, done: Sequence[str], version: str
                  ) -> Steps[archives_pb2.FetchRequest | None]:
-        """The Fetch of what ``request`` asks but the entries ``done``; a request by prefix
-        learns the archive's names from one Describe, tried once (it is part of the Fetch's
-        attempt: the Fetch's retries cover it)."""
+        """The Fetch of what ``request`` asks but the entries ``done``, pinned to ``version`` of
+        the archive (the server refuses it if the archive was replaced meanwhile); a request by
+        prefix learns the archive's names from one Describe, tried once (it is part of the
+        Fetch's attempt: the Fetch's retries cover it); names of another version are harmless,
+        since the pinned Fetch is then refused."""
         yield from self._refuse_resuming_an_alias(request.archive, len(done))
         listed = None
         if not request.entries:
             described = yield from self._unary_once(self._methods.describe,
                                                     archives_pb2.DescribeRequest(archive=request.archive))
             listed = [entry.name for entry in described.entries]
-        return resumed_request(request, done, listed)
+        return resumed_request(request, done, listed, version)
 
     def _refuse_resuming_an_alias(self, name: str, done: int) -> Steps[None]:
         """AliasError when ``name`` is an alias: the Fetch cut off asked for what it pointed at
@@ -335,12 +339,21 @@ class CallCore:
     def _delete(self, name: str, force: bool = False) -> Steps[Deleted]:
         request = archives_pb2.DeleteRequest(archive=name, force=force)
 
+        reached = False  # an earlier attempt broke off after the server had it (and may have deleted)
+
         def attempt(retry: int) -> Steps[Deleted]:
+            nonlocal reached
             try:
                 return Deleted.of((yield from self._unary_once(self._methods.delete, request)))
-            except errors.NotFound:
-                if retry:  # the attempt whose answer was lost deleted it
+            except errors.NotFound as error:
+                if reached:  # the attempt whose answer was lost deleted it
                     return Deleted.gone(name)
+                if retry:
+                    error.args = (f"{error.args[0]} (no earlier attempt of this Delete was seen to reach the server)",
+                                  *error.args[1:])
+                raise
+            except errors.Unavailable as error:
+                reached = reached or bool(getattr(error, "reached", False))
                 raise
 
         return (yield from self._retrying(f"Delete of {name!r}", attempt))
@@ -446,11 +459,21 @@ class _Noted:
     def __init__(self, reader: Any, keep: bool, hide_files: bool = False, keep_values: bool = False) -> None:
         self.reader, self.pieces, self.pool = reader, reader.pieces, reader.pool
         self.done: list[str] = []
+        #: The version of the archive the entries done were read from (initial metadata): what
+        #: a resumed Fetch sends back, pinned to it; "" until known (or from an older server).
+        self.version = ""
         self.kept: list[Any] | None = [] if keep else None
         #: Leave out the files and plain values kept with the archive (a Fetch of every entry gives the tensors).
         self.hide_files = hide_files
         #: ... but keep those of the plain values (``Client.fetch`` lifts them out of the entries).
         self.keep_values = keep_values
+
+    def began(self, version: str) -> None:
+        """An attempt began on ``version`` of the archive. Kept while no entry came whole (the
+        next attempt asks for everything again, of whatever version is there then); after, a
+        resumed attempt is pinned to it, so it is given the same version or fails."""
+        if not self.done:
+            self.version = version
 
     def feed(self, message: Any) -> Sequence[Any]:
         return self._noted(self.reader.feed(message))

@@ -41,7 +41,7 @@ from tannery.dataplane.messages import publish_stream, store_begin, store_entrie
 from tannery.rpc.requests import Progress
 from tannery.rpc.waits import END, Blocking, Read, Rpc, Send, Status, Steps, Upload
 from tannery_protocol.v1 import archives_pb2, channels_pb2
-from tannery_protocol.wire import ABANDONED, encode_publish_request, encode_store_commit, encode_store_request
+from tannery_protocol.wire import ABANDONED, VERSION_KEY, encode_publish_request, encode_store_commit, encode_store_request
 
 if TYPE_CHECKING:
     from tannery.archive import Archive
@@ -134,6 +134,14 @@ def ticket_of(metadata: Sequence[tuple[str, object]] | None) -> str | None:
     return None
 
 
+def version_of(metadata: Sequence[tuple[str, object]] | None) -> str:
+    """The archive version a Fetch's initial metadata names ("" from a server from before it)."""
+    for key, value in metadata or ():
+        if key == VERSION_KEY:
+            return str(value)
+    return ""
+
+
 class Transport(Protocol):
     """How Store, Fetch, Publish and Subscribe move their bytes. Each method is a generator of
     steps (:mod:`tannery.rpc.waits`) given the client's :class:`~tannery.rpc.connection.Calls`."""
@@ -141,7 +149,8 @@ class Transport(Protocol):
     kind: str  # "grpc", "local" or "tcp"
 
     def fetch(self, calls: Calls, request: archives_pb2.FetchRequest, reader: Any) -> Steps[None]:
-        """Yields what ``reader`` makes of the entries as they arrive; leaving early ends the call."""
+        """Yields what ``reader`` makes of the entries as they arrive; leaving early ends the call.
+        ``reader.began(version)`` is told the archive's version first (initial metadata)."""
 
     def store(self, calls: Calls, name: str, archive: Archive, prefix: str, replace: bool, progress: Progress,
               metadata: Mapping[str, str] | None, digests: bool, *, batched: bool = False) -> Steps[Any]:
@@ -167,6 +176,7 @@ class GrpcTransport:
         call = calls.methods.fetch(request, **calls.options())
         try:
             try:
+                reader.began(version_of((yield Rpc(call.initial_metadata))))
                 while (message := (yield Read(call))) is not END:
                     yield from reader.feed(message)
             except grpc.RpcError as error:
@@ -214,12 +224,14 @@ class LinkTransport:
         link = None
         try:
             try:
-                ticket = ticket_of((yield Rpc(call.initial_metadata)))
+                metadata = yield Rpc(call.initial_metadata)
             except grpc.RpcError as error:
                 raise rpc_error(error, calls.target) from None
+            ticket = ticket_of(metadata)
             if ticket is None:  # the call failed before any byte: its status says why
                 yield from _ended(call, calls.target)
                 raise errors.ServiceError("the server answered a data-path Fetch without a ticket")
+            reader.began(version_of(metadata))
             # Unavailable at once when the connection cannot be made; the call is cancelled (finally).
             link = yield Blocking(connect_call, self.route, ticket)
             try:

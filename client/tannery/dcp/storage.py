@@ -64,6 +64,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
 from tannery.archive import MemoryArchive
+from tannery.calls import retention
 from tannery.client import Client
 from tannery.dcp.versions import Versions
 from tannery.records import Pruned
@@ -185,6 +186,8 @@ class Writer(_Base, StorageWriter):
     def reset(self, checkpoint_id: Any = None) -> None:
         if checkpoint_id:
             self.archive = str(checkpoint_id)
+        if self.save_id:  # the last save of this writer is over, whole or not
+            retention.saved(self.save_id)
         self.save_id = ""
         self._parts = []
 
@@ -203,6 +206,7 @@ class Writer(_Base, StorageWriter):
         self._expect = self.versions.begin(self.client, self.archive) if self.versions.wanted else None
         self.pruned = None
         self.save_id = uuid.uuid4().hex[:16]
+        retention.saving(self.save_id)  # before any part exists: no prune in this process deletes them meanwhile
         self._parts = [f"{self.archive}.rank-{i}.{self.save_id}" for i in range(len(plans))]
         return [dataclasses.replace(plan, storage_data=_RankPart(part)) for plan, part in zip(plans, self._parts)]
 
@@ -245,10 +249,14 @@ class Writer(_Base, StorageWriter):
         sources = [part for part, rank in zip(self._parts, results) if rank]
         meta_archive = f"{self.archive}.metadata.{self.save_id}"
         raw = pickle.dumps(metadata)
-        self.client.store(meta_archive, MemoryArchive({METADATA_ENTRY: torch.frombuffer(bytearray(raw), dtype=torch.uint8)}),
-                           replace=True)
-        sources.append(meta_archive)
-        self.client.union(self.archive, sources, replace=self.replace)
+        try:
+            self.client.store(meta_archive, MemoryArchive({METADATA_ENTRY: torch.frombuffer(bytearray(raw),
+                                                                                           dtype=torch.uint8)}),
+                              replace=True)
+            sources.append(meta_archive)
+            self.client.union(self.archive, sources, replace=self.replace)
+        finally:
+            retention.saved(self.save_id)  # whole, or failed: its parts are pruned as any from now on
         for name in sources:
             try:
                 self.client.delete(name)

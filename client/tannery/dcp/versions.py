@@ -13,7 +13,10 @@ then the older checkpoints of its run are pruned, in that order.
    every archive an alias points at. The prefix is ``prune_prefix``, else the checkpoint's name
    up to and including its last ``/`` (``runs/7/``). A DCP part left by a failed save
    (``*.rank-N.<id>``, ``*.metadata.<id>``) is not a checkpoint: never counted, and deleted
-   once it is older than the oldest checkpoint kept (:mod:`tannery.calls.retention`).
+   once it is older than the oldest checkpoint kept (:mod:`tannery.calls.retention`), unless its
+   save still runs in this process: a save registers its id before any part exists
+   (``retention.saving``) and unregisters it once its Union is done or failed, so the prune of
+   one ``async_save`` never deletes the parts of another still running.
 
 A crash between any two steps leaves the alias on a whole checkpoint (the old one until step 3),
 and nothing newer than it is ever deleted (the checkpoint the alias points at is kept).

@@ -213,6 +213,18 @@ def service_error(
     return error
 
 
+def received(error: grpc.RpcError) -> bool:
+    """Whether a failed call had reached the server: its initial metadata, which a Delete sends
+    before it deletes anything, came (``tannery-received``)."""
+    from tannery_protocol.wire import RECEIVED_KEY  # on a failure only: a call that succeeds needs none
+
+    try:
+        metadata = error.initial_metadata() if callable(getattr(error, "initial_metadata", None)) else None
+    except Exception:  # noqa: BLE001: an error without it reached nothing we saw
+        return False
+    return any(key == RECEIVED_KEY for key, _value in metadata or ())
+
+
 def rpc_error(error: grpc.RpcError, target: str) -> Exception:
     """:func:`service_error` for a failed call's ``grpc.RpcError`` (sync, or aio's ``AioRpcError``)."""
     if not callable(getattr(error, "code", None)):
@@ -220,4 +232,5 @@ def rpc_error(error: grpc.RpcError, target: str) -> Exception:
     return service_error(error.code(), error.details(), error.trailing_metadata(), target)
 
 
-__all__ = ["Calls", "Connection", "DEFAULT_CHUNK_SIZE", "DEFAULT_TARGET", "TLS", "TLSLike", "rpc_error", "service_error"]
+__all__ = ["Calls", "Connection", "DEFAULT_CHUNK_SIZE", "DEFAULT_TARGET", "TLS", "TLSLike", "received", "rpc_error",
+           "service_error"]

@@ -10,13 +10,17 @@ off). Every retry is logged at INFO on the ``tannery.client`` logger. What is re
 - Store, sent again from its start: the server stores nothing of a call that did not
   finish, and answers an identical Store of an archive that is already there with OK;
 - Delete: an archive already gone when a retry arrives was deleted by the attempt whose
-  answer was lost, so that retry reports it deleted (``Deleted.already_gone``);
+  answer was lost, so that retry reports it deleted (``Deleted.already_gone``), but only when
+  that attempt was seen to reach the server (the Delete's initial metadata ``tannery-received``,
+  sent before anything is deleted, had come); else the retry's NotFound stands;
 - Resolve and ListAliases as reads; Tag as it is (a Tag whose lost attempt moved the alias
   finds it there and answers OK, ``expect`` or not); Untag as Delete (``Untagged.already_gone``);
 - Watch, reopened: its first answer (the alias's target then) is handed on only when it
   differs from the last one seen (:mod:`tannery.calls.watches`);
 - Fetch, resumed after the entries already received whole (:func:`resumed_request`): no
-  entry is fetched twice into the result; the one cut off midway comes again whole.
+  entry is fetched twice into the result; the one cut off midway comes again whole. The rest
+  is asked of the version of the archive the first attempt read: if it was replaced
+  meanwhile, the Fetch fails (ArchiveError: fetch again), never mixing two versions.
 
 gRPC's own retry policy (a service config) is not used: it cannot replay a Store larger than
 its buffer, nor resume a Fetch, nor log. What to do is decided here; the one loop that
@@ -138,9 +142,12 @@ def call_name(request: object) -> str:
 
 
 def resumed_request(request: archives_pb2.FetchRequest, done: Sequence[str],
-                    listed: Sequence[str] | None) -> archives_pb2.FetchRequest | None:
+                    listed: Sequence[str] | None, version: str = "") -> archives_pb2.FetchRequest | None:
     """The Fetch that gets the rest of ``request`` once the entries ``done`` came whole; None
-    when nothing is left.
+    when nothing is left. It is pinned to ``version`` of the archive, the one the first
+    attempt read (its initial metadata): the server refuses it (FAILED_PRECONDITION, "fetch
+    again") if the archive was replaced meanwhile, so an answer never mixes two versions. A
+    server from before versions names none: the rest is then asked by name alone.
 
     A request by name keeps its asks (shape, dtype, cast, rows) but those done, in order, and
     its ``batched_entries``. A
@@ -156,7 +163,8 @@ def resumed_request(request: archives_pb2.FetchRequest, done: Sequence[str],
                 if name not in finished]
     if not rest:
         return None
-    return archives_pb2.FetchRequest(archive=request.archive, entries=rest, batched_entries=request.batched_entries)
+    return archives_pb2.FetchRequest(archive=request.archive, entries=rest, batched_entries=request.batched_entries,
+                                     version=version or request.version)
 
 
 __all__ = ["DEFAULT_RETRIES", "ENV", "Contact", "RetryPolicy", "call_name", "resumed_request", "retryable"]

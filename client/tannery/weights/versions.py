@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -150,11 +151,18 @@ class Pushing:
         #: The push id of :attr:`current` when this publisher stored it ("": not known).
         self.current_push = ""
         self.version: int | None = None
-        self.busy = False
+        #: Held by the push under way: a second push meanwhile (another thread, another task)
+        #: fails at once instead of waiting (:func:`push_steps`).
+        self.lock = threading.Lock()
         #: Whether the server derives (False once it answered Derive UNIMPLEMENTED).
         self.derives = True
         #: On the same host: memory files made ready, between pushes, for the next version's payloads.
         self.files = MemoryFiles(ready_bytes) if stream and ready_bytes > 0 else None
+
+    @property
+    def busy(self) -> bool:
+        """Whether a push is under way."""
+        return self.lock.locked()
 
     def learn(self, core: CallCore) -> Steps[None]:
         """Ask where the alias points, once (a publisher started again goes on from there)."""
@@ -174,13 +182,14 @@ def push_steps(core: CallCore, pushing: Pushing, state: Any, version: int) -> St
     where this publisher left it (AliasError naming where it points otherwise: another
     publisher), and all but the newest ``pushing.keep`` versions deleted (None: keep every one).
     One push at a time per publisher (RuntimeError for a second one meanwhile)."""
-    if pushing.busy:
+    # Taken without waiting, checked and held in one step: two threads pushing at once cannot
+    # both find the publisher free (a flag read, then set, could).
+    if not pushing.lock.acquire(blocking=False):
         raise RuntimeError(f"{pushing.where}: a push is under way; push one version at a time")
-    pushing.busy = True
     try:
         return (yield from _push(core, pushing, state, version))
     finally:
-        pushing.busy = False
+        pushing.lock.release()
 
 
 def _push(core: CallCore, pushing: Pushing, state: Any, version: int) -> Steps[Pushed]:

@@ -216,16 +216,18 @@ class EntryAsk(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Union[Shape, _Mapping]] = ..., dtype: _Optional[str] = ..., cast: _Optional[str] = ..., rows: _Optional[_Union[RowRange, _Mapping]] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("archive", "entries", "prefix", "batched_entries")
+    __slots__ = ("archive", "entries", "prefix", "batched_entries", "version")
     ARCHIVE_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_FIELD_NUMBER: _ClassVar[int]
     BATCHED_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     archive: str
     entries: _containers.RepeatedCompositeFieldContainer[EntryAsk]
     prefix: str
     batched_entries: bool
-    def __init__(self, archive: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[EntryAsk, _Mapping]]] = ..., prefix: _Optional[str] = ..., batched_entries: _Optional[bool] = ...) -> None: ...
+    version: str
+    def __init__(self, archive: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[EntryAsk, _Mapping]]] = ..., prefix: _Optional[str] = ..., batched_entries: _Optional[bool] = ..., version: _Optional[str] = ...) -> None: ...
 
 class FetchResponse(_message.Message):
     __slots__ = ("entry", "chunk", "entries")

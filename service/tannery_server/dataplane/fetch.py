@@ -17,10 +17,10 @@ from typing import Iterable, Iterator, Sequence
 import grpc
 
 from tannery_protocol.v1 import archives_pb2
-from tannery_protocol.wire import BATCHED_BELOW, FETCH_ENTRIES, EntryBatch, encode_fetch_response, split_parts
+from tannery_protocol.wire import BATCHED_BELOW, FETCH_ENTRIES, VERSION_KEY, EntryBatch, encode_fetch_response, split_parts
 
 from ..calllog import current_call
-from ..fetching import Plan, digests, resolve
+from ..fetching import Plan, digests, fetch_version, resolve
 from ..storage import Damaged, Storage
 from ..workers import Workers, settle
 from ..storage.block_reader import BlobShelf
@@ -47,10 +47,18 @@ async def serve_fetch(plane: DataPlane, storage: Storage, request: archives_pb2.
         await asyncio.shield(_release_resolved(plane, storage, resolving))
         raise
     try:
-        sent = await plane.over_link(transport, context, send_fetch, storage, plans, batched)
+        sent = await plane.over_link(transport, context, send_fetch, storage, plans, batched,
+                                     metadata=version_metadata(plans))
         current_call().note("data_bytes", sent)
     finally:
         await asyncio.shield(plane.workers.run(storage.release, digests(plans)))
+
+
+def version_metadata(plans: Sequence[Plan]) -> tuple[tuple[str, str], ...]:
+    """The initial metadata naming the version of the archive a Fetch reads (none for no plans):
+    what a resumed Fetch sends back, so that it never mixes two versions."""
+    version = fetch_version(plans)
+    return ((VERSION_KEY, version),) if version else ()
 
 
 async def _release_resolved(plane: DataPlane, storage: Storage, resolving: asyncio.Future) -> None:
@@ -73,6 +81,7 @@ async def _stream(workers: Workers, storage: Storage, request: archives_pb2.Fetc
         raise
     ahead: asyncio.Future | None = None
     try:
+        await context.send_initial_metadata(version_metadata(stream.plans))
         while True:
             # The next batch is read while this one is sent.
             ahead = None if stream.done else workers.start(stream.next_batch, FETCH_BATCH_BYTES)

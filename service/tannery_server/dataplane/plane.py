@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from tannery_protocol.datalink import DATA_TRANSPORTS, TICKET_KEY, TRANSPORT_KEY, Link
 
@@ -67,22 +67,25 @@ class DataPlane:
         raise DataPathOff(f"this server offers no {transport} data path{for_service} ({why}): ask for transport "
                           "'auto' or 'grpc'")
 
-    async def link(self, transport: str, context) -> Link:
-        """The call's ticket sent in its initial metadata, its data connection once the client opens it."""
+    async def link(self, transport: str, context, metadata: Sequence[tuple[str, str]] = ()) -> Link:
+        """The call's ticket sent in its initial metadata (with ``metadata``), its data connection
+        once the client opens it."""
         assert self.paths is not None
         ticket = self.paths.ticket(transport)
         try:
-            await context.send_initial_metadata(((TICKET_KEY, ticket.hex),))
+            await context.send_initial_metadata(((TICKET_KEY, ticket.hex), *metadata))
             return await ticket.connection()
         finally:
             ticket.withdraw()
 
     async def over_link(self, transport: str, context, move: Callable[..., Any], *args: Any,
-                        start: Callable[..., asyncio.Future] | None = None) -> Any:
-        """Give the call a ticket, wait for its data connection, run ``move(link, *args)`` on a
-        worker thread (through ``start``, that a caller may track it: a Store's session steps).
-        A cancelled call breaks the connection and waits for the thread."""
-        link = await self.link(transport, context)
+                        start: Callable[..., asyncio.Future] | None = None,
+                        metadata: Sequence[tuple[str, str]] = ()) -> Any:
+        """Give the call a ticket (in initial metadata with ``metadata``), wait for its data
+        connection, run ``move(link, *args)`` on a worker thread (through ``start``, that a
+        caller may track it: a Store's session steps). A cancelled call breaks the connection
+        and waits for the thread."""
+        link = await self.link(transport, context, metadata)
         job = (start or self.workers.start)(move, link, *args)
         try:
             return await asyncio.shield(job)

@@ -105,6 +105,22 @@ class ArchiveRecord:
         """The entries that are tensors: all but the kept files."""
         return self.entries - self.files
 
+    @property
+    def version(self) -> str:
+        """What tells this archive from another stored under its name since (a replace): its
+        creation time, in nanoseconds, as text. A resumed Fetch sends it so that it never
+        takes the rest of its entries from another version."""
+        return str(self.created_ns)
+
+
+@dataclass(frozen=True)
+class ArchiveRead:
+    """An archive's record and the entries a read asked of it, read in one snapshot of the
+    catalog: a replace committed meanwhile shows in neither or in both."""
+
+    record: ArchiveRecord
+    entries: list["EntryRecord"]
+
 
 @dataclass(frozen=True)
 class AliasRecord:
@@ -211,6 +227,16 @@ class Catalog(ABC):
     def import_moves(self, moves: Sequence[AliasMove]) -> int:
         """Add ``moves`` (oldest first) to the history of their aliases, unless an alias already
         has a history here (a migration run again); the moves added."""
+        ...
+
+    @abstractmethod
+    def read_archive(self, name: str, names: Sequence[str] | None = None, prefix: str = "", *,
+                     entries: bool = True) -> ArchiveRead | None:
+        """The archive ``name`` denotes now (as :meth:`lookup`) and its entries, in one read
+        transaction (one snapshot), so the record and the entries are of one version; None
+        when there is no such archive. The entries: none without ``entries``; with ``names``,
+        those of these names that exist, sorted by name; else those ``prefix`` owns, sorted by
+        name (every entry for an empty prefix). What Describe and Fetch read."""
         ...
 
     @abstractmethod

@@ -106,19 +106,29 @@ def duplicate_error(name: str, sources: Sequence[tuple[str, str]], ids: Sequence
     return InvalidRequest(f"union: {name!r} is in two sources, {first!r} and {archive!r}")
 
 
-def compare_existing(query: Query, mark: str, name: str, archive_id: int, metadata: Mapping[str, str] | None) -> None:
-    """Return when no archive ``name`` exists; raise AlreadyThere when it holds exactly the
-    entries of archive ``archive_id`` (being built) and ``metadata``, ArchiveExists otherwise."""
-    rows = query(f"SELECT {ARCHIVE_COLUMNS} FROM archives WHERE name = {mark}", (name,))
+def compare_union_first(query: Query, mark: str, target: str, sources: Sequence[tuple[int, str]],
+                        metadata: Mapping[str, str] | None, limits: ArchiveLimits) -> None:
+    """Before a union without ``replace`` is built: return when no archive ``target`` exists, or
+    when its sources (``(archive id, prefix)``) give a name twice (the build names it); else
+    AlreadyThere when ``target`` holds exactly what the union would (nothing is written),
+    TooManyEntries or InvalidRequest for a union over ``limits``, ArchiveExists otherwise: a
+    refused union costs a read of its sources, not a copy of their entries."""
+    rows = query(f"SELECT {ARCHIVE_COLUMNS} FROM archives WHERE name = {mark}", (target,))
     if not rows:
         return
+    new = [entry_from_row(row).renamed(prefix) for source_id, prefix in sources
+           for row in query(f"SELECT {ENTRY_COLUMNS} FROM entries e WHERE e.archive_id = {mark}", (source_id,))]
+    if len({e.name for e in new}) != len(new):
+        return
+    longest = max(new, key=lambda e: len(e.name.encode("utf-8")), default=None)
+    check_union_limits(target, len(new), len(longest.name.encode("utf-8")) if longest else 0,
+                       lambda: longest.name if longest else "", limits)
     there = query(f"SELECT {ENTRY_COLUMNS} FROM entries e JOIN archives a ON a.id = e.archive_id "
-                  f"WHERE a.name = {mark}", (name,))
-    new = query(f"SELECT {ENTRY_COLUMNS} FROM entries e WHERE e.archive_id = {mark}", (archive_id,))
-    raise AlreadyThere(require_same(archive_from_row(rows[0]), [entry_from_row(r) for r in there],
-                                    [entry_from_row(r) for r in new], metadata, "in the union"))
+                  f"WHERE a.name = {mark}", (target,))
+    raise AlreadyThere(require_same(archive_from_row(rows[0]), [entry_from_row(r) for r in there], new, metadata,
+                                    "in the union"))
 
 
 __all__ = ["ARCHIVE_COLUMNS", "BLOB_COLUMNS", "ENTRY_COLUMNS", "ENTRY_COPIED", "ENTRY_INSERT", "Query", "archive_from_row",
-           "check_union_limits", "compare_existing", "duplicate_error", "entries_under_query", "entry_from_row",
+           "check_union_limits", "compare_union_first", "duplicate_error", "entries_under_query", "entry_from_row",
            "entry_values", "metadata_text"]

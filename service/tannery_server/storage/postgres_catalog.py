@@ -37,9 +37,9 @@ import time
 from typing import Callable, Iterable, Mapping, Sequence
 
 from . import alias_sql
-from .base import AliasMove, AliasRecord, ArchiveLimits, MoveNote, ArchiveRecord, BlobInfo, CatalogTotals, EntryRecord, SharedCatalog
+from .base import AliasMove, AliasRecord, ArchiveLimits, ArchiveRead, MoveNote, ArchiveRecord, BlobInfo, CatalogTotals, EntryRecord, SharedCatalog
 from .catalog_sql import (ARCHIVE_COLUMNS, BLOB_COLUMNS, ENTRY_COLUMNS, ENTRY_COPIED, ENTRY_INSERT, archive_from_row,
-                          check_union_limits, compare_existing, duplicate_error, entries_under_query, entry_from_row,
+                          check_union_limits, compare_union_first, duplicate_error, entries_under_query, entry_from_row,
                           entry_values, metadata_text)
 from .errors import ArchiveExists, InvalidRequest, NoSuchArchive, StorageUnavailable
 from .postgres_pool import Cursor, PostgresPool, UniqueViolation, safe_name
@@ -128,6 +128,32 @@ class PostgresCatalog(SharedCatalog):
             return alias_sql.untag(_query(cur), "%s", alias, now_ns or time.time_ns(), note)
 
         return self._db.write(f"removing alias {alias!r}", work)
+
+    def read_archive(self, name: str, names: Sequence[str] | None = None, prefix: str = "", *,
+                     entries: bool = True) -> ArchiveRead | None:
+        """In one ``REPEATABLE READ`` transaction: every statement sees one snapshot (under the
+        pool's default, ``READ COMMITTED``, each statement would take its own)."""
+        def work(cur: Cursor) -> ArchiveRead | None:
+            with cur.connection.transaction():
+                cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+                row = cur.execute(f"SELECT {ARCHIVE_COLUMNS} FROM archives WHERE {alias_sql.lookup_sql('%s')}",
+                                  (name, name)).fetchone()
+                if row is None:
+                    return None
+                record = archive_from_row(row)
+                if not entries:
+                    return ArchiveRead(record, [])
+                if names is not None:
+                    rows = cur.execute(
+                        f"SELECT {ENTRY_COLUMNS} FROM entries e JOIN archives a ON a.id = e.archive_id "
+                        "WHERE a.name = %s AND e.name = ANY(%s)", (record.name, list(dict.fromkeys(names)))).fetchall()
+                    rows.sort(key=lambda r: r[0])  # by name as Python sorts it (the column's collation aside)
+                else:
+                    query, args = entries_under_query("%s", prefix)
+                    rows = cur.execute(query, (record.name, *args)).fetchall()
+                return ArchiveRead(record, [entry_from_row(r) for r in rows])
+
+        return self._db.read(f"reading archive {name!r} and its entries", work)
 
     def entries(self, archive: str, names: Sequence[str]) -> dict[str, EntryRecord]:
         rows = self._db.read(f"reading entries of {archive!r}", lambda cur: cur.execute(
@@ -289,7 +315,11 @@ class PostgresCatalog(SharedCatalog):
         def work(cur: Cursor) -> tuple[ArchiveRecord, list[str]]:
             self._lock_name(cur, target)
             ids = [self._source_id(cur, archive) for archive, _prefix in sources]
-            # An existing target is compared with the union once it is built (below).
+            if not replace:  # an existing target is compared with what the union would be, before it is built
+                compare_union_first(lambda sql, args: cur.execute(sql, args).fetchall(), "%s", target,
+                                    [(source_id, prefix) for source_id, (_a, prefix) in zip(ids, sources)], metadata,
+                                    limits)
+            # Past the comparison, an archive there is replaced, or the sources give a name twice (raised below).
             archive_id = self._begin_archive(cur, target, True, created_ns, metadata)
             for index, (prefix, source_id) in enumerate((prefix, i) for (_a, prefix), i in zip(sources, ids)):
                 try:
@@ -305,9 +335,6 @@ class PostgresCatalog(SharedCatalog):
             check_union_limits(target, count, longest, lambda: cur.execute(
                 "SELECT name FROM entries WHERE archive_id = %s ORDER BY octet_length(name) DESC LIMIT 1",
                 (archive_id,)).fetchone()[0], limits)
-            if not replace:
-                compare_existing(lambda sql, args: cur.execute(sql, args).fetchall(), "%s", target, archive_id,
-                                 metadata)
             return self._finish_archive(cur, archive_id, target, time.time_ns())
 
         try:

@@ -9,17 +9,18 @@ versioned (:mod:`.sqlite_schema`): a catalog of an older version is migrated
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sqlite3
 import threading
 import time
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence
 
 from . import alias_sql
-from .base import AliasMove, AliasRecord, ArchiveLimits, MoveNote, ArchiveRecord, BlobInfo, Catalog, CatalogTotals, EntryRecord
+from .base import AliasMove, AliasRecord, ArchiveLimits, ArchiveRead, MoveNote, ArchiveRecord, BlobInfo, Catalog, CatalogTotals, EntryRecord
 from .catalog_sql import (ARCHIVE_COLUMNS, BLOB_COLUMNS, ENTRY_COLUMNS, ENTRY_COPIED, ENTRY_INSERT, archive_from_row,
-                          check_union_limits, compare_existing, duplicate_error, entries_under_query, entry_from_row,
+                          check_union_limits, compare_union_first, duplicate_error, entries_under_query, entry_from_row,
                           entry_values, metadata_text)
 from .errors import ArchiveExists, CatalogTooNew, InvalidRequest, NoSuchArchive
 from .same_content import AlreadyThere
@@ -95,28 +96,29 @@ class SqliteCatalog(Catalog):
         with self._transaction() as conn:
             return alias_sql.import_moves(_query(conn), "?", moves)
 
+    def read_archive(self, name: str, names: Sequence[str] | None = None, prefix: str = "", *,
+                     entries: bool = True) -> ArchiveRead | None:
+        conn = self._reader()
+        with _snapshot(conn):
+            row = conn.execute(f"SELECT {ARCHIVE_COLUMNS} FROM archives WHERE {alias_sql.lookup_sql('?')}",
+                               (name, name)).fetchone()
+            if row is None:
+                return None
+            record = archive_from_row(row)
+            if not entries:
+                return ArchiveRead(record, [])
+            if names is not None:
+                found = _entries_named(conn, record.name, names)
+                return ArchiveRead(record, [found[n] for n in sorted(found)])
+            return ArchiveRead(record, _entries_under(conn, record.name, prefix))
+
     def entries(self, archive: str, names: Sequence[str]) -> dict[str, EntryRecord]:
         conn = self._reader()
-        found: dict[str, EntryRecord] = {}
-        unique = list(dict.fromkeys(names))
-        conn.execute("BEGIN")  # one snapshot for every batch
-        try:
-            for start in range(0, len(unique), _IN_BATCH):
-                batch = unique[start : start + _IN_BATCH]
-                rows = conn.execute(
-                    f"SELECT {ENTRY_COLUMNS} FROM entries e JOIN archives a ON a.id = e.archive_id "
-                    f"WHERE a.name = ? AND e.name IN ({','.join('?' * len(batch))})",
-                    (archive, *batch),
-                )
-                for row in rows:
-                    found[row[0]] = entry_from_row(row)
-        finally:
-            conn.execute("COMMIT")
-        return found
+        with _snapshot(conn):  # one snapshot for every batch
+            return _entries_named(conn, archive, names)
 
     def entries_under(self, archive: str, prefix: str) -> list[EntryRecord]:
-        query, args = entries_under_query("?", prefix)
-        return [entry_from_row(row) for row in self._reader().execute(query, (archive, *args))]
+        return _entries_under(self._reader(), archive, prefix)
 
     def list_archives(self, prefix: str, after: str, limit: int) -> list[ArchiveRecord]:
         rows = self._reader().execute(
@@ -257,8 +259,8 @@ class SqliteCatalog(Catalog):
         self, target: str, sources: Sequence[tuple[str, str]], replace: bool, created_ns: int, limits: ArchiveLimits,
         metadata: Mapping[str, str] | None = None,
     ) -> tuple[ArchiveRecord, list[str]]:
-        """The union built under a temporary name, checked, then compared with an archive of
-        that name (unless ``replace``), then named."""
+        """The union compared with an archive of that name (unless ``replace``), then built under
+        a temporary name, checked, and named."""
         with self._transaction() as conn:
             ids = []
             for archive, _prefix in sources:
@@ -267,7 +269,11 @@ class SqliteCatalog(Catalog):
                 if row is None:
                     raise NoSuchArchive(f"archive {archive!r} not found (a source of the union)")
                 ids.append(row[0])
-            # An existing target is compared with the union once it is built (below).
+            if not replace:  # an existing target is compared with what the union would be, before it is built
+                compare_union_first(lambda sql, args: conn.execute(sql, args).fetchall(), "?", target,
+                                    [(source_id, prefix) for source_id, (_a, prefix) in zip(ids, sources)], metadata,
+                                    limits)
+            # Past the comparison, an archive there is replaced, or the sources give a name twice (raised below).
             archive_id = self._begin_archive(conn, target, True, created_ns, metadata)
             for index, ((archive, prefix), source_id) in enumerate(zip(sources, ids)):
                 try:
@@ -287,9 +293,6 @@ class SqliteCatalog(Catalog):
                 "SELECT name FROM entries WHERE archive_id = ? ORDER BY length(CAST(name AS BLOB)) DESC LIMIT 1",
                 (archive_id,),
             ).fetchone()[0], limits)
-            if not replace:
-                compare_existing(lambda sql, args: conn.execute(sql, args).fetchall(), "?", target, archive_id,
-                                 metadata)
             return self._finish_archive(conn, archive_id, target)
 
     @staticmethod
@@ -345,6 +348,38 @@ class SqliteCatalog(Catalog):
             self._readers.clear()
         with self._write_lock:
             self._writer.close()
+
+
+@contextlib.contextmanager
+def _snapshot(conn: sqlite3.Connection) -> Iterator[None]:
+    """One read transaction on a reader connection: every read inside sees one snapshot (WAL
+    takes it at the first read), whatever a writer commits meanwhile."""
+    conn.execute("BEGIN")
+    try:
+        yield
+    finally:
+        conn.execute("COMMIT")
+
+
+def _entries_named(conn: sqlite3.Connection, archive: str, names: Sequence[str]) -> dict[str, EntryRecord]:
+    """The entries of these names that ``archive`` holds, asked in batches (in the caller's transaction)."""
+    found: dict[str, EntryRecord] = {}
+    unique = list(dict.fromkeys(names))
+    for start in range(0, len(unique), _IN_BATCH):
+        batch = unique[start : start + _IN_BATCH]
+        rows = conn.execute(
+            f"SELECT {ENTRY_COLUMNS} FROM entries e JOIN archives a ON a.id = e.archive_id "
+            f"WHERE a.name = ? AND e.name IN ({','.join('?' * len(batch))})",
+            (archive, *batch),
+        )
+        for row in rows:
+            found[row[0]] = entry_from_row(row)
+    return found
+
+
+def _entries_under(conn: sqlite3.Connection, archive: str, prefix: str) -> list[EntryRecord]:
+    query, args = entries_under_query("?", prefix)
+    return [entry_from_row(row) for row in conn.execute(query, (archive, *args))]
 
 
 def _query(conn: sqlite3.Connection) -> alias_sql.Query:
