@@ -238,7 +238,7 @@ class Follower(_Follower):
     ``close()`` (or the ``with`` block) ends it. The follower reads the alias and the
     channel on two threads of its own; the versions are applied on the thread that iterates.
 
-    ``relay`` (by default on, unless this client takes the same-host path): the follower passes
+    ``relay`` (by default on when this client takes the TCP data port): the follower passes
     every version it receives on to the followers the server routes through it, piece by piece
     on threads of its own, so the server sends each version about once (docs/weight-sync.md,
     "Relays"). It listens on ``relay_port`` (0: any free port) of ``relay_host`` (None: the
@@ -249,8 +249,10 @@ class Follower(_Follower):
                  rows: Rows | None = None, stream: bool = True, relay: bool | None = None,
                  relay_host: str | None = None, relay_port: int = 0) -> None:
         super().__init__(client, name, target, prefix, strict, rows, stream)
-        relaying = stream and (relay if relay is not None else relays_by_default(client))
-        self._relaying = Relaying(client, name, relay_host, relay_port) if relaying else None
+        #: Whether to relay (None: decided at the first subscription, by the transport it takes), and
+        #: the relay once made.
+        self._relay, self._relay_at = (relay if stream else False), (relay_host, relay_port)
+        self._relaying: Relaying | None = None
         self._ready = self._lock = threading.Condition()
         self._wake = self._ready.notify_all
         self._subscribed = threading.Event()
@@ -285,6 +287,13 @@ class Follower(_Follower):
         return next(source, END)
 
     def _subscribe(self) -> Any:
+        if self._relay is None:
+            self._relay = relays_by_default(self.client)
+        if self._relay and self._relaying is None:
+            with self._ready:
+                if self.closed:
+                    return self.client.subscribe(self.following.name)  # closed at once by the caller
+                self._relaying = Relaying(self.client, self.following.name, *self._relay_at)
         if self._relaying is not None:
             return self._relaying.open_source()
         return self.client.subscribe(self.following.name)
@@ -304,8 +313,10 @@ class Follower(_Follower):
             self._ready.notify_all()
         for source in sources:
             source.close()
-        if self._relaying is not None:
-            self._relaying.close()
+        with self._ready:
+            relaying = self._relaying
+        if relaying is not None:
+            relaying.close()
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join(5)

@@ -38,7 +38,7 @@ from tannery.client import LinkSubscription, Subscription
 from tannery.dataplane.links import coded, next_published
 from tannery.dataplane.readers import PayloadReader
 from tannery.dataplane.relay_port import PIECE, RELAY_ID, RelayPort, pinned_context
-from tannery.dataplane.transports import LocalTransport
+from tannery.dataplane.transports import LinkTransport, LocalTransport
 from tannery.rpc.connection import rpc_error
 from tannery.weights.sources import Pauses
 
@@ -220,7 +220,8 @@ class Relaying:
                 request = channels_pb2.RouteRequest(channel=self.channel, address=self.address, key=self.port.key,
                                                     member=self.member, unreachable=self._unreachable,
                                                     certificate=self.port.certificate)
-                call = self._call = self.client._calls.methods.route(request, **self.client._calls.options(timeout=False))
+                call = self._call = self.client._calls.methods.route(request, wait_for_ready=True,
+                                                                     **self.client._calls.options(timeout=False))
             try:
                 for update in call:
                     pauses.reset()
@@ -275,12 +276,15 @@ class Relaying:
 
 
 def relays_by_default(client: Client) -> bool:
-    """Whether a follower of ``client`` relays when it is not told: when its payloads do not come on
-    the same-host path (where every follower maps the same memory file: nothing to pass on)."""
+    """Whether a follower of ``client`` relays when it is not told: when its payloads come over the
+    server's TCP data port (across hosts). Not on the same-host path, where every follower maps
+    the same memory file (nothing to pass on), nor over gRPC alone (a server without a data port:
+    ``relay=True`` asks for it there)."""
     try:
-        return not isinstance(run_blocking(client._transport_now()), LocalTransport)
+        chosen = run_blocking(client._transport_now())
     except errors.ServiceError:
         return False
+    return isinstance(chosen, LinkTransport) and not isinstance(chosen, LocalTransport)
 
 
 def _host_toward(target: str) -> str | None:
