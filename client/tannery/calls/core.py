@@ -399,20 +399,17 @@ class CallCore:
     def _resolve(self, name: str) -> Steps[str]:
         return (yield from self._unary(self._methods.resolve, archives_pb2.ResolveRequest(name=name))).archive
 
-    def _aliases(self, prefix: str, archive: str | None, archive_prefix: str | None = None,
-                 until: str | None = None) -> Steps[list[Alias]]:
+    def _aliases(self, prefix: str, archive: str | None, archive_prefix: str | None = None) -> Steps[list[Alias]]:
         """The aliases asked for, every page (by name; by archive, then name, with ``archive`` or
-        ``archive_prefix``); ``until``, with ``archive_prefix``: none pointing past that archive (the
-        paging stops there)."""
+        ``archive_prefix``)."""
         found: list[Alias] = []
         token = ""
         while True:
             request = aliases_request(prefix, archive, archive_prefix, token)
             page = yield from self._unary(self._methods.list_aliases, request)
-            found += (Alias.of(a) for a in page.aliases)
+            # A server from before archive_prefix ignores it (and answers every alias): kept out here.
+            found += (Alias.of(a) for a in page.aliases if a.archive.startswith(archive_prefix or ""))
             token = page.next_page_token
-            if until is not None and archive_prefix and found and found[-1].archive > until:
-                return [a for a in found if a.archive <= until]
             if not token:
                 return found
 
