@@ -12,6 +12,7 @@ refused (:class:`StorageFull`) while it cannot be held.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sqlite3
 import threading
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence, TypeVar
 
 from .base import ArchiveLimits, MoveNote, ArchiveRecord, BlobInfo, BlobStore, Catalog, EntryRecord
-from .blob_journal import BlobJournal
+from .blob_journal import NAME as JOURNAL_NAME, BlobJournal
 from .core import Collected, StorageBase
 from .disk import is_disk_full
 from .errors import StorageFull
@@ -35,6 +36,19 @@ from .sqlite_catalog import SqliteCatalog
 
 log = logging.getLogger("tannery_server.storage")
 T = TypeVar("T")
+
+
+def _journal(data_dir: Path) -> BlobJournal | None:
+    """The data directory's blob journal; None when it cannot be opened (a full disk): this
+    run's recovery reads every blob, as before the journal, and so does the next one (the file
+    is removed, since this run notes nothing in it)."""
+    try:
+        return BlobJournal(data_dir)
+    except OSError as exc:
+        log.warning("blob journal: cannot open it in %s (%s): start-up reads every blob", data_dir, exc)
+        with contextlib.suppress(OSError):
+            (data_dir / JOURNAL_NAME).unlink(missing_ok=True)
+        return None
 
 
 class Storage(StorageBase):
@@ -82,7 +96,7 @@ class Storage(StorageBase):
             # A tool that does not recover (tannery scrub) keeps no journal: the next server's
             # start-up then still knows whether this directory ever had one.
             storage = cls(catalog, blobs if blobs is not None else FileBlobStore(data_dir), lock, reserve, data_dir,
-                          BlobJournal(data_dir) if recovering else None)
+                          _journal(data_dir) if recovering else None)
             try:
                 if recovering:
                     storage.recover()
