@@ -88,3 +88,23 @@ def test_list_aliases_pages_with_tokens_and_refuses_a_foreign_token(server):
         assert [i.name for i in client.list(limit=2)] == ["other", "run/1"]
         with pytest.raises(ValueError, match="None for every archive"):
             client.list(limit=0)
+
+
+def test_the_asyncio_client_pages_aliases_and_lists_with_a_limit(server):
+    import asyncio
+
+    from tannery import aio
+
+    with tannery.Client(server.target) as client:
+        for i in range(3):
+            client.store(f"run/{i}", {"w": torch.zeros(1)})
+            client.tag(f"run-{i}", f"run/{i}")
+
+    async def main():
+        async with aio.Client(server.target) as client:
+            return (await client.aliases(archive_prefix="run/"), await client.list("run/", limit=2),
+                    await client.aliases("run-2"))
+
+    aliases, listed, one = asyncio.run(main())
+    assert [(a.alias, a.archive) for a in aliases] == [("run-0", "run/0"), ("run-1", "run/1"), ("run-2", "run/2")]
+    assert [i.name for i in listed] == ["run/0", "run/1"] and [a.alias for a in one] == ["run-2"]
