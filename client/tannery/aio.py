@@ -33,7 +33,7 @@ from tannery.dataplane.readers import EntryReader, PieceReader
 from tannery.dataplane.received import TensorPiece
 from tannery.records import Alias, ArchiveDescription, ArchiveInfo, Deleted, Pruned, Published, Tagged, Untagged
 from tannery.remote import AsyncRemoteArchive
-from tannery.rpc.requests import Progress, fetch_request
+from tannery.rpc.requests import Progress, fetch_request, list_limit
 from tannery.calls.watches import Watched
 from tannery.rpc.waits import END, Driven, Steps
 from tannery.calls.running import drive_async as _drive, run_async as _run
@@ -144,9 +144,9 @@ class Client(CallCore):
         """As :meth:`tannery.Client.diff`."""
         return await _run(self._diff(a, b, names, prefix, same))
 
-    async def list(self, prefix: str = "") -> list[ArchiveInfo]:
+    async def list(self, prefix: str = "", *, limit: int | None = None) -> list[ArchiveInfo]:
         """As :meth:`tannery.Client.list`."""
-        return await _run(self._list(prefix))
+        return await _run(self._list(prefix, list_limit(limit)))
 
     async def delete(self, name: str, *, force: bool = False) -> Deleted:
         """As :meth:`tannery.Client.delete`."""
@@ -172,9 +172,10 @@ class Client(CallCore):
         """As :meth:`tannery.Client.resolve`."""
         return await _run(self._resolve(name))
 
-    async def aliases(self, prefix: str = "", *, archive: str | None = None) -> list[Alias]:
+    async def aliases(self, prefix: str = "", *, archive: str | None = None,
+                      archive_prefix: str | None = None) -> list[Alias]:
         """As :meth:`tannery.Client.aliases`."""
-        return await _run(self._aliases(prefix, archive))
+        return await _run(self._aliases(prefix, archive, archive_prefix))
 
     async def prune(self, prefix: str, *, keep_last: int, dry_run: bool = False) -> Pruned:
         """As :meth:`tannery.Client.prune`."""

@@ -25,7 +25,7 @@ from tannery_protocol._lazy import lazy_module
 from tannery.calls.core import CallCore
 from tannery.rpc.connection import Connection
 from tannery.records import Alias, ArchiveDescription, ArchiveInfo, Deleted, Pruned, Published, Tagged, Untagged
-from tannery.rpc.requests import Progress, fetch_request
+from tannery.rpc.requests import Progress, fetch_request, list_limit
 from tannery.rpc.waits import END
 from tannery.calls.running import iterate as _iterate, run as _run
 
@@ -209,9 +209,10 @@ class Client(CallCore):
         differ. ``names`` or ``prefix`` narrow it; ``same`` lists the entries that are the same too."""
         return _run(self._diff(a, b, names, prefix, same))
 
-    def list(self, prefix: str = "") -> list[ArchiveInfo]:
-        """Every archive whose name starts with ``prefix``, sorted by name (all pages)."""
-        return _run(self._list(prefix))
+    def list(self, prefix: str = "", *, limit: int | None = None) -> list[ArchiveInfo]:
+        """Every archive whose name starts with ``prefix``, sorted by name (all pages, each the
+        server's largest); ``limit``: the first ``limit`` only."""
+        return _run(self._list(prefix, list_limit(limit)))
 
     def delete(self, name: str, *, force: bool = False) -> Deleted:
         """Remove archive ``name`` (NotFound if there is none) and the blobs only it used.
@@ -257,9 +258,12 @@ class Client(CallCore):
         (NotFound when it is neither)."""
         return _run(self._resolve(name))
 
-    def aliases(self, prefix: str = "", *, archive: str | None = None) -> list[Alias]:
-        """Every alias whose name starts with ``prefix`` (pointing at ``archive``, if given), by name."""
-        return _run(self._aliases(prefix, archive))
+    def aliases(self, prefix: str = "", *, archive: str | None = None,
+                archive_prefix: str | None = None) -> list[Alias]:
+        """Every alias whose name starts with ``prefix`` (pointing at ``archive``, and at archives
+        whose names start with ``archive_prefix``, if given; all pages), by name (by archive, then
+        name, with ``archive`` or ``archive_prefix``)."""
+        return _run(self._aliases(prefix, archive, archive_prefix))
 
     def watch(self, alias: str) -> "Watch":
         """Follow ``alias``: an iterator of :class:`~tannery.records.Alias` records (the archive it

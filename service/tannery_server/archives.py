@@ -7,8 +7,6 @@ once. Every failure is a :class:`~.failures.Failure` turned into its status here
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import logging
 from typing import Any, AsyncIterator, Awaitable
 
@@ -29,7 +27,8 @@ from .derive import DeriveSession
 from .diffing import diff_archives
 from .fetching import check_request
 from .handling import Undecodable, add_service, answering_failures
-from .storage import AliasRecord, ArchiveLimits, ArchiveRecord, MoveNote, Storage
+from .paging import ALIAS_PAGE, after_alias, after_name, alias_token, name_token, page_limit
+from .storage import AliasPage, AliasRecord, ArchiveLimits, ArchiveRecord, MoveNote, Storage
 from .storage_failures import failure_of
 from .published_store import PublishedStore
 from .store_session import StoreSession
@@ -37,9 +36,6 @@ from .validation import check_archive_name, check_metadata, check_prefix
 from .watching import add_watch
 from .workers import Workers
 from tannery_protocol.wire import RECEIVED_KEY, parse_store_request, serialize_response
-
-DEFAULT_PAGE = 100
-MAX_PAGE = 1000
 
 log = logging.getLogger("tannery_server.archives")
 
@@ -179,12 +175,12 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
 
     @answering_failures
     async def List(self, request: archives_pb2.ListRequest, context) -> archives_pb2.ListResponse:
-        limit = min(request.page_size or DEFAULT_PAGE, MAX_PAGE)
-        after = _decode_token(request.page_token)
+        limit = page_limit(request.page_size)
+        after = after_name(request.page_token)
         records = await self._run(self.storage.catalog.list_archives, request.prefix, after, limit + 1)
         more = len(records) > limit
         records = records[:limit]
-        token = _encode_token(records[-1].name) if more else ""
+        token = name_token(records[-1].name) if more else ""
         return archives_pb2.ListResponse(archives=[archive_info(r) for r in records], next_page_token=token)
 
     @answering_failures
@@ -267,8 +263,13 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
 
     @answering_failures
     async def ListAliases(self, request: archives_pb2.ListAliasesRequest, context) -> archives_pb2.ListAliasesResponse:
-        records = await self._run(self.storage.catalog.aliases, request.prefix, request.archive)
-        return archives_pb2.ListAliasesResponse(aliases=[alias_info(r) for r in records])
+        limit = page_limit(request.page_size, ALIAS_PAGE, ALIAS_PAGE)
+        page = AliasPage(archive_prefix=request.archive_prefix, after=after_alias(request.page_token), limit=limit + 1)
+        records = await self._run(self.storage.catalog.aliases, request.prefix, request.archive, page)
+        more = len(records) > limit
+        records = records[:limit]
+        token = alias_token(records[-1].archive, records[-1].alias) if more else ""
+        return archives_pb2.ListAliasesResponse(aliases=[alias_info(r) for r in records], next_page_token=token)
 
     @answering_failures
     async def Watch(self, request: archives_pb2.WatchRequest, context) -> None:
@@ -372,22 +373,6 @@ def _still_wanted(context: grpc.aio.ServicerContext, call: str) -> None:
     remaining = context.time_remaining()
     if remaining is not None and remaining <= 0:
         raise DeadlineExceeded(f"the {call}'s deadline passed before it was done: ask again with a longer timeout")
-
-
-def _encode_token(last_name: str) -> str:
-    return base64.urlsafe_b64encode(b"v1:" + last_name.encode()).decode()
-
-
-def _decode_token(token: str) -> str:
-    if not token:
-        return ""
-    try:
-        raw = base64.urlsafe_b64decode(token.encode())
-        if raw.startswith(b"v1:"):
-            return raw[3:].decode()
-    except (binascii.Error, UnicodeDecodeError, ValueError):
-        pass
-    raise Malformed(f"page_token {token[:40]!r} is not one this server gave")
 
 
 #: Hand-written (de)serializers of the hot messages: Store's requests and Fetch's responses are

@@ -242,6 +242,14 @@ class ServerMetrics:
                 self.sent.labels(record.method).inc(now_sent - sent)
                 self._running[key] = (record, now_received, now_sent)
 
+    def call_families(self) -> Iterator[Metric]:
+        """The families of the calls alone (counts, bytes, durations), the running calls' bytes
+        counted in: what the web page's traffic table reads every few seconds, without the
+        scrape's catalog totals or process figures."""
+        self.count_running_calls()
+        for family in (self.calls, self.received, self.sent, self.data_path, self.duration):
+            yield from family.collect()
+
     def observe_call(self, record: CallRecord, status: str, duration: float) -> None:
         """Count one finished call (a :data:`~tannery_server.calllog.CallObserver`)."""
         self.calls.labels(record.method, status).inc()

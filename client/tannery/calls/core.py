@@ -24,7 +24,8 @@ from tannery.rpc.connection import Calls, Connection, TLSLike, check_transport, 
 from tannery.records import (
     Alias, ArchiveDescription, ArchiveInfo, Deleted, Pruned, Published, Tagged, Untagged, is_kept_entry, values_prefix,
 )
-from tannery.rpc.requests import Methods, Progress, describe_request, list_request, union_request
+from tannery.rpc.requests import (LARGEST_PAGE, Methods, Progress, aliases_request, describe_request, list_request,
+                                  union_request)
 from tannery.rpc.retries import RetryPolicy, call_name, resumed_request
 from tannery.rpc.waits import Acquire, Blocking, Rpc, Send, Sleep, Steps
 from tannery_protocol.v1 import archives_pb2
@@ -326,11 +327,16 @@ class CallCore:
         request = _diffs.diff_request(a, b, names, prefix, same)
         return _diffs.ArchiveDiff.of((yield from self._unary(self._methods.diff, request)))
 
-    def _list(self, prefix: str) -> Steps[list[ArchiveInfo]]:
+    def _list(self, prefix: str, limit: int | None = None) -> Steps[list[ArchiveInfo]]:
+        """The archives under ``prefix``, in the server's largest pages; the first ``limit`` only
+        (None: all)."""
         archives: list[ArchiveInfo] = []
         token = ""
         while True:
-            page = yield from self._unary(self._methods.list, list_request(prefix, token))
+            size = LARGEST_PAGE if limit is None else min(LARGEST_PAGE, limit - len(archives))
+            if size <= 0:
+                return archives
+            page = yield from self._unary(self._methods.list, list_request(prefix, token, size))
             archives += (ArchiveInfo.of(info) for info in page.archives)
             token = page.next_page_token
             if not token:
@@ -406,9 +412,19 @@ class CallCore:
     def _resolve(self, name: str) -> Steps[str]:
         return (yield from self._unary(self._methods.resolve, archives_pb2.ResolveRequest(name=name))).archive
 
-    def _aliases(self, prefix: str, archive: str | None) -> Steps[list[Alias]]:
-        request = archives_pb2.ListAliasesRequest(prefix=prefix, archive=archive or "")
-        return [Alias.of(a) for a in (yield from self._unary(self._methods.list_aliases, request)).aliases]
+    def _aliases(self, prefix: str, archive: str | None, archive_prefix: str | None = None) -> Steps[list[Alias]]:
+        """The aliases asked for, every page (by name; by archive, then name, with ``archive`` or
+        ``archive_prefix``)."""
+        found: list[Alias] = []
+        token = ""
+        while True:
+            request = aliases_request(prefix, archive, archive_prefix, token)
+            page = yield from self._unary(self._methods.list_aliases, request)
+            # A server from before archive_prefix ignores it (and answers every alias): kept out here.
+            found += (Alias.of(a) for a in page.aliases if a.archive.startswith(archive_prefix or ""))
+            token = page.next_page_token
+            if not token:
+                return found
 
     def _watched(self, alias: str, notify: Callable[[], None]) -> Watched:
         """A Watch of ``alias`` (not open yet: its ``pump`` opens it), retried as this client retries."""
@@ -417,7 +433,7 @@ class CallCore:
     def _prune(self, prefix: str, keep_last: int, dry_run: bool) -> Steps[Pruned]:
         keep_last = _retention.check_prune(prefix, keep_last)
         archives = yield from self._list(prefix)
-        plan = _retention.plan_prune(archives, (yield from self._aliases("", None)), keep_last)
+        plan = _retention.plan_prune(archives, (yield from self._aliases("", None, prefix)), keep_last)
         if dry_run:
             return Pruned(plan.delete, plan.keep, plan.aliased, dry_run=True)
         deleted, kept, aliased = [], list(plan.keep), dict(plan.aliased)

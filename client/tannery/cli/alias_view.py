@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from typing import Any, Sequence
 
 from tannery_protocol import errors
 
 
-def aliases_by_archive(client: Any, archive: str | None = None) -> dict[str, list[str]]:
-    """The aliases pointing at each archive (only at ``archive`` when given), sorted; none from a
-    server from before aliases (it does not know the call)."""
+def aliases_by_archive(client: Any, archive: str | None = None, shown: Sequence[str] = ()) -> dict[str, list[str]]:
+    """The aliases pointing at each archive (only at ``archive`` when given; at the archives
+    ``shown``, sorted names, when given), sorted; none from a server from before aliases (it
+    does not know the call). For ``shown`` only the aliases of archives under the names' common
+    prefix are read, not every alias on the server."""
     try:
-        found = client.aliases(archive=archive)
+        if shown:
+            wanted = set(shown)
+            found = [a for a in client.aliases(archive_prefix=os.path.commonprefix([shown[0], shown[-1]]))
+                     if a.archive in wanted]
+        else:
+            found = client.aliases(archive=archive)
     except errors.ServiceError as error:
         if getattr(error, "code", None) == "UNIMPLEMENTED":
             return {}

@@ -21,11 +21,19 @@ NAME_COLUMNS = 60
 
 
 def cmd_ls(args: argparse.Namespace, out: Output) -> int:
+    limit = args.limit
+    if limit < 0:
+        raise CommandError(f"ls: --limit {limit} is negative: give how many archives to list (0 for all)")
     with connect(args) as client:
-        archives = list(client.list(prefix=args.prefix or ""))
-        named = aliases_by_archive(client)
+        archives = list(client.list(prefix=args.prefix or "", limit=limit + 1 if limit else None))
+        more = bool(limit) and len(archives) > limit
+        archives = archives[:limit] if limit else archives
+        named = aliases_by_archive(client, shown=[a.name for a in archives]) if archives else {}
+    cut = _more_note(archives, args.prefix) if more else None
     if args.json:
         out.json([{**archive_json(info), "aliases": named.get(info.name, [])} for info in archives])
+        if cut:
+            out.warning(cut)
     elif not archives:
         out.note("no archives" + (f" named {args.prefix}..." if args.prefix else ""))
     else:
@@ -35,8 +43,15 @@ def cmd_ls(args: argparse.Namespace, out: Output) -> int:
                  *([str(a.files) if a.files else ""] if filed else []), local_time(getattr(a, "created", None)),
                  *([", ".join(named.get(a.name, []))] if aliased else [])) for a in archives]
         out.table([("NAME", "left"), ("ENTRIES", "right"), ("SIZE", "right"), *([("FILES", "right")] if filed else []),
-                   ("CREATED", "left"), *([("ALIASES", "left")] if aliased else [])], rows)
+                   ("CREATED", "left"), *([("ALIASES", "left")] if aliased else [])], rows, cut)
     return 0
+
+
+def _more_note(archives: list[Any], prefix: str) -> str:
+    """What ``ls`` says when it stopped at its limit, and how to see the rest."""
+    return (f"the first {len(archives):,} archives{f' named {prefix}...' if prefix else ''} are shown, and there are "
+            f"more (the next after {archives[-1].name}): tannery ls --limit 0 lists them all, or give a longer "
+            "PREFIX")
 
 
 def cmd_show(args: argparse.Namespace, out: Output) -> int:

@@ -17,6 +17,8 @@ JSON_PUSH = ("push --json prints {name, entries, nbytes, payload_bytes, file_byt
              "files are the folder's files kept with the archive (file_bytes their bytes); already_stored is true "
              "when the archive already held exactly this content and nothing new was stored (created is then when "
              "it was first stored); skipped lists the torch checkpoint's non-tensor values left out.")
+#: Archives ``tannery ls`` lists unless --limit says otherwise: a screenful's worth for people.
+LS_LIMIT = 1000
 JSON_LS = ("ls --json prints a list of {name, entries, nbytes, payload_bytes, files, file_bytes, created (ISO 8601 "
            "UTC), aliases: [the aliases that point at it]}: entries and the byte counts are the tensors'; files "
            "counts the files kept with the archive (a pushed folder's config.json...), file_bytes their bytes.")
@@ -153,10 +155,13 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
     command(
         "ls", "list archives",
         "List the archives on the server (name, entries: the tensors, their size, the files kept with it when "
-        "any archive has some, creation time), optionally only those whose names start with PREFIX. " + JSON_LS,
-        "  tannery ls\n  tannery ls resnet --json\n",
+        "any archive has some, creation time), optionally only those whose names start with PREFIX; the first "
+        "1,000 by name unless --limit says otherwise (it says when there are more). " + JSON_LS,
+        "  tannery ls\n  tannery ls resnet --json\n  tannery ls runs/ --limit 0\n",
         "archives.cmd_ls",
         option("prefix", metavar="PREFIX", nargs="?", default="", help="only archives whose names start with this"),
+        option("--limit", metavar="N", type=int, default=LS_LIMIT,
+               help=f"list at most N archives (default {LS_LIMIT:,}; 0 for all)"),
         json=JSON,
     )
     command(

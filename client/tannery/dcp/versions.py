@@ -115,7 +115,7 @@ class Versions:
 def prune_checkpoints(client: Client, prefix: str, keep_last: int) -> Pruned:
     """Delete all but the newest ``keep_last`` checkpoints under ``prefix`` (never an aliased one;
     parts of failed saves are not counted, and go once older than the oldest checkpoint kept)."""
-    plan = plan_prune(list(client.list(prefix)), client.aliases(), keep_last)
+    plan = plan_prune(list(client.list(prefix)), client.aliases(archive_prefix=prefix), keep_last)
     deleted, kept = [], list(plan.keep)
     for info in plan.delete:
         try:

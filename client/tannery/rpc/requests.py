@@ -137,11 +137,38 @@ def union_request(target: str, sources: Mapping[str, str] | Sequence[str], repla
     )
 
 
-def list_request(prefix: str, page_token: str) -> archives_pb2.ListRequest:
+#: The largest page a server sends (List and ListAliases): the clients ask for it, so listing
+#: 50,000 archives takes 50 round trips, not the 500 of the server's default page of 100.
+LARGEST_PAGE = 1000
+
+
+def list_request(prefix: str, page_token: str, page_size: int = LARGEST_PAGE) -> archives_pb2.ListRequest:
     if not isinstance(prefix, str):
         raise TypeError(f"Client.list: prefix is a str, not {type(prefix).__name__}")
-    return archives_pb2.ListRequest(prefix=prefix, page_token=page_token)
+    return archives_pb2.ListRequest(prefix=prefix, page_token=page_token, page_size=page_size)
 
 
-__all__ = ["Methods", "Progress", "check_metadata", "describe_request", "entry_ask", "fetch_request", "list_request",
+def list_limit(limit: object) -> int | None:
+    """``Client.list``'s ``limit``: None (every archive) or a count of 1 or more; TypeError or
+    ValueError naming the remedy."""
+    if limit is None:
+        return None
+    if isinstance(limit, bool) or not isinstance(limit, int):
+        raise TypeError(f"Client.list: limit is a whole number of archives (or None for all), not "
+                        f"{type(limit).__name__}")
+    if limit < 1:
+        raise ValueError(f"Client.list: limit {limit} lists nothing: give 1 or more, or None for every archive")
+    return limit
+
+
+def aliases_request(prefix: str, archive: str | None, archive_prefix: str | None,
+                    page_token: str) -> archives_pb2.ListAliasesRequest:
+    for what, value in (("prefix", prefix), ("archive", archive), ("archive_prefix", archive_prefix)):
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"Client.aliases: {what} is a str, not {type(value).__name__}")
+    return archives_pb2.ListAliasesRequest(prefix=prefix, archive=archive or "", archive_prefix=archive_prefix or "",
+                                           page_size=LARGEST_PAGE, page_token=page_token)
+
+
+__all__ = ["LARGEST_PAGE", "Methods", "Progress", "aliases_request", "check_metadata", "describe_request", "entry_ask", "fetch_request", "list_limit", "list_request",
            "union_request"]

@@ -279,7 +279,7 @@ def _prune_versions(core: CallCore, name: str, keep: int) -> Steps[tuple[str, ..
     only: ``name/value-head`` is somebody else's), never one an alias points at."""
     pattern = re.compile(re.escape(name) + r"/v\d+")
     versions = [info for info in (yield from core._list(name + "/v")) if pattern.fullmatch(info.name)]
-    plan = plan_prune(versions, (yield from core._aliases("", None)), keep)
+    plan = plan_prune(versions, (yield from core._aliases("", None, name + "/v")), keep)
     deleted = []
     for info in plan.delete:
         try:

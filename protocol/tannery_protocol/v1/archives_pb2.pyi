@@ -377,18 +377,26 @@ class ResolveResponse(_message.Message):
     def __init__(self, archive: _Optional[str] = ..., alias: _Optional[_Union[Alias, _Mapping]] = ...) -> None: ...
 
 class ListAliasesRequest(_message.Message):
-    __slots__ = ("prefix", "archive")
+    __slots__ = ("prefix", "archive", "archive_prefix", "page_size", "page_token")
     PREFIX_FIELD_NUMBER: _ClassVar[int]
     ARCHIVE_FIELD_NUMBER: _ClassVar[int]
+    ARCHIVE_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     prefix: str
     archive: str
-    def __init__(self, prefix: _Optional[str] = ..., archive: _Optional[str] = ...) -> None: ...
+    archive_prefix: str
+    page_size: int
+    page_token: str
+    def __init__(self, prefix: _Optional[str] = ..., archive: _Optional[str] = ..., archive_prefix: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListAliasesResponse(_message.Message):
-    __slots__ = ("aliases",)
+    __slots__ = ("aliases", "next_page_token")
     ALIASES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     aliases: _containers.RepeatedCompositeFieldContainer[Alias]
-    def __init__(self, aliases: _Optional[_Iterable[_Union[Alias, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, aliases: _Optional[_Iterable[_Union[Alias, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("alias",)

@@ -256,8 +256,11 @@ class ArchivesServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListAliases(self, request, context):
-        """Every alias whose name starts with `prefix` (and that points at `archive`, when given),
-        sorted by name, in one answer (aliases are few: one per deployment, not per checkpoint).
+        """The aliases whose names start with `prefix`, that point at `archive` (when given) and at
+        archives whose names start with `archive_prefix` (when given), a page at a time (the
+        server's default and largest page: 1,000 aliases). Sorted by alias name; with `archive`
+        or `archive_prefix`, by archive name, then alias name (an indexed read of only the
+        aliases asked for, however many the server holds).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -7,7 +7,7 @@ the server gives them their statuses (``tannery_server.storage_failures``).
 ``PostgresCatalog`` and ``S3BlobStore`` (what replicas share) are imported on first use, so
 the embedded server never needs psycopg or boto3."""
 
-from .base import (AliasMove, AliasRecord, MoveNote, ArchiveRead, ArchiveRecord, BlobFile, BlobInfo, BlobStore, Catalog, CatalogTotals, EntryRecord, ArchiveLimits,
+from .base import (AliasMove, AliasPage, AliasRecord, MoveNote, ArchiveRead, ArchiveRecord, BlobFile, BlobInfo, BlobStore, Catalog, CatalogTotals, EntryRecord, ArchiveLimits,
                    SharedCatalog, TempBlob)
 from .reserve import SpaceReserve
 from .blob_cache import CachedBlobStore
@@ -19,7 +19,7 @@ from .lock import DataDirectoryInUse, DataDirectoryLock
 from .payload_writer import PayloadWriter
 
 __all__ = [
-    "AliasMove", "MoveNote",
+    "AliasMove", "AliasPage", "MoveNote",
     "AliasConflict",
     "AliasRecord",
     "ArchiveExists",

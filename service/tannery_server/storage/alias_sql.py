@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from .base import AliasMove, AliasRecord, MoveNote
+from .base import AliasMove, AliasPage, AliasRecord, MoveNote
 from .errors import AliasConflict, NoSuchArchive
 
 #: Runs ``(sql, args)`` in the caller's transaction: the rows (none for a statement without).
@@ -47,20 +47,60 @@ def alias_of(query: Query, mark: str, name: str) -> AliasRecord | None:
     return AliasRecord(*rows[0]) if rows else None
 
 
-def aliases(query: Query, mark: str, prefix: str, archive: str) -> list[AliasRecord]:
-    """The aliases under ``prefix`` (pointing at ``archive`` if given), by name (names sort by
-    their bytes in both catalogs, so those with the prefix are contiguous)."""
-    sql = f"SELECT {ALIAS_COLUMNS} FROM aliases WHERE alias >= {mark}"
-    args: tuple = (prefix,)
+def aliases(query: Query, mark: str, prefix: str, archive: str, ask: AliasPage = AliasPage()) -> list[AliasRecord]:
+    """The aliases under ``prefix`` (pointing at ``archive`` if given), narrowed and paged as
+    ``ask`` says: by name, or by target then name when a target is asked for (``archive``,
+    ``ask.archive_prefix``, ``ask.archives_from``/``archives_to``). Each bound is a range of an
+    index (the primary key, ``aliases_by_target``): names sort by their bytes in both catalogs,
+    so the names a prefix owns lie between the prefix and :func:`prefix_end`."""
+    where: list[str] = []
+    args: list = []
+
+    def at_least(column: str, low: str, high: str | None, inclusive: bool = False) -> None:
+        where.append(f"{column} >= {mark}")
+        args.append(low)
+        if high is not None:
+            where.append(f"{column} {'<=' if inclusive else '<'} {mark}")
+            args.append(high)
+
+    if prefix:
+        at_least("alias", prefix, prefix_end(prefix))
     if archive:
-        sql += f" AND target = {mark}"
-        args += (archive,)
-    out = []
-    for row in query(sql + " ORDER BY alias", args):
-        if not row[0].startswith(prefix):
-            break
-        out.append(AliasRecord(*row))
-    return out
+        where.append(f"target = {mark}")
+        args.append(archive)
+    if ask.archive_prefix:
+        at_least("target", ask.archive_prefix, prefix_end(ask.archive_prefix))
+    if ask.archives_from or ask.archives_to is not None:
+        at_least("target", ask.archives_from, ask.archives_to, inclusive=True)
+    by_target = ask.by_target(archive)
+    if ask.after is not None:
+        after_target, after_alias = ask.after
+        if by_target:
+            where.append(f"target >= {mark} AND (target > {mark} OR alias > {mark})")
+            args += [after_target, after_target, after_alias]
+        else:
+            where.append(f"alias > {mark}")
+            args.append(after_alias)
+    sql = f"SELECT {ALIAS_COLUMNS} FROM aliases"
+    if where:
+        sql += " WHERE " + " AND ".join(where)
+    sql += " ORDER BY target, alias" if by_target else " ORDER BY alias"
+    if ask.limit:
+        sql += f" LIMIT {int(ask.limit)}"
+    return [AliasRecord(*row) for row in query(sql, tuple(args))]
+
+
+def prefix_end(prefix: str) -> str | None:
+    """The least string after every string that starts with ``prefix`` (code point order, which
+    is UTF-8's byte order); None when there is none (``prefix`` all U+10FFFF)."""
+    chars = list(prefix)
+    while chars:
+        point = ord(chars.pop()) + 1
+        if point <= 0x10FFFF:
+            if 0xD800 <= point <= 0xDFFF:  # no surrogate is text in either catalog
+                point = 0xE000
+            return "".join(chars) + chr(point)
+    return None
 
 
 def refuse_alias_name(query: Query, mark: str, name: str, what: str) -> None:
@@ -175,5 +215,5 @@ def import_moves(query: Query, mark: str, moves: Sequence[AliasMove]) -> int:
 
 
 __all__ = ["ALIAS_COLUMNS", "LOOKUP", "MOVE_COLUMNS", "Query", "alias_name_refusal", "alias_of", "aliases", "history",
-           "import_moves", "lookup_sql", "record_move", "refuse_alias_name", "release_target", "tag", "target_of",
+           "import_moves", "lookup_sql", "prefix_end", "record_move", "refuse_alias_name", "release_target", "tag", "target_of",
            "untag"]

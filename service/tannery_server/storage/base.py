@@ -137,6 +137,25 @@ class AliasRecord:
 
 
 @dataclass(frozen=True)
+class AliasPage:
+    """Which aliases a listing reads beyond its name prefix, and how many: those pointing at
+    archives under ``archive_prefix``, or between ``archives_from`` and ``archives_to`` (both
+    included; what one page of archives shows), after position ``after`` (``(target, alias)``
+    of the last one read), at most ``limit`` (0: all). Aliases come by name, or by target then
+    name when a target is asked for (:meth:`by_target`), so a page ends where the next begins."""
+
+    archive_prefix: str = ""
+    archives_from: str = ""
+    archives_to: str | None = None
+    after: tuple[str, str] | None = None
+    limit: int = 0
+
+    def by_target(self, archive: str = "") -> bool:
+        """Whether the aliases come by target, then name."""
+        return bool(archive or self.archive_prefix or self.archives_from or self.archives_to is not None)
+
+
+@dataclass(frozen=True)
 class AliasMove:
     """One move of an alias, as its history keeps it: from ``previous`` ("" when created) to
     ``archive`` ("" when removed: an Untag, a forced Delete of its target), when, and by whom
@@ -199,8 +218,9 @@ class Catalog(ABC):
         ...
 
     @abstractmethod
-    def aliases(self, prefix: str = "", archive: str = "") -> list[AliasRecord]:
-        """The aliases whose names start with ``prefix`` (pointing at ``archive`` if given), by name."""
+    def aliases(self, prefix: str = "", archive: str = "", page: AliasPage = AliasPage()) -> list[AliasRecord]:
+        """The aliases whose names start with ``prefix`` (pointing at ``archive`` if given), by name
+        (by target, then name, when a target is asked for), narrowed and paged as ``page`` says."""
         ...
 
     @abstractmethod

@@ -12,6 +12,7 @@ refused (:class:`StorageFull`) while it cannot be held.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sqlite3
 import threading
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence, TypeVar
 
 from .base import ArchiveLimits, MoveNote, ArchiveRecord, BlobInfo, BlobStore, Catalog, EntryRecord
+from .blob_journal import NAME as JOURNAL_NAME, BlobJournal
 from .core import Collected, StorageBase
 from .disk import is_disk_full
 from .errors import StorageFull
@@ -36,12 +38,28 @@ log = logging.getLogger("tannery_server.storage")
 T = TypeVar("T")
 
 
+def _journal(data_dir: Path) -> BlobJournal | None:
+    """The data directory's blob journal; None when it cannot be opened (a full disk): this
+    run's recovery reads every blob, as before the journal, and so does the next one (the file
+    is removed, since this run notes nothing in it)."""
+    try:
+        return BlobJournal(data_dir)
+    except OSError as exc:
+        log.warning("blob journal: cannot open it in %s (%s): start-up reads every blob", data_dir, exc)
+        with contextlib.suppress(OSError):
+            (data_dir / JOURNAL_NAME).unlink(missing_ok=True)
+        return None
+
+
 class Storage(StorageBase):
     """The embedded storage (see the module): pins in memory, collection at once, a space reserve."""
 
     def __init__(self, catalog: Catalog, blobs: BlobStore, lock: DataDirectoryLock | None = None,
-                 reserve: SpaceReserve | None = None, data_dir: Path | None = None) -> None:
+                 reserve: SpaceReserve | None = None, data_dir: Path | None = None,
+                 journal: BlobJournal | None = None) -> None:
         super().__init__(catalog, blobs)
+        #: The blobs that may be left unreferenced by this run (None: recovery checks every blob).
+        self.journal = journal
         self._lock = lock
         #: The space kept for Deletes on a full disk (None: none kept, writes never refused for it).
         self.reserve = reserve
@@ -75,7 +93,10 @@ class Storage(StorageBase):
                 if not (is_disk_full(exc, data_dir) and reserve.release()):
                     raise
                 catalog = SqliteCatalog(path)
-            storage = cls(catalog, blobs if blobs is not None else FileBlobStore(data_dir), lock, reserve, data_dir)
+            # A tool that does not recover (tannery scrub) keeps no journal: the next server's
+            # start-up then still knows whether this directory ever had one.
+            storage = cls(catalog, blobs if blobs is not None else FileBlobStore(data_dir), lock, reserve, data_dir,
+                          _journal(data_dir) if recovering else None)
             try:
                 if recovering:
                     storage.recover()
@@ -89,12 +110,26 @@ class Storage(StorageBase):
         return storage
 
     def recover(self) -> None:
-        """Remove what an interrupted run left: temporary blobs, and blobs no archive references."""
+        """Remove what an interrupted run left: temporary blobs, and blobs no archive references
+        among those the journal noted (:mod:`.blob_journal`): the time it takes depends on what
+        was in flight, not on the size of the store. Without a journal (none kept, or a data
+        directory from before it) every blob and every entry is read once."""
         temporary = self.blobs.clear_temporary()
-        referenced = self.catalog.referenced_digests()
-        orphans = [d for d in self.blobs.digests() if d not in referenced]
-        freed = sum(self.blobs.remove(d) for d in orphans)
-        rows = self._write_catalog(self.catalog.forget_unreferenced_blobs, use_reserve=True)
+        if self.journal is not None and self.journal.existed:
+            gone = self.catalog.unreferenced(self.journal.left())
+            orphans = [b.digest for b in gone]
+            freed = sum(self.blobs.remove(d) for d in orphans)
+            recorded = [b.digest for b in gone if b.block_size]
+            if recorded:
+                self._write_catalog(lambda: self.catalog.forget_blobs(recorded), use_reserve=True)
+            rows = len(recorded)
+        else:
+            referenced = self.catalog.referenced_digests()
+            orphans = [d for d in self.blobs.digests() if d not in referenced]
+            freed = sum(self.blobs.remove(d) for d in orphans)
+            rows = self._write_catalog(self.catalog.forget_unreferenced_blobs, use_reserve=True)
+        if self.journal is not None:
+            self.journal.empty()
         if temporary or orphans or rows:
             log.info(
                 "recovery: removed %d temporary files, %d unreferenced blobs (%d bytes), %d blob records",
@@ -103,6 +138,8 @@ class Storage(StorageBase):
 
     def close(self) -> None:
         super().close()
+        if self.journal is not None:
+            self.journal.close()
         if self._lock is not None:
             self._lock.release()
             self._lock = None
@@ -176,7 +213,7 @@ class Storage(StorageBase):
         collection was deferred while they were pinned. (``holder``: the Store that sealed
         them, which a shared store's leases name; pins here are counted per digest.)"""
         with self._gc_lock:
-            candidates = []
+            candidates, settled = [], []
             for digest in digests:
                 self._pins[digest] -= 1
                 if self._pins[digest] <= 0:
@@ -184,6 +221,10 @@ class Storage(StorageBase):
                     if collect or digest in self._deferred:
                         self._deferred.discard(digest)
                         candidates.append(digest)
+                        continue
+                settled.append(digest)
+            if holder is not None:  # a Store's sealed blobs: committed, or left to their other holders
+                self._settled(settled)
             return self._collect_locked(candidates)
 
     def collect(self, candidates: Iterable[str]) -> Collected:
@@ -207,9 +248,33 @@ class Storage(StorageBase):
                 self._write_catalog(lambda: self.catalog.forget_blobs(recorded), use_reserve=True)
             except StorageFull as exc:
                 # The files are gone and nothing references the rows: the next collection
-                # of these digests, or start-up, forgets them.
+                # of these digests, or start-up (they stay in the journal), forgets them.
                 log.warning("could not forget %d removed blobs in the catalog: %s", len(recorded), exc)
+                free = [d for d in free if d not in set(recorded)]
+        self._settled(free)
         return Collected(len(gone), freed)
+
+    # The journal ------------------------------------------------------------------------
+
+    def _noted(self, digests: Iterable[str]) -> list[str]:
+        """``digests`` written in the journal before a step that could leave them unreferenced."""
+        return self.journal.note(digests) if self.journal is not None else []
+
+    def _settled(self, digests: Iterable[str]) -> None:
+        if self.journal is not None:
+            self.journal.done(digests)
+
+    def _noted_archive(self, name: str) -> list[str]:
+        """The blobs of archive ``name`` (if it exists) noted before a write that may release them."""
+        if self.journal is None:
+            return []
+        return self._noted(e.blob or e.digest for e in self.catalog.entries_under(name, ""))
+
+    def _released(self, noted: list[str], released: Iterable[str]) -> Collected:
+        """Collect what a write released; the blobs noted before it that it did not release are settled."""
+        released = list(released)
+        self._settled(set(noted).difference(released))
+        return self.collect(released)
 
     # Writing ----------------------------------------------------------------------------
 
@@ -228,6 +293,7 @@ class Storage(StorageBase):
         blob = writer.finish()
         with self._gc_lock:
             self._pins[blob.digest] += 1
+        self._noted([blob.digest])  # before the rename that puts it in the store
         try:
             writer.temp.seal(blob.digest)
         except BaseException as exc:
@@ -247,17 +313,27 @@ class Storage(StorageBase):
             self.blobs.make_durable(b.digest for b in blobs)
         except OSError as exc:
             raise self.full_error(exc) from exc
-        record, released = self._write_catalog(
-            lambda: self.catalog.commit_archive(name, entries, blobs, replace, time.time_ns(), metadata))
-        self.collect(released)
+        noted = self._noted_archive(name) if replace else []
+        try:
+            record, released = self._write_catalog(
+                lambda: self.catalog.commit_archive(name, entries, blobs, replace, time.time_ns(), metadata))
+        except BaseException:
+            self._settled(noted)
+            raise
+        self._released(noted, released)
         return record
 
     def union(self, target: str, sources: Sequence[tuple[str, str]], replace: bool, limits: ArchiveLimits,
               metadata: Mapping[str, str] | None = None) -> ArchiveRecord:
         self._ensure_room()
-        record, released = self._write_catalog(
-            lambda: self.catalog.union(target, sources, replace, time.time_ns(), limits, metadata))
-        self.collect(released)
+        noted = self._noted_archive(target) if replace else []
+        try:
+            record, released = self._write_catalog(
+                lambda: self.catalog.union(target, sources, replace, time.time_ns(), limits, metadata))
+        except BaseException:
+            self._settled(noted)
+            raise
+        self._released(noted, released)
         return record
 
     def _catalog_write(self, write: Callable[[], T], freeing: bool = False) -> T:
@@ -269,10 +345,15 @@ class Storage(StorageBase):
         On a full disk the catalog write uses the space reserve; the blobs' removal then
         frees space, and the reserve is re-created once there is room for it.
         """
-        record, released = self._write_catalog(lambda: self.catalog.delete_archive(name, force, note),
-                                              use_reserve=True)
+        noted = self._noted_archive(name)
         try:
-            collected = self.collect(released)
+            record, released = self._write_catalog(lambda: self.catalog.delete_archive(name, force, note),
+                                                  use_reserve=True)
+        except BaseException:
+            self._settled(noted)
+            raise
+        try:
+            collected = self._released(noted, released)
         finally:
             if self.reserve is not None:
                 self.reserve.ensure()

@@ -37,7 +37,7 @@ import time
 from typing import Callable, Iterable, Mapping, Sequence
 
 from . import alias_sql
-from .base import AliasMove, AliasRecord, ArchiveLimits, ArchiveRead, MoveNote, ArchiveRecord, BlobInfo, CatalogTotals, EntryRecord, SharedCatalog
+from .base import AliasMove, AliasPage, AliasRecord, ArchiveLimits, ArchiveRead, MoveNote, ArchiveRecord, BlobInfo, CatalogTotals, EntryRecord, SharedCatalog
 from .catalog_sql import (ARCHIVE_COLUMNS, BLOB_COLUMNS, ENTRY_COLUMNS, ENTRY_COPIED, ENTRY_INSERT, archive_from_row,
                           check_union_limits, compare_union_first, duplicate_error, entries_under_query, entry_from_row,
                           entry_values, metadata_text)
@@ -98,8 +98,8 @@ class PostgresCatalog(SharedCatalog):
     def alias(self, name: str) -> AliasRecord | None:
         return self._db.read(f"reading alias {name!r}", lambda cur: alias_sql.alias_of(_query(cur), "%s", name))
 
-    def aliases(self, prefix: str = "", archive: str = "") -> list[AliasRecord]:
-        return self._db.read("listing aliases", lambda cur: alias_sql.aliases(_query(cur), "%s", prefix, archive))
+    def aliases(self, prefix: str = "", archive: str = "", page: AliasPage = AliasPage()) -> list[AliasRecord]:
+        return self._db.read("listing aliases", lambda cur: alias_sql.aliases(_query(cur), "%s", prefix, archive, page))
 
     def history(self, alias: str, limit: int) -> list[AliasMove]:
         return self._db.read(f"reading the history of alias {alias!r}",

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Mapping, Sequence
 
 from . import alias_sql
-from .base import AliasMove, AliasRecord, ArchiveLimits, ArchiveRead, MoveNote, ArchiveRecord, BlobInfo, Catalog, CatalogTotals, EntryRecord
+from .base import AliasMove, AliasPage, AliasRecord, ArchiveLimits, ArchiveRead, MoveNote, ArchiveRecord, BlobInfo, Catalog, CatalogTotals, EntryRecord
 from .catalog_sql import (ARCHIVE_COLUMNS, BLOB_COLUMNS, ENTRY_COLUMNS, ENTRY_COPIED, ENTRY_INSERT, archive_from_row,
                           check_union_limits, compare_union_first, duplicate_error, entries_under_query, entry_from_row,
                           entry_values, metadata_text)
@@ -86,8 +86,8 @@ class SqliteCatalog(Catalog):
     def alias(self, name: str) -> AliasRecord | None:
         return alias_sql.alias_of(_query(self._reader()), "?", name)
 
-    def aliases(self, prefix: str = "", archive: str = "") -> list[AliasRecord]:
-        return alias_sql.aliases(_query(self._reader()), "?", prefix, archive)
+    def aliases(self, prefix: str = "", archive: str = "", page: AliasPage = AliasPage()) -> list[AliasRecord]:
+        return alias_sql.aliases(_query(self._reader()), "?", prefix, archive, page)
 
     def history(self, alias: str, limit: int) -> list[AliasMove]:
         return alias_sql.history(_query(self._reader()), "?", alias, limit)

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from ..config import Config
 from ..failures import Missing
-from ..storage import ArchiveRecord, Damaged, Storage
+from ..storage import AliasPage, ArchiveRecord, Damaged, Storage
 from ..storage.factory import describe
 from . import kept_files, plots, stats, tree
 from .inputs import PageProblem, query, required
@@ -26,6 +26,8 @@ from .traffic import INTERVAL, KEPT, Traffic
 SITE: web.AppKey["Site"] = web.AppKey("site")
 #: Archives listed on one page of the list (a link leads to the next ones).
 LIST_PAGE = 500
+#: Aliases shown on one page of the list, at most (an archive's own page shows all of its aliases).
+ALIASES_SHOWN = 10 * LIST_PAGE
 #: Entry statistics computed at the same time, at most.
 STATISTICS_AT_ONCE = 2
 #: Seconds a health check of the catalog or the bucket may take before it counts as failed.
@@ -69,8 +71,10 @@ async def archives_page(request: web.Request) -> web.Response:
     found = await site.run(catalog.list_archives, prefix, after, LIST_PAGE + 1)
     shown = found[:LIST_PAGE]
     aliases: dict[str, list[str]] = {}
-    for alias in await site.run(catalog.aliases, ""):
-        aliases.setdefault(alias.archive, []).append(alias.alias)
+    if shown:  # only the aliases of the archives shown: one indexed read, whatever the server holds
+        page = AliasPage(archives_from=shown[0].name, archives_to=shown[-1].name, limit=ALIASES_SHOWN)
+        for alias in await site.run(catalog.aliases, "", "", page):
+            aliases.setdefault(alias.archive, []).append(alias.alias)
     return site.html("archives", prefix=prefix, archives=shown, aliases=aliases,
                      next_after=shown[-1].name if len(found) > LIST_PAGE else "")
 

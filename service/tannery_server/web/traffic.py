@@ -40,14 +40,15 @@ class MethodTraffic:
 
 
 def read_totals(metrics: Any) -> dict[str, MethodTraffic]:
-    """Every RPC's totals now, from ``metrics`` (a :class:`~..metrics.ServerMetrics`)."""
+    """Every RPC's totals now, from ``metrics`` (a :class:`~..metrics.ServerMetrics`): its call
+    families only, so that a load of the page (and its sampling) never counts the catalog."""
     methods: dict[str, MethodTraffic] = {}
     buckets: dict[str, list[tuple[float, float]]] = {}
 
     def of(method: str) -> MethodTraffic:
         return methods.setdefault(method, MethodTraffic(method))
 
-    for family in metrics.registry.collect():
+    for family in metrics.call_families():
         for sample in family.samples:
             method = sample.labels.get("method")
             if method is None:
