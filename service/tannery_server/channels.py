@@ -63,7 +63,7 @@ from .dataplane.links import LINK_ERRORS, fail, link_failure
 from .dataplane.listeners import DataPaths
 from .dataplane.plane import DataPlane
 from .fabric import open_fabric
-from .relay_plan import Member, RoutePlanner
+from .relay_plan import CLOSING, Member, RoutePlanner
 from .published_store import PublishedStore, Storing, open_store, stored_answer
 from .workers import Workers
 from .hub import Channel, FellBehind, Hub, HubClosed, Piece, Relay, SubscriptionEnded
@@ -148,6 +148,8 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
 
     async def close(self) -> None:
         """End every subscription (UNAVAILABLE: shutting down) and refuse new calls."""
+        if self.routes is not None:
+            self.routes.close()
         await self.hub.close(timeout=max(self.timeout, 1.0))
         await self.fabric.close()
         self._links.close(wait=False)
@@ -229,7 +231,7 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
         self._check_name(request.channel)
         if self.routes is None:
             raise Unimplemented("this server's relays are off (--relay-fanout 0): subscribe instead")
-        if self.hub.closed:
+        if self.hub.closed or self.routes.closed:
             raise Unavailable("the server is shutting down")
         member = Member(request.member or context.peer(), relay_address(request.address, context.peer()),
                         bytes(request.key), bytes(request.certificate))
@@ -240,6 +242,8 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
             replaced.updates.put_nowait(None)  # its older call ends: this one holds the slot now
         try:
             while (update := await member.updates.get()) is not None:
+                if update is CLOSING:
+                    raise Unavailable("the server is shutting down: its relay plan goes with it (ask again)")
                 await context.write(update)
         finally:
             self.routes.leave(request.channel, member)

@@ -24,6 +24,8 @@ from tannery_protocol.v1 import channels_pb2
 
 #: The server's default fan-out: a chain.
 DEFAULT_FANOUT = 1
+#: What a member's queue gets when the server stops: its Route call ends UNAVAILABLE.
+CLOSING = object()
 
 
 @dataclass(eq=False)
@@ -82,6 +84,7 @@ class RoutePlanner:
         self.fanout = fanout
         self.plans: dict[str, ChannelPlan] = {}
         self._generation = itertools.count(1)
+        self.closed = False
 
     def join(self, channel: str, member: Member, unreachable: str = "") -> Member | None:
         """Put ``member`` in the plan of ``channel`` (in the slot of a member of the same id, which
@@ -114,6 +117,13 @@ class RoutePlanner:
         else:
             del self.plans[channel]
 
+    def close(self) -> None:
+        """End every member's Route call (the server is stopping): each gets ``CLOSING``."""
+        self.closed = True
+        for plan in self.plans.values():
+            for member in plan.slots:
+                member.updates.put_nowait(CLOSING)
+
     def members(self, channel: str) -> int:
         plan = self.plans.get(channel)
         return len(plan.slots) if plan is not None else 0
@@ -133,4 +143,4 @@ class RoutePlanner:
                 generation=generation, address=member.address))
 
 
-__all__ = ["ChannelPlan", "DEFAULT_FANOUT", "Member", "RoutePlanner"]
+__all__ = ["CLOSING", "ChannelPlan", "DEFAULT_FANOUT", "Member", "RoutePlanner"]

@@ -238,7 +238,7 @@ class Follower(_Follower):
     ``close()`` (or the ``with`` block) ends it. The follower reads the alias and the
     channel on two threads of its own; the versions are applied on the thread that iterates.
 
-    ``relay`` (by default on when this client takes the TCP data port): the follower passes
+    ``relay`` (by default on, unless this client takes the same-host path): the follower passes
     every version it receives on to the followers the server routes through it, piece by piece
     on threads of its own, so the server sends each version about once (docs/weight-sync.md,
     "Relays"). It listens on ``relay_port`` (0: any free port) of ``relay_host`` (None: the

@@ -38,7 +38,7 @@ from tannery.client import LinkSubscription, Subscription
 from tannery.dataplane.links import coded, next_published
 from tannery.dataplane.readers import PayloadReader
 from tannery.dataplane.relay_port import PIECE, RELAY_ID, RelayPort, pinned_context
-from tannery.dataplane.transports import LinkTransport, LocalTransport
+from tannery.dataplane.transports import LocalTransport
 from tannery.rpc.connection import rpc_error
 from tannery.weights.sources import Pauses
 
@@ -276,15 +276,13 @@ class Relaying:
 
 
 def relays_by_default(client: Client) -> bool:
-    """Whether a follower of ``client`` relays when it is not told: when its payloads come over the
-    server's TCP data port (across hosts). Not on the same-host path, where every follower maps
-    the same memory file (nothing to pass on), nor over gRPC alone (a server without a data port:
-    ``relay=True`` asks for it there)."""
+    """Whether a follower of ``client`` relays when it is not told: when its payloads come from
+    another host (the TCP data port, or gRPC), not on the same-host path, where every follower
+    maps the same memory file (nothing to pass on)."""
     try:
-        chosen = run_blocking(client._transport_now())
+        return not isinstance(run_blocking(client._transport_now()), LocalTransport)
     except errors.ServiceError:
         return False
-    return isinstance(chosen, LinkTransport) and not isinstance(chosen, LocalTransport)
 
 
 def _host_toward(target: str) -> str | None:
