@@ -25,7 +25,8 @@ from tannery.dataplane import relay_port
 from tannery.dataplane.relay_port import RELAY_ID
 from tannery.weights.relays import _connect_parent
 from tannery_protocol.datalink import LinkError, PeerFailed
-from tannery_server.relay_plan import Member, RoutePlanner
+from tannery_server.failures import Malformed
+from tannery_server.relay_plan import Member, RoutePlanner, relay_address
 
 from .benchmarks.relay_fleet import Fleet
 from .netns import Hosts, unavailable
@@ -95,6 +96,17 @@ def test_a_fanout_lays_a_tree_and_the_server_feeds_only_its_first_tier():
             RoutePlanner(fanout=0)
 
     asyncio.run(run())
+
+
+def test_a_relay_address_names_its_host_or_takes_the_callers():
+    assert relay_address("10.1.2.3:7000", "ipv4:10.9.9.9:5000") == "10.1.2.3:7000"
+    assert relay_address(":7000", "ipv4:10.9.9.9:5000") == "10.9.9.9:7000"
+    assert relay_address(":7000", "ipv6:[fd00::2]:5000") == "[fd00::2]:7000"
+    for bad in ("10.1.2.3", ":0", ":99999", "host:port"):
+        with pytest.raises(Malformed, match="host:port"):
+            relay_address(bad, "ipv4:10.9.9.9:5000")
+    with pytest.raises(Malformed, match="name the host"):
+        relay_address(":7000", "unix:/run/tannery.sock")
 
 
 # -- on loopback --------------------------------------------------------------------------------

@@ -63,7 +63,7 @@ from .dataplane.links import LINK_ERRORS, fail, link_failure
 from .dataplane.listeners import DataPaths
 from .dataplane.plane import DataPlane
 from .fabric import open_fabric
-from .relay_plan import CLOSING, Member, RoutePlanner
+from .relay_plan import CLOSING, Member, RoutePlanner, relay_address
 from .published_store import PublishedStore, Storing, open_store, stored_answer
 from .workers import Workers
 from .hub import Channel, FellBehind, Hub, HubClosed, Piece, Relay, SubscriptionEnded
@@ -439,20 +439,6 @@ async def _relay_last(relay: Relay, piece: Piece, timeout: float) -> int:
         return await relay.put(message, nbytes, timeout)
     finally:
         relay.finish()
-
-
-def relay_address(asked: str, peer: str) -> str:
-    """Where a member's relay port is reached: ``asked`` ("host:port"), or for ":port" the host
-    the member's call comes from (``peer``, as gRPC gives it: "ipv4:10.0.0.2:5123", "ipv6:[::1]:5123")."""
-    host, _, port = asked.rpartition(":")
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        raise Malformed(f"relay address {asked!r} is not host:port or :port")
-    if host:
-        return asked
-    kind, _, rest = peer.partition(":")
-    if kind not in ("ipv4", "ipv6"):
-        raise Malformed(f"relay address {asked!r} names no host, and this call comes from {peer!r}: name the host")
-    return f"{rest.rpartition(':')[0]}:{port}"
 
 
 def add_to_server(servicer: ChannelsServicer, server: grpc.aio.Server) -> None:

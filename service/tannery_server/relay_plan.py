@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 from tannery_protocol.v1 import channels_pb2
 
+from .failures import Malformed
+
 #: The server's default fan-out: a chain.
 DEFAULT_FANOUT = 1
 #: What a member's queue gets when the server stops: its Route call ends UNAVAILABLE.
@@ -143,4 +145,18 @@ class RoutePlanner:
                 generation=generation, address=member.address))
 
 
-__all__ = ["CLOSING", "ChannelPlan", "DEFAULT_FANOUT", "Member", "RoutePlanner"]
+def relay_address(asked: str, peer: str) -> str:
+    """Where a member's relay port is reached: ``asked`` ("host:port"), or for ":port" the host
+    the member's call comes from (``peer``, as gRPC gives it: "ipv4:10.0.0.2:5123", "ipv6:[::1]:5123")."""
+    host, _, port = asked.rpartition(":")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise Malformed(f"relay address {asked!r} is not host:port or :port")
+    if host:
+        return asked
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        raise Malformed(f"relay address {asked!r} names no host, and this call comes from {peer!r}: name the host")
+    return f"{rest.rpartition(':')[0]}:{port}"
+
+
+__all__ = ["CLOSING", "ChannelPlan", "DEFAULT_FANOUT", "Member", "RoutePlanner", "relay_address"]
