@@ -10,6 +10,7 @@ why, where namespaces cannot be made.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import socket
 import threading
 import time
@@ -150,6 +151,60 @@ def test_followers_relay_on_loopback_and_the_server_feeds_one(tmp_path: Path):
                 assert all((2, "channel") in applied[i] for i in range(3)), applied
             finally:
                 for client, follower, _ in followers:
+                    follower.close()
+                    client.close()
+
+
+def _sha(state: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for key in sorted(state):
+        digest.update(state[key].contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def test_large_tensors_relayed_version_after_version_stay_exact(tmp_path: Path):
+    """Tensors gathered in maps that grow (over 32 MiB) and maps a later payload reuses (over
+    4 MiB): what a relay passes on is what it received, version after version, pushed back to back."""
+    shapes = {"embed": (10 << 20,), "mlp": (1536, 1024), "bias": (300,)}  # 40 MiB, 6 MiB, 1.2 KiB of float32
+
+    def version(seed: int | None) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(seed or 0)
+        return {key: (torch.rand(shape, generator=generator) if seed is not None else torch.zeros(shape))
+                for key, shape in shapes.items()}
+
+    with running_server(tmp_path, data_port=0, socket="off") as server:
+        target = f"127.0.0.1:{server.port}"
+        with tannery.Client(target, transport="tcp") as trainer:
+            publisher = tannery.weights.Publisher(trainer, "big", keep=2, delta=False)
+            publisher.push(version(100), 0)
+            clients = [tannery.Client(target, transport="tcp") for _ in range(3)]
+            states = [version(None) for _ in clients]
+            followers = [tannery.weights.Follower(client, "big", state, relay=True)
+                         for client, state in zip(clients, states)]
+            seen: dict[int, list[tuple[int, str, str]]] = {}
+            try:
+                for index, (follower, state) in enumerate(zip(followers, states)):
+                    assert next(follower).version == 0
+
+                    def follow(follower=follower, state=state, index=index) -> None:
+                        for done in follower:
+                            seen.setdefault(index, []).append((done.version, done.via, _sha(state)))
+
+                    threading.Thread(target=follow, daemon=True).start()
+                assert wait_for(lambda: server.hub.subscribers == 1 and followers[2]._relaying.route is not None
+                                and followers[2]._relaying.route[0] != "", 10)
+                expected = {}
+                for number in (1, 2, 3):
+                    pushed = version(number)
+                    expected[number] = _sha(pushed)
+                    publisher.push(pushed, number)
+                assert wait_for(lambda: all(any(v == 3 for v, _, _ in seen.get(i, [])) for i in range(3)), 60), seen
+                for index in range(3):
+                    for number, via, digest in seen[index]:
+                        assert digest == expected[number], f"follower {index} holds other bytes for version {number}"
+                assert all(via == "channel" for _, via, _ in seen[2]), seen[2]
+            finally:
+                for follower, client in zip(followers, clients):
                     follower.close()
                     client.close()
 

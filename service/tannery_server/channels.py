@@ -63,7 +63,7 @@ from .dataplane.links import LINK_ERRORS, fail, link_failure
 from .dataplane.listeners import DataPaths
 from .dataplane.plane import DataPlane
 from .fabric import open_fabric
-from .relay_plan import CLOSING, Member, RoutePlanner, relay_address
+from .relay_plan import CLOSING, LEAVE_GRACE_SECONDS, Member, RoutePlanner, relay_address
 from .published_store import PublishedStore, Storing, open_store, stored_answer
 from .workers import Workers
 from .hub import Channel, FellBehind, Hub, HubClosed, Piece, Relay, SubscriptionEnded
@@ -245,8 +245,8 @@ class ChannelsServicer(channels_pb2_grpc.ChannelsServicer):
                 if update is CLOSING:
                     raise Unavailable("the server is shutting down: its relay plan goes with it (ask again)")
                 await context.write(update)
-        finally:
-            self.routes.leave(request.channel, member)
+        finally:  # the slot is kept a moment for the same member calling again (a no-op once it has)
+            asyncio.get_running_loop().call_later(LEAVE_GRACE_SECONDS, self.routes.leave, request.channel, member)
 
     # -- the data paths: the same-host socket, the TCP data port ------------------------------
 

@@ -28,6 +28,9 @@ from .failures import Malformed
 DEFAULT_FANOUT = 1
 #: What a member's queue gets when the server stops: its Route call ends UNAVAILABLE.
 CLOSING = object()
+#: Seconds a member whose Route call ended keeps its slot: a member that calls again at once (to
+#: report its parent) takes it back, its children staying where they are.
+LEAVE_GRACE_SECONDS = 1.0
 
 
 @dataclass(eq=False)
@@ -91,8 +94,8 @@ class RoutePlanner:
     def join(self, channel: str, member: Member, unreachable: str = "") -> Member | None:
         """Put ``member`` in the plan of ``channel`` (in the slot of a member of the same id, which
         it replaces: returned, to end its older call), move the member it reports ``unreachable``
-        (its parent, or itself when it fell behind) to the end, and tell every member whose route
-        changed."""
+        to the end (its own parent, or itself when it fell behind: no member moves another), and
+        tell every member whose route changed."""
         plan = self.plans.setdefault(channel, ChannelPlan(self.fanout))
         replaced = None
         index = plan.find(member.id)
@@ -100,7 +103,8 @@ class RoutePlanner:
             replaced, plan.slots[index] = plan.slots[index], member
         else:
             plan.slots.append(member)
-        if unreachable and (bad := plan.find_address(unreachable)) is not None:
+        bad = plan.find_address(unreachable) if unreachable else None
+        if bad is not None and (plan.slots[bad] is member or plan.parent_of(plan.slots.index(member)) is plan.slots[bad]):
             plan.slots.append(plan.remove(bad))  # to the end, a leaf (the caller itself, when it fell behind)
         self._tell(plan)
         return replaced
@@ -159,4 +163,4 @@ def relay_address(asked: str, peer: str) -> str:
     return f"{rest.rpartition(':')[0]}:{port}"
 
 
-__all__ = ["CLOSING", "ChannelPlan", "DEFAULT_FANOUT", "Member", "RoutePlanner", "relay_address"]
+__all__ = ["CLOSING", "ChannelPlan", "DEFAULT_FANOUT", "LEAVE_GRACE_SECONDS", "Member", "RoutePlanner", "relay_address"]

@@ -47,6 +47,9 @@ CHILD_TIMEOUT = 5.0
 MAX_GREETING = 64
 
 _ABANDONED = object()
+_RESTART = object()
+#: Children one port feeds at most (the plan gives it its fan-out; more are refused).
+MAX_CHILDREN = 64
 
 
 class _Child:
@@ -64,10 +67,11 @@ class _Child:
         self.thread = threading.Thread(target=self._send_all, daemon=True, name=f"tannery-relay-to-{peer}")
         self.thread.start()
 
-    def put(self, item: Any, nbytes: int) -> bool:
-        """Queue ``item`` (a piece's view, or :data:`_ABANDONED`); False once the child is gone,
-        or dropped for keeping its queue full for :data:`CHILD_TIMEOUT`."""
-        deadline = time.monotonic() + CHILD_TIMEOUT
+    def put(self, item: Any, nbytes: int, deadline: float | None = None) -> bool:
+        """Queue ``item`` (a piece's bytes, :data:`_ABANDONED` or :data:`_RESTART`); False once the
+        child is gone, or dropped for keeping its queue full until ``deadline`` (by default
+        :data:`CHILD_TIMEOUT` from now)."""
+        deadline = deadline if deadline is not None else time.monotonic() + CHILD_TIMEOUT
         with self._room:
             while self.alive and self._bytes and self._bytes + nbytes > CHILD_BUFFER:
                 left = deadline - time.monotonic()
@@ -100,13 +104,19 @@ class _Child:
                 if item is _ABANDONED:
                     self.link.send(frame(abandoned=Abandoned()))
                     size = 0
+                elif item is _RESTART:  # this relay's upstream changed: the child starts over with it
+                    self.link.sock.settimeout(1.0)
+                    self.link.send(frame(failure=DataFailure(code="ABORTED", message=(
+                        "the relay took its payloads from another source: connect again (the version in "
+                        "flight comes from the store)"))))
+                    return
                 elif item is None:  # the port closes: said between pieces, on this thread
                     self.link.sock.settimeout(1.0)
                     self.link.send(frame(failure=DataFailure(code="UNAVAILABLE", message=(
                         "the relay stopped; ask the server for a new route"))))
                     return
                 else:
-                    size = item.nbytes
+                    size = len(item)
                     self.link.send(frame(entry=EntryBytes(payload_bytes=size)))
                     self.link.send_bytes(item)
                 with self._room:
@@ -173,21 +183,37 @@ class RelayPort:
     # -- the receiving side -----------------------------------------------------------------
 
     def piece(self, view: memoryview) -> None:
-        """Pass on ``view``, the next bytes of the payload in progress (queued, not copied: the
-        caller never writes them again)."""
+        """Pass on ``view``, the next bytes of the payload in progress. They are copied once, for
+        every child, when there is one: the buffer they were received into is the follower's own,
+        grown in place (``mremap``) while the payload arrives and used again by a later payload
+        once its tensor is dropped, while a child may still be sending them."""
         with self._lock:
             if self._at_start:
                 self._children += self._waiting
                 self._waiting = []
                 self._at_start = False
             children = list(self._children)
+        if not children:
+            return
+        data = bytes(view)
+        deadline = time.monotonic() + CHILD_TIMEOUT  # one wait for all: slow children do not add up
         for child in children:
-            child.put(view, view.nbytes)
+            child.put(data, len(data), deadline)
 
     def payload_done(self) -> None:
         """The payload in progress is whole: a child waiting starts with the next one."""
         with self._lock:
             self._at_start = True
+
+    def restart(self) -> None:
+        """This follower's upstream changed (another parent, the server, or the same again after a
+        break): every child is told to connect again, so that none assembles one version from two
+        streams (a piece skipped by one, repeated by the other)."""
+        with self._lock:
+            children, self._children, self._waiting = self._children + self._waiting, [], []
+            self._at_start = True
+        for child in children:
+            child.put(_RESTART, 0)
 
     def abandon(self) -> None:
         """The payload in progress was cut off upstream: the children discard what came of it."""
@@ -203,16 +229,30 @@ class RelayPort:
         while not self.closed:
             try:
                 sock, peer = self._listener.accept()
-            except OSError:
-                return
-            if not self._greeting.acquire(blocking=False):
-                sock.close()  # a flood of connections that say nothing: refused, not queued
+            except OSError as exc:
+                if self.closed:
+                    return
+                log.warning("relay port %s: accept failed (%s); going on", self.port, exc)
+                time.sleep(0.1)  # out of descriptors, say: the next accept may work
+                continue
+            if not self._greeting.acquire(blocking=False) or self.children >= MAX_CHILDREN:
+                sock.close()  # a flood of connections that say nothing, or too many children: refused
                 continue
             threading.Thread(target=self._greet, args=(sock, f"{peer[0]}:{peer[1]}"), daemon=True,
                              name="tannery-relay-greet").start()
 
     def _greet(self, sock: socket.socket, peer: str) -> None:
-        """Welcome a connection, check its key, and feed it from the next payload on."""
+        """Welcome a connection, check its key, and feed it from the next payload on; a handshake
+        not done in :data:`HANDSHAKE_SECONDS` in all (however it trickles) is cut."""
+        cut = threading.Timer(HANDSHAKE_SECONDS, _shut, args=(sock,))
+        cut.daemon = True
+        cut.start()
+        try:
+            self._handshake(sock, peer)
+        finally:
+            cut.cancel()
+
+    def _handshake(self, sock: socket.socket, peer: str) -> None:
         try:
             tune_tcp(sock)
             sock.settimeout(HANDSHAKE_SECONDS)
@@ -259,13 +299,20 @@ class RelayPort:
         with self._lock:
             self.closed = True
             children, self._children, self._waiting = self._children + self._waiting, [], []
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        _shut(self._listener)
         self._listener.close()
         for child in children:
             child.put(None, 0)
+            cut = threading.Timer(CHILD_TIMEOUT, child.link.abort)  # one that stopped reading is cut
+            cut.daemon = True
+            cut.start()
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def _self_signed() -> tuple[bytes, ssl.SSLContext]:
@@ -280,8 +327,8 @@ def _self_signed() -> tuple[bytes, ssl.SSLContext]:
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "tannery-relay")])
     now = datetime.datetime.now(datetime.timezone.utc)
     certificate = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-                   .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-                   .not_valid_after(now + datetime.timedelta(days=30))
+                   .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
+                   .not_valid_after(now + datetime.timedelta(days=3650))  # pinned: its dates guard nothing
                    .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
                    .sign(key, hashes.SHA256()))
     pem = certificate.public_bytes(serialization.Encoding.PEM)

@@ -46,7 +46,7 @@ from tannery.dataplane.memory_files import DEFAULT_BUDGET
 from tannery.weights.sources import AGAIN, FIRST_VERSION_POLL_SECONDS, Newest, Pauses
 from tannery.calls.running import run as run_blocking, run_async
 from tannery.rpc.waits import END, Blocking, Rpc, Steps
-from tannery.weights.relays import Relaying, relays_by_default
+from tannery.weights.relays import Relaying, relays_possible
 from tannery.weights.stream import Assembler, StreamedVersion
 from tannery.weights.versions import FROM_STORE, Applied, Following, Pushed, Pushing, apply_steps, apply_streamed, push_steps
 
@@ -213,6 +213,8 @@ class _Follower:
                 yield Rpc(self._pause, pauses.take())
             except Exception as error:  # no channels here (or not allowed): versions come from the store
                 log.warning("%s: versions come from the store alone, not the channel: %s", self.following.where, error)
+                if (relaying := getattr(self, "_relaying", None)) is not None:
+                    relaying.close()  # it leaves the plan: no follower is routed through it any more
                 self._offer(streaming=None)
                 self._subscribed.set()
                 return
@@ -287,9 +289,13 @@ class Follower(_Follower):
         return next(source, END)
 
     def _subscribe(self) -> Any:
-        if self._relay is None:
-            self._relay = relays_by_default(self.client)
-        if self._relay and self._relaying is None:
+        if self._relay is not False and self._relaying is None and not relays_possible(self.client):
+            if self._relay:
+                log.warning("%s: relay=True, but this client takes the same-host path: every follower here maps "
+                            "the server's memory files, nothing to pass on; this follower does not relay",
+                            self.following.where)
+            self._relay = False
+        if self._relay is not False and self._relaying is None:
             with self._ready:
                 if self.closed:
                     return self.client.subscribe(self.following.name)  # closed at once by the caller

@@ -79,9 +79,7 @@ class RelayingReader(PayloadReader):
         return tensors
 
     def arrived(self, item: Any) -> Any:
-        self.port.piece(memoryview(item.data).cast("B"))
-        self.port.payload_done()
-        return super().arrived(item)
+        raise RuntimeError("a relaying follower takes its payloads over TCP or gRPC, not as same-host files")
 
     def discard(self) -> None:
         super().discard()
@@ -109,12 +107,14 @@ class ParentFeed:
         while not self._ready:
             try:
                 self._ready.extend(next_published(self.link, self.reader))
-            except (OSError, LinkError) as exc:
+            except Exception as exc:  # noqa: BLE001  (a broken link, or bytes that do not parse: the parent's)
                 self.link.close()
                 if self.closed:
                     raise StopIteration from None
+                if isinstance(exc, PeerFailed) and exc.code == "ABORTED":  # its source changed: start over
+                    raise coded(errors.Unavailable, "UNAVAILABLE", f"relay {self.parent}: {exc.message}") from None
                 if isinstance(exc, PeerFailed) and exc.code == "RESOURCE_EXHAUSTED":
-                    self._relaying.unreachable(self._relaying.address, f"this follower {exc.message}", own=True)
+                    self._relaying.unreachable(self._relaying.seen_address, f"this follower {exc.message}", own=True)
                     raise coded(errors.ResourceExhausted, exc.code, f"relay {self.parent} dropped this follower: "
                                 f"{exc.message}; the server is asked to move it to the end") from None
                 raise self._unreachable(exc) from None
@@ -172,6 +172,9 @@ class Relaying:
         self._unreachable = ""
         self._call: Any = None
         self._source: Any = None
+        self._source_route: tuple[str, bytes, bytes] | None = None
+        #: Where the server sees this member's port (what it names in a report of itself).
+        self.seen_address = self.address
         self._thread = threading.Thread(target=self._route_all, daemon=True, name=f"tannery-route-{channel}")
         self._thread.start()
 
@@ -184,8 +187,9 @@ class Relaying:
         with self._changed:
             self._changed.wait_for(lambda: self.route is not None or self.off is not None or self.closed,
                                    ROUTE_WAIT_SECONDS)
-            parent, key, certificate = self.route or ("", b"", b"")
-        self.port.abandon()  # a payload the last source left half-passed-on is discarded below
+            route = self.route or ("", b"", b"")
+        parent, key, certificate = route
+        self.port.restart()  # children start over with this source: none mixes two streams in one version
         reader = RelayingReader(self.port)
         if parent:
             source: Any = ParentFeed(parent, key, certificate, reader, self)
@@ -193,8 +197,8 @@ class Relaying:
             feed = run_blocking(self.client._subscribe(self.channel, None, reader))
             source = LinkSubscription(feed) if feed.link is not None else Subscription(feed)
         with self._changed:
-            self._source = source
-            if self.route is not None and self.route[0] != parent:  # moved meanwhile
+            self._source, self._source_route = source, route
+            if self.route is not None and self.route != route:  # moved meanwhile
                 source.close()
         return source
 
@@ -205,6 +209,8 @@ class Relaying:
             if not own and (self.route is None or self.route[0] != parent):
                 return  # already moved elsewhere
             self._unreachable = parent
+            if not own:
+                self.route = None  # the next source waits for the route around it
             call = self._call
         log.warning("%s: relay %s could not be read (%s); asking the server for another route", self.channel, parent,
                     why)
@@ -217,6 +223,8 @@ class Relaying:
         pauses = Pauses()
         while not self.closed:
             with self._changed:
+                if self.closed:
+                    return
                 request = channels_pb2.RouteRequest(channel=self.channel, address=self.address, key=self.port.key,
                                                     member=self.member, unreachable=self._unreachable,
                                                     certificate=self.port.certificate)
@@ -243,18 +251,19 @@ class Relaying:
                 threading.Event().wait(pauses.take())
 
     def _moved(self, update: channels_pb2.RouteUpdate) -> None:
-        """Take the route the server gave; the source of the old one ends (the receiving loop
-        opens the new one)."""
+        """Take the route the server gave; a source opened for another route ends (the receiving
+        loop opens the new one)."""
         route = (update.parent, bytes(update.parent_key), bytes(update.parent_certificate))
         with self._changed:
+            self.seen_address = update.address or self.seen_address
             if route == self.route:
                 return
-            old, self.route = self.route, route
-            source = self._source
+            self.route = route
+            source = self._source if self._source_route != route else None
             self._changed.notify_all()
         log.info("%s: route %s (children %d, plan %d)", self.channel, update.parent or "from the server",
                  update.children, update.generation)
-        if old is not None and source is not None:
+        if source is not None:
             source.close()
 
     def _stop_relaying(self, why: str) -> None:
@@ -275,10 +284,10 @@ class Relaying:
         self._thread.join(5)
 
 
-def relays_by_default(client: Client) -> bool:
-    """Whether a follower of ``client`` relays when it is not told: when its payloads come from
-    another host (the TCP data port, or gRPC), not on the same-host path, where every follower
-    maps the same memory file (nothing to pass on)."""
+def relays_possible(client: Client) -> bool:
+    """Whether a follower of ``client`` can relay: when its payloads come from another host (the
+    TCP data port, or gRPC), not on the same-host path, where every follower maps the same memory
+    file (nothing to pass on; the payloads come as files, not bytes). So it relays by default."""
     try:
         return not isinstance(run_blocking(client._transport_now()), LocalTransport)
     except errors.ServiceError:
@@ -301,4 +310,4 @@ def _host_toward(target: str) -> str | None:
         return None
 
 
-__all__ = ["ParentFeed", "Relaying", "RelayingReader", "relays_by_default"]
+__all__ = ["ParentFeed", "Relaying", "RelayingReader", "relays_possible"]
