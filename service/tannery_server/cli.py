@@ -78,6 +78,8 @@ _FLAGS = [
                            "(being reassembled or waiting for subscribers), so the largest cross-replica payload; "
                            "subscribers here that fall that far behind are dropped (RESOURCE_EXHAUSTED)"),
     ("io_threads", "threads reading and writing blob files"),
+    ("upload_memory", "with --blobs s3://: most bytes of payloads and packs held in memory before they go to the "
+                      "bucket, across all Stores; beyond it they spill to unnamed temporary files in DATA_DIR"),
     ("tls_cert", "PEM file of the server's TLS certificate (and its chain): TLS when set, with --tls-key"),
     ("tls_key", "PEM file of the TLS certificate's private key (unencrypted)"),
     ("tls_client_ca", "PEM file of the CAs that sign client certificates: mutual TLS, every client must "

@@ -86,8 +86,9 @@ def open_blobs(config: Config, offer_create: bool = True) -> BlobStore:
     if scheme == "file":
         return FileBlobStore(_file_path(config.blobs) or config.data_dir)
     from .s3_blobs import S3BlobStore
+    from .upload_memory import MemoryBudget
 
-    bucket = S3BlobStore(config.blobs)
+    bucket = S3BlobStore(config.blobs, memory=MemoryBudget(config.upload_memory), spill_dir=config.data_dir)
     try:
         # Only a tool that offers --create-bucket creates one (scrub never does, whatever the environment says).
         if bucket.ensure_bucket(create=config.create_bucket and offer_create, offer_create=offer_create):
