@@ -234,13 +234,13 @@ def main(argv: Sequence[str] | None = None, prog: str = "tannery") -> int:
         from . import app
         from .auth import TokenError
         from .calllog import configure_logging
-        from .storage import CatalogTooNew, DataDirectoryInUse, StorageUnavailable
+        from .storage import CatalogTooNew, DataDirectoryInUse, StorageUnavailable, WrongBlobStore
         from .tls import TLSError
 
         configure_logging(config.log_format)
         try:
             app.run(config)
-        except (CatalogTooNew, DataDirectoryInUse, TokenError, TLSError, StorageUnavailable) as exc:
+        except (CatalogTooNew, DataDirectoryInUse, TokenError, TLSError, StorageUnavailable, WrongBlobStore) as exc:
             # StorageUnavailable: the catalog or bucket unreachable at start, or the bucket missing
             print(f"tannery serve: {exc}", file=sys.stderr)
             return 1
@@ -266,7 +266,7 @@ def _embedded(config: Config) -> bool:
 
 def _open(command: str, config: Config):
     """The storage a tool works on, or None after saying why it cannot be opened."""
-    from .storage import CatalogTooNew, DataDirectoryInUse, StorageUnavailable
+    from .storage import CatalogTooNew, DataDirectoryInUse, StorageUnavailable, WrongBlobStore
     from .storage.factory import open_storage
 
     if _embedded(config) and not (config.data_dir / "catalog.sqlite3").is_file():
@@ -277,7 +277,7 @@ def _open(command: str, config: Config):
         return open_storage(config, collecting=False, offer_create=command == "migrate")
     except DataDirectoryInUse as exc:
         print(f"tannery {command}: {exc}; stop the server first", file=sys.stderr)
-    except (CatalogTooNew, StorageUnavailable, ValueError, ModuleNotFoundError) as exc:
+    except (CatalogTooNew, StorageUnavailable, WrongBlobStore, ValueError, ModuleNotFoundError) as exc:
         print(f"tannery {command}: {exc}", file=sys.stderr)
     return None
 

@@ -53,6 +53,15 @@ def open_storage(config: Config, collecting: bool = True, offer_create: bool = T
     except BaseException:
         blobs.close()  # a bucket's threads; a directory has none
         raise
+    try:
+        from .deployment import check_blob_store
+
+        where = config.blobs if blobs_scheme == "s3" else f"file:{(_file_path(config.blobs) or config.data_dir).resolve()}"
+        check_blob_store(config.catalog, catalog.name, where, blobs)
+    except BaseException:
+        catalog.close()
+        blobs.close()
+        raise
     storage = SharedStorage(catalog, blobs, grace_seconds=config.gc_grace_seconds,
                             lease_seconds=config.lease_seconds, collecting=collecting)
     try:
