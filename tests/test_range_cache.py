@@ -87,3 +87,32 @@ def test_a_damaged_cached_range_is_dropped_and_the_bucket_answers_next(cached_re
     assert "DATA_LOSS" in str(failed.value)
     assert cache.cached_ranges() == {} and not path.exists()
     assert collect_fetch(stub.Fetch(pb.FetchRequest(archive="packed", entries=asks([name])))) == {name: expected[name]}
+
+
+def test_reads_of_any_alignment_are_byte_exact_and_cached_by_whole_chunks(s3_url, tmp_path):
+    import hashlib
+    import os
+
+    from tannery_server.storage.blob_cache import CachedBlobStore
+    from tannery_server.storage.range_cache import CHUNK
+    from tannery_server.storage.s3_blobs import S3BlobStore
+
+    store = CachedBlobStore(S3BlobStore(s3_url), tmp_path / "cache", max_bytes=64 * MiB)
+    try:
+        data = os.urandom(20 * MiB + 777)
+        temp = store.create()
+        temp.write(data)
+        digest = hashlib.sha256(data).hexdigest()
+        temp.seal(digest)
+        blob = store.open(digest, len(data))
+        for offset, size in ((5, 10), (CHUNK - 3, 6), (3 * CHUNK + 1, 5 * CHUNK), (len(data) - 100, 500),
+                             (2 * CHUNK, CHUNK), (7, 3 * CHUNK)):
+            buffer = bytearray(size)
+            got = blob.read_into(memoryview(buffer), offset)
+            assert bytes(buffer[:got]) == data[offset:offset + size]
+            assert bytes(buffer[:got]) == blob.read(offset, size)  # again, from the cached chunks
+        # Chunks 0 to 8 and the last, short one: those the reads touched, whole, and no other.
+        assert store.cached_ranges()[digest] == 9 * CHUNK + len(data) % CHUNK
+        blob.close()
+    finally:
+        store.close()

@@ -137,6 +137,8 @@ class RangeBlob(BlobFile):
                 return ranges.read_into(buffer[:end - offset], offset)
         start, stop = first * CHUNK, min((last + 1) * CHUNK, self.size)
         direct = start == offset and stop == end  # aligned: straight into the caller's buffer
+        if not direct and last - first > 1:
+            return self._in_pieces(buffer, offset, end)
         view = buffer[:end - offset] if direct else memoryview(bytearray(stop - start))
         got = self.inner.read_into(view, start)
         if got < stop - start:  # the store ended early: the reader's checks say so; nothing cached
@@ -152,6 +154,20 @@ class RangeBlob(BlobFile):
         if added:
             self._added(added)
         return end - offset
+
+    def _in_pieces(self, buffer: memoryview, offset: int, end: int) -> int:
+        """A read over several chunks that starts or ends inside one: its first and last chunks
+        read on their own, the aligned middle straight into ``buffer`` (no copy of it all)."""
+        head = min(end, (offset // CHUNK + 1) * CHUNK)
+        tail = max(head, end // CHUNK * CHUNK if end < self.size else end)
+        done = 0
+        for start, stop in ((offset, head), (head, tail), (tail, end)):
+            if stop > start:
+                got = self.read_into(buffer[start - offset:stop - offset], start)
+                done += got
+                if got < stop - start:
+                    break
+        return done
 
     def read_ahead_until(self, stop: int) -> None:
         self.inner.read_ahead_until(stop)

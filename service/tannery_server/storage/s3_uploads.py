@@ -66,6 +66,8 @@ class S3TempBlob(TempBlob):
         self._taken = 0
         #: Where the payload's bytes went when the upload memory had no room for them.
         self._spill: Spill | None = None
+        #: A spill whose parts are being uploaded, the payload streaming since.
+        self._streamed_from: Spill | None = None
 
     def write(self, data: memoryview | bytes) -> None:
         view = memoryview(data).cast("B")
@@ -138,22 +140,20 @@ class S3TempBlob(TempBlob):
         from the file, what follows streams from memory as any large payload's does."""
         spill, self._spill = self._spill, None
         assert spill is not None
+        self._streamed_from = spill  # closed once its parts are uploaded (at seal or discard)
         part_size = self._store.part_size
-        try:
-            if self._target is not None and self._store.exists(self._target):
-                self._already_there = True  # equal bytes are stored: upload none of these
-                return
-            self._start_upload(self._target or self.key)
-            whole = spill.size - spill.size % part_size
-            for offset in range(0, whole, part_size):
-                self._wait_for_room()
-                self._send_part(spill.range(offset, part_size), reuse=False)
-            self._buffers = 1
-            self._part = self._next_buffer()
-            self._filled = spill.size - whole
-            spill.read_into(whole, memoryview(self._part)[:self._filled])
-        finally:
-            spill.close()
+        if self._target is not None and self._store.exists(self._target):
+            self._already_there = True  # equal bytes are stored: upload none of these
+            return
+        self._start_upload(self._target or self.key)
+        whole = spill.size - spill.size % part_size
+        for offset in range(0, whole, part_size):
+            self._wait_for_room()
+            self._send_part(spill.range(offset, part_size), reuse=False)
+        self._buffers = 1
+        self._part = self._next_buffer()
+        self._filled = spill.size - whole
+        spill.read_into(whole, memoryview(self._part)[:self._filled])
 
     def _wait_for_room(self) -> None:
         """Wait until fewer than ``parts_in_flight`` parts are uploading (parts sent from a file)."""
@@ -245,9 +245,11 @@ class S3TempBlob(TempBlob):
             self._close_spill()
 
     def _close_spill(self) -> None:
-        if self._spill is not None:
-            self._spill.close()
-            self._spill = None
+        """Close the spill files (their parts uploaded, or the upload over)."""
+        for spill in (self._spill, self._streamed_from):
+            if spill is not None:
+                spill.close()
+        self._spill = self._streamed_from = None
 
     def _seal_spilled(self, target: str) -> bool:
         """Upload a spilled payload from its file straight to its digest key (unless there already)."""
