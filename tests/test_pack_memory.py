@@ -112,10 +112,11 @@ def test_32_concurrent_packed_stores_stay_under_the_upload_memory_and_all_comple
     time.sleep(1)
     before = rss(replica.pid)
     peak = concurrent_packed_stores(replica, 32, total)
-    # The bound plus what each call holds beyond it, measured at 8-19 MiB: gRPC's receive window
-    # (grown by its bandwidth probe: half of it), the messages being decoded and written (1 MiB
-    # of entries each), the pack's gathered MiB, the allocator's arenas.
-    assert peak - before < 64 * MiB + 32 * 20 * MiB, f"RSS {before >> 20} MiB -> {peak >> 20} MiB"
+    # The bound plus what each call holds beyond it, measured at 10-15 MiB (the server grew by
+    # 399-559 MiB here): gRPC's receive window (grown by its bandwidth probe: half of it), the
+    # messages being decoded and written (1 MiB of entries each), the pack's gathered MiB, the
+    # allocator's arenas.
+    assert peak - before < 64 * MiB + 32 * 24 * MiB, f"RSS {before >> 20} MiB -> {peak >> 20} MiB"
     assert "upload memory full" in "\n".join(replica.log_lines), "no Store spilled: the bound was never reached"
     check_fetched(replica, 32, total)
     assert not list(replica.data_dir.glob("tannery-spill-*")), "spill files are unnamed: none left behind"
