@@ -116,3 +116,34 @@ def test_reads_of_any_alignment_are_byte_exact_and_cached_by_whole_chunks(s3_url
         blob.close()
     finally:
         store.close()
+
+
+def test_a_cache_disk_that_fails_a_write_serves_from_the_bucket_and_drops_the_ranges(s3_url, tmp_path, monkeypatch):
+    import errno
+    import hashlib
+    import os
+
+    from tannery_server.storage import range_cache
+    from tannery_server.storage.blob_cache import CachedBlobStore
+    from tannery_server.storage.s3_blobs import S3BlobStore
+
+    store = CachedBlobStore(S3BlobStore(s3_url), tmp_path / "cache", max_bytes=64 * MiB)
+    try:
+        data = os.urandom(17 * MiB)
+        temp = store.create()
+        temp.write(data)
+        digest = hashlib.sha256(data).hexdigest()
+        temp.seal(digest)
+        blob = store.open(digest, len(data))
+        assert blob.read(100, 10) == data[100:110] and store.cached_ranges() == {digest: range_cache.CHUNK}
+
+        def full(*args):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(range_cache.os, "pwrite", full)
+        assert blob.read(5 * MiB, 1000) == data[5 * MiB:5 * MiB + 1000]  # from the bucket, whole
+        assert store.cached_ranges() == {} and list((tmp_path / "cache").iterdir()) == []
+        assert blob.read(100, 10) == data[100:110]
+        blob.close()
+    finally:
+        store.close()

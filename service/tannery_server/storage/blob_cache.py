@@ -263,7 +263,14 @@ class CachedBlobStore(BlobStore):
 
     def _ranges_added(self, digest: str, ranges: RangeFile, added: int) -> None:
         """``added`` bytes more in the range file of ``digest``: counted, older entries evicted to
-        make room; once it holds every chunk, it is checked and made the whole cached blob."""
+        make room; once it holds every chunk, it is checked and made the whole cached blob. -1: the
+        file failed (a full disk): it is dropped."""
+        if added < 0:
+            with self._lock:
+                if self._ranges.get(digest) is ranges:
+                    self._bytes -= self._entries.pop(digest, 0)
+                    self._forget(digest)
+            return
         with self._lock:
             if self._ranges.get(digest) is not ranges:
                 return  # dropped meanwhile (its file is gone)

@@ -13,6 +13,7 @@ CRCs by the reader (fetching.py), as any blob's, and a cached file found bad is 
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Callable
 from .base import BlobFile
 from .private import open_private
 
+log = logging.getLogger("tannery_server.storage")
 #: Bytes per cached range (a pack's checksum block: reading one small entry caches about it).
 CHUNK = 64 << 10
 #: Blobs at least this large are cached by range; smaller ones are copied whole in the background.
@@ -110,13 +112,15 @@ class RangeFile:
 
 class RangeBlob(BlobFile):
     """A large blob read through its :class:`RangeFile`: chunks held are read from it, the others
-    from ``inner`` (whole chunks) and added to it; ``added(n)`` tells the cache of ``n`` new bytes."""
+    from ``inner`` (whole chunks) and added to it; ``added(n)`` tells the cache of ``n`` new bytes
+    (``added(-1)``: the file failed, drop it)."""
 
     def __init__(self, inner: BlobFile, ranges: RangeFile, added: Callable[[int], None]) -> None:
         self.inner = inner
         self.size = inner.size
         self._ranges = ranges
         self._added = added
+        self._failure = False
         ranges.use()
 
     def read(self, offset: int, size: int) -> bytes:
@@ -131,10 +135,16 @@ class RangeBlob(BlobFile):
         ranges = self._ranges
         first, last = offset // CHUNK, (end - 1) // CHUNK
         with ranges.lock:
-            if ranges.gone:
-                return self.inner.read_into(buffer, offset)
-            if ranges.has(first, last):
-                return ranges.read_into(buffer[:end - offset], offset)
+            if not ranges.gone and ranges.has(first, last):
+                try:
+                    return ranges.read_into(buffer[:end - offset], offset)
+                except OSError as exc:
+                    self._failed(exc)
+        if ranges.gone:
+            if self._failure:
+                self._failure = False
+                self._added(-1)
+            return self.inner.read_into(buffer, offset)
         start, stop = first * CHUNK, min((last + 1) * CHUNK, self.size)
         direct = start == offset and stop == end  # aligned: straight into the caller's buffer
         if not direct and last - first > 1:
@@ -147,13 +157,26 @@ class RangeBlob(BlobFile):
             n = max(0, min(got - (offset - start), end - offset))
             buffer[:n] = view[offset - start:offset - start + n]
             return n
+        added = 0
         with ranges.lock:
-            added = 0 if ranges.gone else ranges.write(start, view)
+            if not ranges.gone:
+                try:
+                    added = ranges.write(start, view)
+                except OSError as exc:  # a full cache disk: served from the store, as before the cache
+                    self._failed(exc)
         if not direct:
             buffer[:end - offset] = view[offset - start:end - start]
-        if added:
-            self._added(added)
+        if added or self._failure:
+            self._added(-1 if self._failure else added)
+            self._failure = False
         return end - offset
+
+    def _failed(self, exc: OSError) -> None:
+        """The cache file failed (lock held): reads of this blob go to the store, and the cache
+        drops the file (``added(-1)``)."""
+        log.warning("cached ranges of a blob of %d bytes failed (%s): read from the store", self.size, exc)
+        self._ranges.gone = True
+        self._failure = True
 
     def _in_pieces(self, buffer: memoryview, offset: int, end: int) -> int:
         """A read over several chunks that starts or ends inside one: its first and last chunks
