@@ -81,3 +81,21 @@ def test_a_new_catalog_on_a_prefix_that_holds_another_catalogs_identity_is_refus
             in line, line
     finally:
         postgres_server.drop_database(name)
+
+
+def test_a_shared_directory_of_blobs_is_recorded_and_checked_the_same_way(tmp_path, postgres_url):
+    from tannery_server.storage import WrongBlobStore
+    from tannery_server.storage.deployment import check_blob_store
+    from tannery_server.storage.file_blobs import FileBlobStore
+
+    mounted, other = tmp_path / "mounted", tmp_path / "other"
+    identity = check_blob_store(postgres_url, "the catalog", f"file:{mounted}", FileBlobStore(mounted))
+    assert json.loads((mounted / IDENTITY).read_text())["identity"] == identity
+    assert (mounted / IDENTITY).stat().st_mode & 0o077 == 0  # private, as every file of the store
+    assert check_blob_store(postgres_url, "the catalog", f"file:{mounted}", FileBlobStore(mounted)) == identity
+    with pytest.raises(WrongBlobStore, match=f"catalog the catalog belongs to blobs file:{mounted} .recorded at its "
+                                             f"first start., not file:{other}: start with --blobs file:{mounted}"):
+        check_blob_store(postgres_url, "the catalog", f"file:{other}", FileBlobStore(other))
+    (mounted / IDENTITY).unlink()  # the directory another one mounted at the same path
+    with pytest.raises(WrongBlobStore, match=f"but file:{mounted} has no {IDENTITY} object"):
+        check_blob_store(postgres_url, "the catalog", f"file:{mounted}", FileBlobStore(mounted))
