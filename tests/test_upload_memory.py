@@ -95,3 +95,20 @@ def test_no_room_to_spill_is_storage_full_naming_the_directory_and_the_remedy(tm
 
 def _keys(store: S3BlobStore) -> list[str]:
     return [item["Key"] for item in store.listing(store.prefix)]
+
+
+def test_a_replica_counts_what_it_holds_and_spills_in_its_metrics(tmp_path, postgres_url, s3_url):
+    from tannery_protocol.v1 import archives_pb2 as pb
+
+    from .server_harness import collect_fetch, running_server
+    from .test_metrics import scrape, value
+    from .test_pack_memory import entries, packed_store
+
+    with running_server(tmp_path, catalog=postgres_url, blobs=s3_url, upload_memory=MiB) as server:
+        stub = server.archives()
+        for i in range(2):
+            stub.Store(packed_store(f"p{i}", i, 3 * MiB), timeout=120)
+        samples = scrape(server.metrics_port)
+        assert value(samples, "tannery_upload_spills_total") == 2  # 3 MiB packs, 1 MiB of room
+        assert value(samples, "tannery_upload_memory_bytes") == 0  # all given back
+        assert collect_fetch(stub.Fetch(pb.FetchRequest(archive="p1"), timeout=120)) == dict(entries(1, 3 * MiB))
