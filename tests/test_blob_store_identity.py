@@ -99,3 +99,22 @@ def test_a_shared_directory_of_blobs_is_recorded_and_checked_the_same_way(tmp_pa
     (mounted / IDENTITY).unlink()  # the directory another one mounted at the same path
     with pytest.raises(WrongBlobStore, match=f"but file:{mounted} has no {IDENTITY} object"):
         check_blob_store(postgres_url, "the catalog", f"file:{mounted}", FileBlobStore(mounted))
+
+
+def test_a_catalog_from_before_the_record_is_recorded_only_with_the_bucket_its_archives_are_in(
+        tmp_path, postgres_url, s3_url, seaweedfs):
+    import psycopg
+
+    with running_server(tmp_path / "a", catalog=postgres_url, blobs=s3_url, **SHORT) as first:
+        store(first, "kept", {"w": payload(2)})
+    bucket, prefix = bucket_of(s3_url), s3_url.split("/", 3)[3]
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        conn.execute("DROP TABLE blob_store")  # as a catalog of a tannery from before it
+    seaweedfs.client().delete_object(Bucket=bucket, Key=f"{prefix}/{IDENTITY}")
+    done = serve(tmp_path, postgres_url, f"s3://{bucket}/elsewhere")
+    assert done.returncode == 1
+    line = done.stderr.strip().splitlines()[-1]
+    assert "holds archives whose blob" in line and f"is not in s3://{bucket}/elsewhere at " in line, line
+    with running_server(tmp_path / "b", catalog=postgres_url, blobs=s3_url, **SHORT) as again:
+        assert fetch(again, "kept") == {"w": payload(2)}
+    assert serve(tmp_path, postgres_url, f"s3://{bucket}/elsewhere").returncode == 1  # recorded now

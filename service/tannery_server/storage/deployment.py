@@ -9,7 +9,8 @@ writes into that store (``PREFIX/tannery-identity``). Every later start compares
 URL, or a store whose identity object is missing or another's (the same bucket name at
 another endpoint, a bucket emptied or replaced), stops the start with :class:`WrongBlobStore`,
 naming both and the remedy. A bucket that holds another catalog's identity is refused the
-same way when a new catalog starts on it.
+same way when a new catalog starts on it; so is, for a catalog from before this record (one
+with archives), a store that does not hold the blob of one of its entries.
 """
 
 from __future__ import annotations
@@ -65,6 +66,13 @@ def _check(cur: Cursor, catalog: str, url: str, store: "_IdentityObject") -> str
                 f"{found.get('catalog', '?')}, identity {found.get('identity', '?')}); catalog {catalog} has none yet: "
                 "give this catalog a bucket or prefix of its own (--blobs), or start with the catalog that bucket "
                 "belongs to")
+        has_entries = cur.execute("SELECT to_regclass('entries') IS NOT NULL").fetchone()[0]
+        sample = cur.execute("SELECT blob FROM entries LIMIT 1").fetchone() if has_entries else None
+        if sample is not None and not store.holds(sample[0]):
+            # A catalog from before the record (it has archives): recorded only if its bytes are here.
+            raise WrongBlobStore(
+                f"catalog {catalog} holds archives whose blob {sample[0]} is not in {store.where(url)}: start with "
+                "the --blobs its archives were stored to (it is recorded then)")
         identity = uuid.uuid4().hex
         store.write({"identity": identity, "catalog": catalog, "url": url})
         cur.execute("INSERT INTO blob_store (id, url, identity, created_ns) VALUES (1, %s, %s, %s)",
@@ -106,6 +114,14 @@ class _IdentityObject:
     def where(self, url: str) -> str:
         endpoint = getattr(self.blobs, "endpoint", None)
         return f"{url} at {endpoint or 'AWS S3'}" if url.startswith("s3://") else url
+
+    def holds(self, digest: str) -> bool:
+        """Whether blob ``digest`` is in the store."""
+        try:
+            self.blobs.open(digest).close()  # no size given: a bucket is asked whether it is there
+        except FileNotFoundError:
+            return False
+        return True
 
     def read(self) -> dict | None:
         bucket = self._bucket()
