@@ -81,6 +81,8 @@ _FLAGS = [
                            "(being reassembled or waiting for subscribers), so the largest cross-replica payload; "
                            "subscribers here that fall that far behind are dropped (RESOURCE_EXHAUSTED)"),
     ("io_threads", "threads reading and writing blob files"),
+    ("upload_memory", "with --blobs s3://: most bytes of payloads and packs held in memory before they go to the "
+                      "bucket, across all Stores; beyond it they spill to unnamed temporary files in DATA_DIR"),
     ("tls_cert", "PEM file of the server's TLS certificate (and its chain): TLS when set, with --tls-key"),
     ("tls_key", "PEM file of the TLS certificate's private key (unencrypted)"),
     ("tls_client_ca", "PEM file of the CAs that sign client certificates: mutual TLS, every client must "
@@ -235,13 +237,13 @@ def main(argv: Sequence[str] | None = None, prog: str = "tannery") -> int:
         from . import app
         from .auth import TokenError
         from .calllog import configure_logging
-        from .storage import CatalogTooNew, DataDirectoryInUse, StorageUnavailable
+        from .storage import CatalogTooNew, DataDirectoryInUse, StorageUnavailable, WrongBlobStore
         from .tls import TLSError
 
         configure_logging(config.log_format)
         try:
             app.run(config)
-        except (CatalogTooNew, DataDirectoryInUse, TokenError, TLSError, StorageUnavailable) as exc:
+        except (CatalogTooNew, DataDirectoryInUse, TokenError, TLSError, StorageUnavailable, WrongBlobStore) as exc:
             # StorageUnavailable: the catalog or bucket unreachable at start, or the bucket missing
             print(f"tannery serve: {exc}", file=sys.stderr)
             return 1
@@ -267,7 +269,7 @@ def _embedded(config: Config) -> bool:
 
 def _open(command: str, config: Config):
     """The storage a tool works on, or None after saying why it cannot be opened."""
-    from .storage import CatalogTooNew, DataDirectoryInUse, StorageUnavailable
+    from .storage import CatalogTooNew, DataDirectoryInUse, StorageUnavailable, WrongBlobStore
     from .storage.factory import open_storage
 
     if _embedded(config) and not (config.data_dir / "catalog.sqlite3").is_file():
@@ -278,7 +280,7 @@ def _open(command: str, config: Config):
         return open_storage(config, collecting=False, offer_create=command == "migrate")
     except DataDirectoryInUse as exc:
         print(f"tannery {command}: {exc}; stop the server first", file=sys.stderr)
-    except (CatalogTooNew, StorageUnavailable, ValueError, ModuleNotFoundError) as exc:
+    except (CatalogTooNew, StorageUnavailable, WrongBlobStore, ValueError, ModuleNotFoundError) as exc:
         print(f"tannery {command}: {exc}", file=sys.stderr)
     return None
 

@@ -99,6 +99,10 @@ class Config:
     nats_channel_bytes: int = 256 * MiB
     #: Threads that read and write blob files (many Fetch calls proceed in parallel).
     io_threads: int = 16
+    #: With a bucket: most bytes of payloads and packs this server holds in memory before they
+    #: go to the bucket, whatever the number of Stores; beyond it they spill to unnamed
+    #: temporary files in the data directory (:mod:`.storage.upload_memory`).
+    upload_memory: int = 256 * MiB
     #: PEM files of the server's certificate (with its chain) and private key: TLS when set.
     tls_cert: Path | None = None
     tls_key: Path | None = None
@@ -162,7 +166,7 @@ class Config:
         if not 4096 <= self.chunk_size <= 3 * MiB:
             problems.append(f"chunk_size {self.chunk_size} is not in 4096..{3 * MiB} (gRPC messages stay under 4 MiB)")
         for name in ("max_payload_bytes", "max_rank", "max_name_bytes", "max_entries", "channel_buffer_bytes",
-                     "io_threads", "nats_channel_bytes", "alias_history"):
+                     "io_threads", "nats_channel_bytes", "alias_history", "upload_memory"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} {getattr(self, name)} must be at least 1")
         if self.max_rank > 255:

@@ -27,6 +27,8 @@ Each server has its own registry (so servers in one process do not mix their num
   ``bad_ticket``, ``malformed``, ``closed``), read from the data paths (:mod:`.dataplane.handshakes`);
 - for shared storage: ``tannery_collection_failures_total`` (failed removals of unreferenced
   blobs) and ``tannery_collection_stuck_blobs`` (those waiting to be tried again);
+- with a bucket: ``tannery_upload_memory_bytes`` (payloads held in memory on their way, at
+  most ``--upload-memory``) and ``tannery_upload_spills_total`` (those spilled to a file);
 - the process and Python collectors of ``prometheus_client`` (CPU, memory, file descriptors, GC).
 """
 
@@ -100,6 +102,19 @@ class _CollectionCollector:
                                   value=getattr(self.backoff, "failures_total", 0))
         yield GaugeMetricFamily("tannery_collection_stuck_blobs", "Unreferenced blobs whose last removal failed, "
                                 "waiting to be tried again.", value=len(self.backoff.stuck()))  # type: ignore[attr-defined]
+
+
+class _UploadMemoryCollector:
+    """What a bucket store holds in memory for payloads on their way (:class:`~.storage.upload_memory.MemoryBudget`)."""
+
+    def __init__(self, memory: object) -> None:
+        self.memory = memory
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("tannery_upload_memory_bytes", "Bytes of payloads held in memory on their way to "
+                                "the bucket (at most --upload-memory).", value=getattr(self.memory, "used", 0))
+        yield CounterMetricFamily("tannery_upload_spills", "Payloads spilled to a local file for want of upload "
+                                  "memory.", value=getattr(self.memory, "spills", 0))
 
 
 class _HubCollector:
@@ -274,6 +289,10 @@ class ServerMetrics:
         backoff = getattr(storage, "backoff", None)
         if backoff is not None:
             self.registry.register(_CollectionCollector(backoff))
+        blobs = getattr(storage, "blobs", None)
+        memory = getattr(getattr(blobs, "inner", blobs), "memory", None)  # a bucket's, behind a cache or not
+        if memory is not None:
+            self.registry.register(_UploadMemoryCollector(memory))
 
     def watch_data_paths(self, data_paths: object) -> None:
         """The data paths' handshake failures (a :class:`~.dataplane.listeners.DataPaths`)."""

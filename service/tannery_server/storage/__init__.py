@@ -13,7 +13,7 @@ from .reserve import SpaceReserve
 from .blob_cache import CachedBlobStore
 from .catalog_and_blobs import Storage
 from .core import Collected, StorageBase
-from .errors import (AliasConflict, ArchiveExists, CatalogTooNew, Damaged, DigestMismatch, InvalidRequest, NoSuchArchive, OutOfResources,
+from .errors import (AliasConflict, ArchiveExists, CatalogTooNew, WrongBlobStore, Damaged, DigestMismatch, InvalidRequest, NoSuchArchive, OutOfResources,
                      Refusal, StorageError, StorageFull, StorageUnavailable, TooManyEntries)
 from .lock import DataDirectoryInUse, DataDirectoryLock
 from .payload_writer import PayloadWriter
@@ -31,6 +31,7 @@ __all__ = [
     "Catalog",
     "CachedBlobStore",
     "CatalogTooNew",
+    "WrongBlobStore",
     "CatalogTotals",
     "Collected",
     "Damaged",

@@ -1,8 +1,10 @@
-"""A bounded local-disk cache of whole blobs in front of a remote blob store (an S3 bucket).
+"""A bounded local-disk cache of blobs in front of a remote blob store (an S3 bucket).
 
 A replica serves a hot checkpoint at local-disk speed after its first fetch: the first
-:meth:`CachedBlobStore.open` of a blob returns the remote blob and starts copying the whole
-blob to ``cache_dir/<digest>`` in the background; later opens return a local
+:meth:`CachedBlobStore.open` of a blob under 16 MiB returns the remote blob and starts copying
+the whole blob to ``cache_dir/<digest>`` in the background; a larger one (a pack of small
+entries above all) is cached by the 64 KiB ranges its reads touch, and becomes a whole copy
+once all of it was read (:mod:`.range_cache`). Later opens of a whole copy return a local
 :class:`~.file_blobs.FileBlob` (with a real ``fileno()``, so the data paths can send or pass it).
 
 - **Bounded**: the least recently used blobs are deleted once the cache would hold more than
@@ -31,6 +33,7 @@ from typing import Iterable, Iterator
 from .base import BlobFile, BlobStore, TempBlob
 from .file_blobs import FileBlob
 from .private import private_directory, private_opener
+from .range_cache import SUFFIX, WHOLE_BELOW, RangeBlob, RangeFile
 
 log = logging.getLogger(__name__)
 _DIGEST = re.compile(r"[0-9a-f]{64}")
@@ -55,6 +58,9 @@ class CachedBlobStore(BlobStore):
         self._filling: set[str] = set()
         self._cancelled: set[str] = set()
         self._fills = ThreadPoolExecutor(fillers, thread_name_prefix="tannery-cache-fill")
+        #: Large blobs cached by range (:mod:`.range_cache`), by digest; in ``_entries`` too, with
+        #: the bytes they hold.
+        self._ranges: dict[str, RangeFile] = {}
         self._rebuild()
 
     # -- the cache ------------------------------------------------------------------------------
@@ -62,8 +68,8 @@ class CachedBlobStore(BlobStore):
     def _rebuild(self) -> None:
         found = []
         for path in self.cache_dir.iterdir():
-            if path.name.endswith(".part"):
-                path.unlink(missing_ok=True)  # a fill cut short
+            if path.name.endswith((".part", SUFFIX)):
+                path.unlink(missing_ok=True)  # a fill cut short; ranges whose list was in memory
             elif _DIGEST.fullmatch(path.name) and path.is_file():
                 stat = path.stat()
                 found.append((stat.st_mtime_ns, path.name, stat.st_size))
@@ -80,6 +86,14 @@ class CachedBlobStore(BlobStore):
             digest, size = self._entries.popitem(last=False)
             self._bytes -= size
             self._unverified.discard(digest)
+            self._forget(digest)
+
+    def _forget(self, digest: str) -> None:
+        """Delete the cached file of ``digest``, whole or ranges (lock held)."""
+        ranges = self._ranges.pop(digest, None)
+        if ranges is not None:
+            ranges.drop()
+        else:
             (self.cache_dir / digest).unlink(missing_ok=True)
 
     def _drop(self, digest: str) -> None:
@@ -88,12 +102,17 @@ class CachedBlobStore(BlobStore):
             if size is not None:
                 self._bytes -= size
             self._unverified.discard(digest)
-            (self.cache_dir / digest).unlink(missing_ok=True)
+            self._forget(digest)
 
     def cached(self) -> dict[str, int]:
-        """The cached blobs and their sizes, least recently used first."""
+        """The blobs cached whole and their sizes, least recently used first."""
         with self._lock:
-            return dict(self._entries)
+            return {digest: size for digest, size in self._entries.items() if digest not in self._ranges}
+
+    def cached_ranges(self) -> dict[str, int]:
+        """The blobs cached by range and the bytes of each held."""
+        with self._lock:
+            return {digest: self._entries.get(digest, 0) for digest in self._ranges}
 
     @property
     def cached_bytes(self) -> int:
@@ -106,6 +125,8 @@ class CachedBlobStore(BlobStore):
 
     def _open_cached(self, digest: str, size: int | None) -> FileBlob | None:
         with self._lock:
+            if digest in self._ranges:
+                return None
             recorded = self._entries.get(digest)
             unverified = digest in self._unverified
         if recorded is None:
@@ -213,8 +234,83 @@ class CachedBlobStore(BlobStore):
         if cached is not None:
             return cached
         blob = self.inner.open(digest, size)
-        self._start_fill(digest, blob.size)
-        return blob
+        if blob.size < WHOLE_BELOW or blob.size > self.max_bytes:
+            self._start_fill(digest, blob.size)
+            return blob
+        ranges = self._range_file(digest, blob.size)
+        if ranges is None:
+            return blob
+        return RangeBlob(blob, ranges, lambda added: self._ranges_added(digest, ranges, added))
+
+    # -- ranges of large blobs (range_cache.py) -------------------------------------------------
+
+    def _range_file(self, digest: str, size: int) -> RangeFile | None:
+        """The range file of ``digest``, begun if there is none (None: it is being made whole)."""
+        with self._lock:
+            if digest in self._filling:
+                return None
+            ranges = self._ranges.get(digest)
+            if ranges is None:
+                try:
+                    ranges = RangeFile(self.cache_dir / f"{digest}{SUFFIX}", size)
+                except OSError as exc:
+                    log.warning("could not cache ranges of blob %s: %s", digest, exc)
+                    return None
+                self._ranges[digest] = ranges
+                self._entries[digest] = 0
+            self._entries.move_to_end(digest)
+            return ranges
+
+    def _ranges_added(self, digest: str, ranges: RangeFile, added: int) -> None:
+        """``added`` bytes more in the range file of ``digest``: counted, older entries evicted to
+        make room; once it holds every chunk, it is checked and made the whole cached blob. -1: the
+        file failed (a full disk): it is dropped."""
+        if added < 0:
+            with self._lock:
+                if self._ranges.get(digest) is ranges:
+                    self._bytes -= self._entries.pop(digest, 0)
+                    self._forget(digest)
+            return
+        with self._lock:
+            if self._ranges.get(digest) is not ranges:
+                return  # dropped meanwhile (its file is gone)
+            self._entries[digest] += added
+            self._bytes += added
+            self._entries.move_to_end(digest)
+            self._evict_beyond(self.max_bytes)
+            if not ranges.complete or digest in self._filling or self._ranges.get(digest) is not ranges:
+                return
+            self._filling.add(digest)
+        try:
+            self._fills.submit(self._make_whole, digest, ranges)
+        except RuntimeError:  # closed
+            with self._lock:
+                self._filling.discard(digest)
+
+    def _make_whole(self, digest: str, ranges: RangeFile) -> None:
+        """Hash a range file that holds every chunk; rename it to the whole blob's name if it is that."""
+        try:
+            hashed = hashlib.sha256()
+            with open(ranges.path, "rb") as source:
+                while chunk := source.read(FILL_CHUNK):
+                    hashed.update(chunk)
+            with self._lock:
+                if self._ranges.get(digest) is not ranges:
+                    return
+                if hashed.hexdigest() != digest:
+                    log.warning("cached ranges of blob %s hash to %s: dropped", digest, hashed.hexdigest())
+                    self._bytes -= self._entries.pop(digest, 0)
+                    self._forget(digest)
+                    return
+                os.rename(ranges.path, self.cache_dir / digest)
+                del self._ranges[digest]
+                ranges.drop(unlink=False)
+        except Exception as exc:
+            log.warning("could not make the cached ranges of blob %s whole: %s", digest, exc)
+            self._drop(digest)
+        finally:
+            with self._lock:
+                self._filling.discard(digest)
 
     @property
     def wants_digests(self) -> bool:
@@ -250,4 +346,8 @@ class CachedBlobStore(BlobStore):
 
     def close(self) -> None:
         self._fills.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            for ranges in self._ranges.values():
+                ranges.drop()  # which chunks it holds is known to this process only
+            self._ranges.clear()
         self.inner.close()

@@ -43,6 +43,10 @@ class CatalogTooNew(StorageError, RuntimeError):
     """The catalog was written by a newer tannery (its schema version is above the one this code reads)."""
 
 
+class WrongBlobStore(StorageError):
+    """The blob store given is not the one the shared catalog was first started with (:mod:`.deployment`)."""
+
+
 class Refusal(Exception):
     """The storage declines what it was asked, and changed nothing: the request's doing, not a
     failure of the storage. The message names what was refused and why."""

@@ -53,6 +53,15 @@ def open_storage(config: Config, collecting: bool = True, offer_create: bool = T
     except BaseException:
         blobs.close()  # a bucket's threads; a directory has none
         raise
+    try:
+        from .deployment import check_blob_store
+
+        where = config.blobs if blobs_scheme == "s3" else f"file:{(_file_path(config.blobs) or config.data_dir).resolve()}"
+        check_blob_store(config.catalog, catalog.name, where, blobs)
+    except BaseException:
+        catalog.close()
+        blobs.close()
+        raise
     storage = SharedStorage(catalog, blobs, grace_seconds=config.gc_grace_seconds,
                             lease_seconds=config.lease_seconds, collecting=collecting)
     try:
@@ -86,8 +95,9 @@ def open_blobs(config: Config, offer_create: bool = True) -> BlobStore:
     if scheme == "file":
         return FileBlobStore(_file_path(config.blobs) or config.data_dir)
     from .s3_blobs import S3BlobStore
+    from .upload_memory import MemoryBudget
 
-    bucket = S3BlobStore(config.blobs)
+    bucket = S3BlobStore(config.blobs, memory=MemoryBudget(config.upload_memory), spill_dir=config.data_dir)
     try:
         # Only a tool that offers --create-bucket creates one (scrub never does, whatever the environment says).
         if bucket.ensure_bucket(create=config.create_bucket and offer_create, offer_create=offer_create):

@@ -10,7 +10,9 @@ endpoint and credentials come from the standard AWS variables (``AWS_ENDPOINT_UR
 - **Writing** streams, holding at most ``(parts_in_flight + 1) * part_size`` bytes per call
   (80 MiB by default), never the payload. A payload that fits in that is held and uploaded at
   seal straight to its digest key (one PUT under a part, else a multipart upload of its parts
-  in parallel). A larger one streams as a multipart upload (each part uploaded by a
+  in parallel). What all calls hold so is bounded by the replica's upload memory
+  (``--upload-memory``, :mod:`.upload_memory`): a payload that finds no room spills to an
+  unnamed local file, uploaded from there at seal. A larger one streams as a multipart upload (each part uploaded by a
   background thread as it fills, ``parts_in_flight`` at once): to its digest key when the
   digest was given ahead (``create(expected=...)``), completed there at seal; else to a
   temporary key, completed at seal and copied server-side to its digest key (CopyObject;

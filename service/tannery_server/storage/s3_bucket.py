@@ -12,7 +12,8 @@ import re
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterator, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
 from urllib.parse import urlparse
 
 import boto3
@@ -21,6 +22,9 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
 from .errors import StorageUnavailable
+
+if TYPE_CHECKING:
+    from .upload_memory import MemoryBudget
 
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 _T = TypeVar("_T")
@@ -87,7 +91,8 @@ class S3Bucket:
 
     def __init__(self, url: str, *, part_size: int = PART_SIZE, parts_in_flight: int = PARTS_IN_FLIGHT,
                  range_size: int = RANGE_SIZE, readahead: int = READAHEAD, readers: int = 16, uploaders: int = 16,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, memory: "MemoryBudget | None" = None,
+                 spill_dir: Path | None = None) -> None:
         parsed = urlparse(url)
         if parsed.scheme != "s3" or not parsed.netloc:
             raise ValueError(f"not an S3 blob store URL (s3://BUCKET/PREFIX): {url!r}")
@@ -101,6 +106,10 @@ class S3Bucket:
         self.parts_in_flight = max(1, parts_in_flight)
         self.range_size = range_size
         self.readahead = readahead
+        #: The replica's memory for payloads held before they go to the bucket (None: unbounded),
+        #: and where a payload that finds no room in it spills (None: the system's temporary directory).
+        self.memory = memory
+        self.spill_dir = spill_dir
         env = dict(os.environ if env is None else env)
         self.endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or None
         config = Config(
