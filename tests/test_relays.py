@@ -25,6 +25,7 @@ from tannery.dataplane.readers import PayloadReader
 from tannery.dataplane import relay_port
 from tannery.dataplane.relay_port import RELAY_ID
 from tannery.weights.relays import _connect_parent
+from tannery.weights.stream import Assembler, version_payloads
 from tannery_protocol.datalink import LinkError, PeerFailed
 from tannery_server.failures import Malformed
 from tannery_server.relay_plan import Member, RoutePlanner, relay_address
@@ -434,3 +435,21 @@ def test_a_child_joining_mid_payload_starts_at_the_next_and_a_slow_one_is_droppe
         assert sum(size for kind, size in late_frames if kind == "entry") == 300 + len(late_frames[2:-1]) * (1 << 20)
     finally:
         port.close()
+
+
+def test_a_whole_version_carries_each_tensor_digest_and_bytes_changed_on_the_way_are_caught():
+    """Through relays a version's bytes pass several hands: the end payload carries each tensor's
+    CRC-32C, and a follower checks them before it applies anything."""
+    state = _state(7)
+    payloads = [p.clone() for p in version_payloads(3, "push1", state)]
+    assembler = Assembler("w")
+    for payload in payloads[:-1]:
+        assert assembler.add(payload) is None
+    payloads[1].view(-1)[5] += 1.0  # a byte flipped on the way, after it was received
+    streamed = assembler.add(payloads[-1])
+    assert streamed is not None and streamed.version == 3
+    assert streamed.torn() == ["a"]
+    clean = Assembler("w")
+    versions = [clean.add(p) for p in version_payloads(4, "push2", state)]
+    assert versions[-1] is not None and versions[-1].torn() == []
+    assert set(versions[-1].digests) == {"a", "b"}

@@ -4,7 +4,8 @@ now, and how a follower puts the payloads back together into whole versions.
 A version is published on the channel named like the weights as one *manifest* payload (a
 1-D uint8 tensor: :data:`MAGIC` and then JSON: the version, the push's id, and each entry's
 name, dtype and shape in the order they follow), then each entry's tensor, then an *end*
-payload (:data:`END`: the push's id and the count of tensors), in one Publish. A version sent
+payload (:data:`END`: the push's id, the count of tensors and each one's CRC-32C, which a
+follower checks before applying: the bytes may have passed through relays), in one Publish. A version sent
 as a delta (:mod:`tannery.weights.deltas`) has a *delta manifest* instead (:data:`DELTA`: the base's
 version and push, and each entry's kind, digest and count of changed elements), followed by
 what each change carries; a follower of an older release, which knows no delta manifest,
@@ -27,7 +28,7 @@ from typing import Any
 
 from tannery_protocol._lazy import lazy_module
 from tannery.records import ArchiveDescription, ArchiveInfo, EntryDescription
-from .deltas import Change, bits_layout, index_dtype
+from .deltas import Change, _pool, bits_layout, digest, index_dtype
 
 torch = lazy_module("torch")
 
@@ -48,11 +49,19 @@ def _control(head: bytes, found: dict[str, Any]) -> Any:
 
 
 def version_payloads(version: int, push: str, state: Mapping[str, Any]) -> Iterator[Any]:
-    """What a publisher sends for one version: its manifest, each tensor (as it is), its end."""
+    """What a publisher sends for one version: its manifest, each tensor (as it is), its end,
+    which carries each tensor's CRC-32C (computed on other threads while the tensors go, so a
+    follower checks what came, through however many relays, before it applies anything)."""
     entries = [[name, _dtype_name(t), list(t.shape)] for name, t in state.items()]
-    yield _control(MAGIC, {"version": version, "push": push, "entries": entries})
-    yield from state.values()
-    yield _control(END, {"push": push, "count": len(entries)})
+    pool = _pool()
+    digests = [pool.submit(digest, t) for t in state.values()]
+    try:
+        yield _control(MAGIC, {"version": version, "push": push, "entries": entries})
+        yield from state.values()
+        yield _control(END, {"push": push, "count": len(entries), "digests": [d.result() for d in digests]})
+    finally:
+        for pending in digests:
+            pending.cancel()
 
 
 def delta_payloads(version: int, push: str, base: tuple[int, str], state: Mapping[str, Any],
@@ -85,6 +94,7 @@ def read_control(tensor: Any) -> dict[str, Any] | None:
         control: dict[str, Any] = {"kind": kind, "push": str(found["push"])}
         if kind == "end":
             control["count"] = int(found["count"])
+            control["digests"] = [int(d) for d in found["digests"]] if "digests" in found else None
             return control
         control["version"] = int(found["version"])
         control["entries"] = [(str(name), str(dtype), tuple(int(d) for d in shape), *_change_of(kind, rest))
@@ -138,6 +148,15 @@ class StreamedVersion:
     changes: list[Change] | None = None
     #: Each entry's (dtype, shape) as the publisher holds it (a delta's tensors are not all here).
     shapes: dict[str, tuple[str, tuple[int, ...]]] | None = None
+    #: A whole version's CRC-32C of each tensor as the publisher sent it (None: a publisher from
+    #: before them); a delta carries its own, checked after applying.
+    digests: dict[str, int] | None = None
+
+    def torn(self) -> list[str]:
+        """The entries of a whole version whose bytes are not what the publisher sent."""
+        if self.digests is None or self.changes is not None:
+            return []
+        return [name for name, tensor in self.tensors.items() if digest(tensor) != self.digests.get(name)]
 
     def description(self) -> ArchiveDescription:
         """What :func:`~tannery.calls.state_dict.plan_targets` checks a target against."""
@@ -195,6 +214,12 @@ class Assembler:
             version = self._version() if whole else None
             if version is None:
                 self._drop()
+            elif control["digests"] is not None and version.changes is None:
+                if len(control["digests"]) != len(version.tensors):
+                    self._drop()
+                    version = None
+                else:
+                    version.digests = dict(zip(version.tensors, control["digests"]))
             self._manifest, self._payloads = None, []
             return version
         if len(self._payloads) == len(self._expected):

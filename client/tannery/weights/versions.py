@@ -370,6 +370,10 @@ def apply_streamed(following: Following, streamed: StreamedVersion) -> Applied |
     plan = _plan(following, streamed.description(), streamed.version, streamed.push)
     archive = version_archive(following.name, streamed.version)
     if streamed.changes is None:
+        if torn := streamed.torn():  # checked before anything is copied: the target keeps its version
+            log.warning("%s: version %d came on the channel with bytes that are not the publisher's (%s): the "
+                        "version is taken whole from the store", following.where, streamed.version, ", ".join(torn[:5]))
+            return FROM_STORE
         plan.apply_whole(streamed.tensors)
         _keep_base(following, plan, streamed.tensors)
         return _applied(following, streamed.version, streamed.push, archive, plan, started, "channel")
