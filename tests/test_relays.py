@@ -453,3 +453,34 @@ def test_a_whole_version_carries_each_tensor_digest_and_bytes_changed_on_the_way
     versions = [clean.add(p) for p in version_payloads(4, "push2", state)]
     assert versions[-1] is not None and versions[-1].torn() == []
     assert set(versions[-1].digests) == {"a", "b"}
+
+
+def test_asyncio_followers_relay_too(tmp_path: Path):
+    async def run(target: str, server) -> None:
+        async with tannery.aio.Client(target, transport="tcp") as trainer:
+            publisher = tannery.weights.AsyncPublisher(trainer, "w")
+            await publisher.push(_state(0), 0)
+            clients = [tannery.aio.Client(target, transport="tcp") for _ in range(2)]
+            states = [_state(), _state()]
+            followers = [tannery.weights.AsyncFollower(client, "w", state, relay=True)
+                         for client, state in zip(clients, states)]
+            try:
+                for follower in followers:
+                    assert (await anext(follower)).version == 0
+                tail = followers[1]._relaying
+                deadline = time.monotonic() + 10
+                while not (tail.route and tail.route[0] == followers[0]._relaying.address) or server.hub.subscribers != 1:
+                    assert time.monotonic() < deadline, (tail.route, server.hub.subscribers)
+                    await asyncio.sleep(0.05)
+                await publisher.push(_state(1), 1)
+                for follower, state in zip(followers, states):
+                    applied = await asyncio.wait_for(anext(follower), 30)
+                    assert (applied.version, applied.via) == (1, "channel")
+                    assert all(torch.equal(state[key], _state(1)[key]) for key in state)
+            finally:
+                for follower, client in zip(followers, clients):
+                    await follower.aclose()
+                    await client.close()
+
+    with running_server(tmp_path, data_port=0, socket="off") as server:
+        asyncio.run(run(f"127.0.0.1:{server.port}", server))

@@ -46,7 +46,7 @@ from tannery.dataplane.memory_files import DEFAULT_BUDGET
 from tannery.weights.sources import AGAIN, FIRST_VERSION_POLL_SECONDS, Newest, Pauses
 from tannery.calls.running import run as run_blocking, run_async
 from tannery.rpc.waits import END, Blocking, Rpc, Steps
-from tannery.weights.relays import Relaying, relays_possible
+from tannery.weights.relays import Relaying, ThreadedSource, relays_possible, sync_twin
 from tannery.weights.stream import Assembler, StreamedVersion
 from tannery.weights.versions import FROM_STORE, Applied, Following, Pushed, Pushing, apply_steps, apply_streamed, push_steps
 
@@ -340,8 +340,12 @@ class AsyncFollower(_Follower):
     a worker thread, so the event loop goes on meanwhile)."""
 
     def __init__(self, client: AsyncClient, name: str, target: Any, *, prefix: str = "", strict: bool = True,
-                 rows: Rows | None = None, stream: bool = True) -> None:
+                 rows: Rows | None = None, stream: bool = True, relay: bool | None = None,
+                 relay_host: str | None = None, relay_port: int = 0) -> None:
         super().__init__(client, name, target, prefix, strict, rows, stream)
+        #: As :class:`Follower`'s; the relay runs on threads of its own over a blocking twin of the client.
+        self._relay, self._relay_at = (relay if stream else False), (relay_host, relay_port)
+        self._relaying: Relaying | None = None
         self._ready = asyncio.Event()
         self._lock = contextlib.nullcontext()  # one event loop: nothing to lock
         self._wake = self._ready.set
@@ -387,6 +391,15 @@ class AsyncFollower(_Follower):
         return anext(source, END)
 
     async def _subscribe(self) -> Any:
+        if self._relay is not False and self._relaying is None:
+            twin = sync_twin(self.client)
+            if await asyncio.to_thread(relays_possible, twin):
+                self._relaying = Relaying(twin, self.following.name, *self._relay_at)
+            else:
+                twin.close()
+                self._relay = False
+        if self._relaying is not None:
+            return ThreadedSource(await asyncio.to_thread(self._relaying.open_source))
         return await self.client.subscribe(self.following.name)
 
     async def _close_source(self, source: Any) -> None:
@@ -402,6 +415,9 @@ class AsyncFollower(_Follower):
         self.closed = True
         for source in list(self._sources):
             source.close()
+        if self._relaying is not None:
+            await asyncio.to_thread(self._relaying.close)
+            self._relaying.client.close()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

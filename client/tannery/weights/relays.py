@@ -284,6 +284,42 @@ class Relaying:
         self._thread.join(5)
 
 
+class ThreadedSource:
+    """A blocking source (a subscription, a parent's feed) read from asyncio on worker threads."""
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+
+    def __aiter__(self) -> ThreadedSource:
+        return self
+
+    async def __anext__(self) -> Any:
+        import asyncio
+
+        item = await asyncio.to_thread(next, self.source, _END)
+        if item is _END:
+            raise StopAsyncIteration
+        return item
+
+    def close(self) -> None:
+        self.source.close()
+
+
+_END = object()
+
+
+def sync_twin(client: Any) -> Client:
+    """A blocking client with ``client``'s settings (target, token, TLS, transport, retries): an
+    asyncio follower's relay runs on threads of its own over it."""
+    from tannery.client import Client
+
+    connection = client._calls.connection
+    twin = Client(connection.target, tls=connection.tls or False, chunk_size=connection.chunk_size,
+                  timeout=connection.timeout, transport=client._transport, retries=client._retries)
+    twin._calls.connection.metadata = connection.metadata  # its token, as the original holds it
+    return twin
+
+
 def relays_possible(client: Client) -> bool:
     """Whether a follower of ``client`` can relay: when its payloads come from another host (the
     TCP data port, or gRPC), not on the same-host path, where every follower maps the same memory
@@ -310,4 +346,4 @@ def _host_toward(target: str) -> str | None:
         return None
 
 
-__all__ = ["ParentFeed", "Relaying", "RelayingReader", "relays_possible"]
+__all__ = ["ParentFeed", "Relaying", "RelayingReader", "ThreadedSource", "relays_possible", "sync_twin"]
