@@ -400,6 +400,13 @@ def _subscribe(channel, metadata):
                                              metadata=metadata)))
 
 
+def _route(channel, metadata):
+    """An allowed member gets its route, then waits for the next that never comes: DEADLINE_EXCEEDED."""
+    stub = channels_pb2_grpc.ChannelsStub(channel)
+    request = channels_pb2.RouteRequest(channel="quiet", address="127.0.0.1:9", key=bytes(32), member="m")
+    return _code(lambda: list(stub.Route(request, timeout=0.5, metadata=metadata)))
+
+
 RPCS = [
     Rpc("Store", _store, Code.OK),
     Rpc("Union", _union, Code.OK),
@@ -417,8 +424,11 @@ RPCS = [
     Rpc("History", _history, Code.OK),
     Rpc("Publish", _publish, Code.OK),
     Rpc("Subscribe", _subscribe, Code.DEADLINE_EXCEEDED),
+    Rpc("Route", _route, Code.DEADLINE_EXCEEDED),
 ]
-READERS = {"List", "Describe", "Fetch", "Subscribe", "DataPaths", "Resolve", "ListAliases", "Watch", "Diff", "History"}
+#: Route too: a follower relays with the token it subscribes with (docs/weight-sync.md, "Whom a relay trusts").
+READERS = {"List", "Describe", "Fetch", "Subscribe", "DataPaths", "Resolve", "ListAliases", "Watch", "Diff", "History",
+           "Route"}
 
 #: (case, metadata, role the server should grant: None, "read" or "write")
 TOKEN_CASES = [

@@ -144,7 +144,7 @@ def _connect_parent(parent: str, key: bytes, certificate: bytes) -> Link:
         welcome, _ = link.receive(limit=MAX_HANDSHAKE_FRAME)
         expect(welcome, "welcome")
         if welcome.welcome.server_id != RELAY_ID:
-            raise LinkError(f"{parent} answers, but not as a tannery relay port")
+            raise LinkError(f"{parent} answers, but not as a relay port (its welcome names another service)")
         link.send(frame(hello=Hello(ticket=key)))
         sock.settimeout(None)
     except BaseException:
