@@ -272,3 +272,21 @@ def test_a_replica_sees_the_other_replicas_move_at_once(tmp_path, postgres_url, 
                 on_a.tag("prod", "v1", expect="v1")
             with pytest.raises(AliasError, match="alias 'prod'"):
                 on_b.delete("v2")
+
+
+def test_a_forced_delete_names_at_most_1000_aliases_and_counts_them_all(srv, capsys):
+    """No answer grows without a bound: a Delete that removes 1,005 aliases names the first 1,000."""
+    with tannery.Client(srv.target) as client:
+        client.store("crowded", {"w": torch.arange(3)})
+        for i in range(1005):
+            client.tag(f"to/{i:04d}", "crowded")
+        deleted = client.delete("crowded", force=True)
+        assert deleted.aliases_removed_count == 1005
+        assert list(deleted.aliases_removed) == [f"to/{i:04d}" for i in range(1000)]
+        with pytest.raises(NotFound):
+            client.resolve("to/1004")  # every one removed, named or not
+        client.store("crowded", {"w": torch.arange(3)})
+        for i in range(1003):
+            client.tag(f"to/{i:04d}", "crowded")
+    code, out, _ = cli(srv, capsys, "rm", "crowded", "--force")
+    assert code == 0 and out.rstrip().endswith("to/0999 and 3 more)"), out[-200:]

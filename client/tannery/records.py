@@ -231,13 +231,16 @@ class Deleted:
     #: The call was retried after a lost answer and found the archive gone: the attempt
     #: whose answer was lost deleted it (what it removed is not known; the counts are 0).
     already_gone: bool = False
-    #: The aliases removed with the archive (``force``), sorted.
+    #: The aliases removed with the archive (``force``), sorted: the first 1,000 of them.
     aliases_removed: tuple[str, ...] = ()
+    #: How many aliases were removed in all (more than ``aliases_removed`` names past 1,000).
+    aliases_removed_count: int = 0
 
     @staticmethod
     def of(message: archives_pb2.DeleteResponse) -> "Deleted":
+        named = tuple(message.aliases_removed)
         return Deleted(ArchiveInfo.of(message.deleted), message.blobs_removed, message.bytes_freed,
-                       aliases_removed=tuple(message.aliases_removed))
+                       aliases_removed=named, aliases_removed_count=max(message.aliases_removed_count, len(named)))
 
     @staticmethod
     def gone(name: str) -> "Deleted":

@@ -39,6 +39,9 @@ from tannery_protocol.wire import RECEIVED_KEY, parse_store_request, serialize_r
 
 log = logging.getLogger("tannery_server.archives")
 
+#: Aliases a Delete's answer names at most (it counts them all): no answer grows without a bound.
+MAX_NAMED_ALIASES = 1000
+
 
 class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
     def __init__(self, storage: Storage, config: Config, data_paths: listeners.DataPaths | None = None,
@@ -201,7 +204,7 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
             self.watches.moved(alias)
         return archives_pb2.DeleteResponse(
             deleted=archive_info(record), blobs_removed=collected.blobs, bytes_freed=collected.bytes,
-            aliases_removed=record.untagged,
+            aliases_removed=record.untagged[:MAX_NAMED_ALIASES], aliases_removed_count=len(record.untagged),
         )
 
     @answering_failures

@@ -82,9 +82,12 @@ def cmd_rm(args: argparse.Namespace, out: Output) -> int:
         for name in args.names:
             deleted = client.delete(name, force=args.force)
             results.append({"name": name, "blobs_removed": deleted.blobs_removed, "bytes_freed": deleted.bytes_freed,
-                            "aliases_removed": list(deleted.aliases_removed)})
+                            "aliases_removed": list(deleted.aliases_removed),
+                            "aliases_removed_count": deleted.aliases_removed_count})
             if not args.json:
-                untagged = f"; aliases removed: {', '.join(deleted.aliases_removed)}" if deleted.aliases_removed else ""
+                more = deleted.aliases_removed_count - len(deleted.aliases_removed)
+                untagged = (f"; aliases removed: {', '.join(deleted.aliases_removed)}{f' and {more} more' if more else ''}"
+                            if deleted.aliases_removed else "")
                 out.result(f"deleted {name} ({human_size(deleted.bytes_freed)} freed{untagged})")
     if args.json:
         out.json(results)

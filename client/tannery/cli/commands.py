@@ -36,7 +36,8 @@ JSON_TAG = ("tag --json prints {alias, archive, previous, changed, moved (ISO 86
 JSON_UNTAG = "untag --json prints {alias, archive}: the alias removed and the archive it pointed at."
 JSON_RESOLVE = ("resolve --json prints {name, archive, alias}: the archive ALIAS denotes now, and whether ALIAS is "
                 "an alias (false: it is that archive's own name).")
-JSON_RM = ("rm --json prints a list of {name, blobs_removed, bytes_freed, aliases_removed}, one per archive "
+JSON_RM = ("rm --json prints a list of {name, blobs_removed, bytes_freed, aliases_removed (the first 1,000), "
+           "aliases_removed_count}, one per archive "
            "deleted.")
 JSON_PRUNE = ("prune --json prints {prefix, keep_last, dry_run, deleted: [archive], kept: [archive]}, each "
               "archive as ls --json shows it (with its aliases), newest first.")

@@ -309,16 +309,18 @@ class DeleteRequest(_message.Message):
     def __init__(self, archive: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
 
 class DeleteResponse(_message.Message):
-    __slots__ = ("deleted", "blobs_removed", "bytes_freed", "aliases_removed")
+    __slots__ = ("deleted", "blobs_removed", "bytes_freed", "aliases_removed", "aliases_removed_count")
     DELETED_FIELD_NUMBER: _ClassVar[int]
     BLOBS_REMOVED_FIELD_NUMBER: _ClassVar[int]
     BYTES_FREED_FIELD_NUMBER: _ClassVar[int]
     ALIASES_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    ALIASES_REMOVED_COUNT_FIELD_NUMBER: _ClassVar[int]
     deleted: ArchiveInfo
     blobs_removed: int
     bytes_freed: int
     aliases_removed: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, deleted: _Optional[_Union[ArchiveInfo, _Mapping]] = ..., blobs_removed: _Optional[int] = ..., bytes_freed: _Optional[int] = ..., aliases_removed: _Optional[_Iterable[str]] = ...) -> None: ...
+    aliases_removed_count: int
+    def __init__(self, deleted: _Optional[_Union[ArchiveInfo, _Mapping]] = ..., blobs_removed: _Optional[int] = ..., bytes_freed: _Optional[int] = ..., aliases_removed: _Optional[_Iterable[str]] = ..., aliases_removed_count: _Optional[int] = ...) -> None: ...
 
 class Alias(_message.Message):
     __slots__ = ("alias", "archive", "moved")
