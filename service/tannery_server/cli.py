@@ -296,7 +296,10 @@ def scrub(config: Config, repair: bool = False) -> int:
     try:
         report = scrub_store(storage, config.gc_grace_seconds, repair)
         _print_faults(storage, report.damaged, "is missing or no longer matches its SHA-256")
-        _print_faults(storage, report.missing, "is missing: its bytes are gone from the blob store")
+        _print_faults(storage, report.missing, "is missing: its bytes are gone from the blob store",
+                      "; marked" if repair else "")
+        for digest in report.cleared:
+            print(f"blob {digest} is no longer missing; its lost mark cleared")
         for digest in report.leaked:
             done = "; removed" if digest in report.removed else "" if not repair else "; not removed (a Store took it)"
             print(f"blob {digest} leaked: no catalog row references it (older than the grace period of "
@@ -307,11 +310,11 @@ def scrub(config: Config, repair: bool = False) -> int:
     return 0 if report.sound else 1
 
 
-def _print_faults(storage: StorageBase, digests: list[str], problem: str) -> None:
-    """One line per blob: what is wrong, and the archive entries that use it."""
+def _print_faults(storage: StorageBase, digests: list[str], problem: str, done: str = "") -> None:
+    """One line per blob: what is wrong, the archive entries that use it, and what ``--repair`` did."""
     for digest in digests:
         users = ", ".join(f"{archive}:{entry}" for archive, entry in storage.catalog.referrers(digest))
-        print(f"blob {digest} {problem}; used by {users}")
+        print(f"blob {digest} {problem}; used by {users}{done}")
 
 
 def _scrub_summary(report: ScrubReport) -> str:

@@ -107,9 +107,15 @@ def _to_version_6(cur: Cursor) -> None:
     cur.execute("ALTER TABLE blobs ADD COLUMN IF NOT EXISTS collecting_until_ns bigint NOT NULL DEFAULT 0")
 
 
+def _to_version_7(cur: Cursor) -> None:
+    """Lost blobs (:mod:`.lost_marks`): the blobs whose bytes ``tannery scrub --repair`` found gone,
+    and when; Describe names the entries that use them."""
+    cur.execute('CREATE TABLE IF NOT EXISTS lost_blobs (digest text COLLATE "C" PRIMARY KEY, found_ns bigint NOT NULL)')
+
+
 #: ``MIGRATIONS[n]`` brings schema version ``n`` to ``n + 1`` (0: an empty database).
 MIGRATIONS: tuple[Callable[[Cursor], None], ...] = (_to_version_1, _to_version_2, _to_version_3, _to_version_4,
-                                                    _to_version_5, _to_version_6)
+                                                    _to_version_5, _to_version_6, _to_version_7)
 SCHEMA_VERSION = len(MIGRATIONS)
 #: The advisory lock (two-key form, apart from the names' one-key locks) of schema changes.
 _SCHEMA_LOCK = (0x7A77, 1)

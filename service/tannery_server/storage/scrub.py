@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from . import lost_marks
 from .core import StorageBase
 
 NS = 1_000_000_000
@@ -22,6 +23,10 @@ class ScrubReport:
     missing: list[str]
     leaked: list[str]
     removed: list[str] = dataclasses.field(default_factory=list)
+    #: With ``--repair``: the missing blobs marked lost in the catalog (:mod:`.lost_marks`),
+    #: and the marks cleared (the bytes are back, or no entry uses the blob any more).
+    marked: list[str] = dataclasses.field(default_factory=list)
+    cleared: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def sound(self) -> bool:
@@ -32,7 +37,8 @@ class ScrubReport:
 def scrub_store(storage: StorageBase, grace_seconds: float, repair: bool = False) -> ScrubReport:
     """Check every referenced blob, then look for leaks older than ``grace_seconds``; with
     ``repair``, delete those leaks (each through :meth:`~.core.StorageBase.remove_leak`, which
-    on a shared catalog keeps a concurrent Store of the same bytes safe)."""
+    on a shared catalog keeps a concurrent Store of the same bytes safe), mark the missing
+    blobs lost in the catalog and clear the marks of blobs no longer missing."""
     referenced = sorted(storage.catalog.referenced_digests())
     faults = {digest: storage.fault(digest) for digest in referenced}
     report = ScrubReport(len(referenced), [d for d, f in faults.items() if f == "damaged"],
@@ -40,6 +46,8 @@ def scrub_store(storage: StorageBase, grace_seconds: float, repair: bool = False
                          leaks(storage, set(referenced), time.time_ns() - int(grace_seconds * NS)))
     if repair:
         report.removed = [digest for digest in report.leaked if storage.remove_leak(digest)]
+        report.marked = lost_marks.mark(storage.catalog, report.missing, time.time_ns())
+        report.cleared = lost_marks.clear(storage.catalog, set(lost_marks.marked(storage.catalog)) - set(report.missing))
     return report
 
 

@@ -98,9 +98,15 @@ def _to_version_5(conn: sqlite3.Connection) -> None:
     conn.execute("CREATE INDEX IF NOT EXISTS alias_moves_by_alias ON alias_moves(alias, id)")
 
 
+def _to_version_6(conn: sqlite3.Connection) -> None:
+    """Lost blobs (:mod:`.lost_marks`): the blobs whose bytes ``tannery scrub --repair`` found gone,
+    and when; Describe names the entries that use them."""
+    conn.execute("CREATE TABLE IF NOT EXISTS lost_blobs (digest TEXT PRIMARY KEY, found_ns INTEGER NOT NULL) WITHOUT ROWID")
+
+
 #: The steps of the schema, in order: ``MIGRATIONS[n]`` brings version ``n`` to ``n + 1``. Each
 #: may be run again on a catalog it has already changed.
-MIGRATIONS = (_to_version_1, _to_version_2, _to_version_3, _to_version_4, _to_version_5)
+MIGRATIONS = (_to_version_1, _to_version_2, _to_version_3, _to_version_4, _to_version_5, _to_version_6)
 #: The schema's version (``PRAGMA user_version``) this code reads and writes.
 SCHEMA_VERSION = len(MIGRATIONS)
 
