@@ -136,6 +136,9 @@ class ArchiveDescription:
     #: The plain values kept with the archive, one document per prefix they were stored under
     #: (those described), sorted by entry name.
     values: tuple[ValuesDescription, ...] = ()
+    #: The entries (of the whole archive, tensors or not) whose bytes ``tannery scrub --repair``
+    #: found gone from the server's blob store, sorted by name: fetching one fails with DataLoss.
+    lost_entries: tuple[str, ...] = ()
 
     @staticmethod
     def of(message: archives_pb2.ArchiveDescription) -> "ArchiveDescription":
@@ -149,7 +152,7 @@ class ArchiveDescription:
             else:
                 entries.append(EntryDescription(e.name, e.dtype, tuple(e.shape), e.nbytes, e.payload_bytes, e.digest))
         return ArchiveDescription(ArchiveInfo.of(message.info), tuple(entries), dict(message.metadata), tuple(files),
-                                  tuple(values))
+                                  tuple(values), tuple(message.lost_entries))
 
     @property
     def name(self) -> str:

@@ -29,6 +29,7 @@ from .fetching import check_request
 from .handling import Undecodable, add_service, answering_failures
 from .paging import ALIAS_PAGE, after_alias, after_name, alias_token, name_token, page_limit
 from .storage import AliasPage, AliasRecord, ArchiveLimits, ArchiveRecord, MoveNote, Storage
+from .storage import lost_marks
 from .storage_failures import failure_of
 from .published_store import PublishedStore
 from .store_session import StoreSession
@@ -162,9 +163,9 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
                                          entries=not request.no_entries)
             if found is None:
                 raise Missing(f"archive {request.archive!r} not found")
-            return found.record, found.entries
+            return found.record, found.entries, lost_marks.lost_entries(catalog, found.record.name)
 
-        record, entries = await self._run(read)
+        record, entries, lost = await self._run(read)
         current_call().note("described", len(entries))
         return archives_pb2.ArchiveDescription(
             info=archive_info(record),
@@ -174,6 +175,7 @@ class ArchivesServicer(archives_pb2_grpc.ArchivesServicer):
                                        payload_bytes=e.payload_bytes, digest=e.digest)
                 for e in entries
             ],
+            lost_entries=lost,
         )
 
     @answering_failures

@@ -65,17 +65,20 @@ def cmd_show(args: argparse.Namespace, out: Output) -> int:
     metadata = dict(getattr(description, "metadata", {}) or {})
     nbytes = sum(e.nbytes for e in entries)
     payload = sum(e.payload_bytes for e in entries)
+    lost = list(getattr(description, "lost_entries", ()) or ())
     from .model_files import count, files_json, files_rows
 
     if args.json:
         out.json({"name": args.name, "entries": [entry_json(e) for e in entries], "nbytes": nbytes,
                   "payload_bytes": payload, "metadata": metadata, "files": files_json(description),
-                  "values": values, "archive": description.name, "aliases": aliases})
+                  "values": values, "archive": description.name, "aliases": aliases, "lost_entries": lost})
         return 0
     if alias_line(args.name, description.name, aliases):
         out.line(alias_line(args.name, description.name, aliases))
     if metadata:
         out.line("metadata: " + ", ".join(f"{key}={value}" for key, value in sorted(metadata.items())))
+    if lost:
+        out.line(lost_line(lost))
     from tannery_protocol.codec import format_shape
 
     rows = [(e.name, e.dtype, format_shape(e.shape), human_size(e.nbytes)) for e in entries]
@@ -153,6 +156,14 @@ def show_hint(archive: str) -> str:
     """The remedy of a name that is not in an archive: the command that lists its entries, the
     archive's name quoted for the shell (``tannery show 'my model'``), ready to paste."""
     return f"tannery show {shlex.quote(archive)} lists its entries"
+
+
+def lost_line(lost: list[str], most: int = 8) -> str:
+    """What ``show`` says of the entries whose bytes scrub found gone (the first ``most`` named)."""
+    named = ", ".join(lost[:most]) + (f" and {len(lost) - most} more" if len(lost) > most else "")
+    whose = "1 entry's bytes are" if len(lost) == 1 else f"{len(lost)} entries' bytes are"
+    return (f"{whose} gone (tannery scrub found them): {named}; fetch them from a backup, "
+            "or delete the archive")
 
 
 def _entries(count: int) -> str:

@@ -27,7 +27,8 @@ JSON_SHOW = ("show --json prints {name, entries: [{name, dtype, shape, nbytes, p
              "payload_bytes with headers; metadata is the archive's string map, as safetensors' __metadata__), "
              "files: [{name, prefix, size, digest}] (the files kept with the archive, as a pushed folder's "
              "config.json; prefix is the one they were pushed under, digest their entry payload's SHA-256), "
-             "archive (the archive's own name: NAME's target when NAME is an alias), aliases (those pointing at it).")
+             "archive (the archive's own name: NAME's target when NAME is an alias), aliases (those pointing at it), "
+             "lost_entries: [name] (the entries whose bytes tannery scrub --repair found gone from the server).")
 JSON_GET = ("get --json prints {archive, entry, dtype, shape, nbytes, stats: {count, of, min, max, mean, std, "
             "nan, inf}, preview}; statistics cover finite elements (of: 'values', or 'abs' for complex), std is "
             "the population std, nan/inf are null for dtypes without them.")

@@ -266,7 +266,7 @@ class EntryInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class ArchiveDescription(_message.Message):
-    __slots__ = ("info", "entries", "metadata")
+    __slots__ = ("info", "entries", "metadata", "lost_entries")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -277,10 +277,12 @@ class ArchiveDescription(_message.Message):
     INFO_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    LOST_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     info: ArchiveInfo
     entries: _containers.RepeatedCompositeFieldContainer[EntryInfo]
     metadata: _containers.ScalarMap[str, str]
-    def __init__(self, info: _Optional[_Union[ArchiveInfo, _Mapping]] = ..., entries: _Optional[_Iterable[_Union[EntryInfo, _Mapping]]] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    lost_entries: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, info: _Optional[_Union[ArchiveInfo, _Mapping]] = ..., entries: _Optional[_Iterable[_Union[EntryInfo, _Mapping]]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., lost_entries: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListRequest(_message.Message):
     __slots__ = ("prefix", "page_size", "page_token")
