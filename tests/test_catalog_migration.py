@@ -153,9 +153,10 @@ def test_an_old_catalog_is_migrated_at_open_and_keeps_its_zlib_crcs(tmp_path):
     finally:
         catalog.close()
     version, columns, objects = schema(path)
-    assert version == sqlite_catalog.SCHEMA_VERSION == 5
+    assert version == sqlite_catalog.SCHEMA_VERSION == 6
     assert any(name == "aliases" for _type, name, _sql in objects)  # version 4: aliases
     assert any(name == "alias_moves" for _type, name, _sql in objects)  # version 5: their history
+    assert any(name == "lost_blobs" for _type, name, _sql in objects)  # version 6: scrub's lost marks
     conn = sqlite3.connect(path)
     try:  # version 3: an old entry's payload is its own blob, from its start (docs/packs.md)
         assert conn.execute("SELECT name, digest, blob, blob_offset FROM entries").fetchall() == [
@@ -212,7 +213,7 @@ def test_a_catalog_of_a_newer_schema_is_refused(tmp_path, capsys):
     conn = sqlite3.connect(data_dir / "catalog.sqlite3")
     conn.execute("PRAGMA user_version = 99")
     conn.close()
-    with pytest.raises(CatalogTooNew, match="catalog schema version 99 is newer than this tannery's \\(5\\)"):
+    with pytest.raises(CatalogTooNew, match="catalog schema version 99 is newer than this tannery's \\(6\\)"):
         SqliteCatalog(data_dir / "catalog.sqlite3")
     assert cli.main(["scrub", "--data-dir", str(data_dir)]) == 1
     assert "tannery scrub: " in capsys.readouterr().err
@@ -378,4 +379,4 @@ def test_an_old_catalog_gets_the_metadata_column_and_its_archives_have_none(tmp_
         assert catalog.archive("a").metadata == {}
     finally:
         catalog.close()
-    assert schema(tmp_path / "v1.sqlite3")[0] == 5
+    assert schema(tmp_path / "v1.sqlite3")[0] == 6

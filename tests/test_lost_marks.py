@@ -143,3 +143,26 @@ def test_repair_marks_a_missing_object_of_a_shared_store_and_a_restored_one_is_c
         status, out = _scrub(capsys, *flags, "--repair")
         assert status == 0 and f"blob {gone} is no longer missing; its lost mark cleared\n" in out, out
         assert _lost_entries(server, "lost") == ()
+
+
+def test_a_postgres_catalog_of_the_previous_schema_gets_the_table_at_open(postgres_url):
+    import psycopg
+
+    from tannery_server.storage.postgres_catalog import PostgresCatalog
+    from tannery_server.storage.postgres_schema import SCHEMA_VERSION
+
+    PostgresCatalog(postgres_url).close()
+    with psycopg.connect(postgres_url) as conn:  # the schema as version 6 left it
+        conn.execute("DROP TABLE lost_blobs")
+        conn.execute("UPDATE schema_version SET version = %s", (SCHEMA_VERSION - 1,))
+    catalog = PostgresCatalog(postgres_url)
+    try:
+        assert lost_marks.mark(catalog, ["cd" * 32], 7) == ["cd" * 32]
+        assert lost_marks.mark(catalog, ["cd" * 32], 9) == ["cd" * 32]
+        assert lost_marks.marked(catalog) == {"cd" * 32: 7}, "marked again: the first finding's time kept"
+        assert lost_marks.clear(catalog, ["cd" * 32, "ef" * 32]) == ["cd" * 32]
+        assert lost_marks.marked(catalog) == {}
+    finally:
+        catalog.close()
+    with psycopg.connect(postgres_url) as conn:
+        assert conn.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]

@@ -428,7 +428,7 @@ def test_a_version_1_catalog_gets_the_metadata_column(postgres_url):
             cur.execute("INSERT INTO schema_version (version) VALUES (1)")
             cur.execute("INSERT INTO archives (name, created_ns, entries, nbytes, payload_bytes) "
                         "VALUES ('old', 1, 0, 0, 0)")
-    assert SCHEMA_VERSION == 6
+    assert SCHEMA_VERSION == 7
     catalog = PostgresCatalog(postgres_url)
     try:
         assert catalog.archive("old").metadata == {}
