@@ -329,7 +329,8 @@ def test_show_table_and_json(cli: Cli, tmp_path: Path) -> None:
     ]
     shown = cli.json("show", "mlp")
     assert set(shown) == {"name", "entries", "nbytes", "payload_bytes", "metadata", "files", "values", "archive",
-                          "aliases"}
+                          "aliases", "lost_entries"}
+    assert shown["lost_entries"] == []  # nothing lost (tests/test_lost_marks.py loses some)
     assert shown["values"] == {}  # tensors alone: no plain values kept (tests/test_plain_values.py shows some)
     assert (shown["archive"], shown["aliases"]) == (shown["name"], [])  # no alias here (tests/test_aliases.py)
     assert shown["metadata"] == {}  # save_file without metadata writes no __metadata__
