@@ -24,7 +24,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterable
 
-from .private import open_private
+from .private import open_private, replace_private
 
 log = logging.getLogger("tannery_server.storage")
 
@@ -91,18 +91,11 @@ class BlobJournal:
             self._empty_locked()
 
     def _rewrite_locked(self) -> None:
-        line = "".join(f"{d}\n" for d in self._open).encode()
-        fresh = self.path.with_name(NAME + ".new")
-        fd = open_private(fresh, os.O_WRONLY | os.O_TRUNC)
-        try:
-            os.write(fd, line)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(fresh, self.path)
+        lines = "".join(f"{d}\n" for d in self._open).encode()
+        replace_private(self.path, lines)
         os.close(self._fd)
         self._fd = open_private(self.path, os.O_WRONLY | os.O_APPEND)
-        self._size = len(line)
+        self._size = len(lines)
 
     def _empty_locked(self) -> None:
         os.ftruncate(self._fd, 0)

@@ -16,7 +16,6 @@ with archives), a store that does not hold the blob of one of its entries.
 from __future__ import annotations
 
 import json
-import os
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -25,7 +24,7 @@ from .base import BlobStore
 from .errors import WrongBlobStore
 from .file_blobs import FileBlobStore
 from .postgres_pool import Cursor, PostgresPool
-from .private import open_private
+from .private import replace_private
 
 if TYPE_CHECKING:
     from .s3_bucket import S3Bucket
@@ -147,15 +146,7 @@ class _IdentityObject:
         data = json.dumps(content, sort_keys=True).encode() + b"\n"
         bucket = self._bucket()
         if bucket is None:
-            path = self.blobs.root / IDENTITY
-            temp = path.with_suffix(".new")
-            fd = open_private(temp, os.O_WRONLY | os.O_TRUNC)
-            try:
-                os.write(fd, data)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            temp.replace(path)
+            replace_private(self.blobs.root / IDENTITY, data)
             return
         bucket.call(f"write {bucket.prefix}{IDENTITY}", bucket.client.put_object, Bucket=bucket.bucket,
                     Key=f"{bucket.prefix}{IDENTITY}", Body=data)

@@ -51,6 +51,19 @@ def open_private(path: Path, flags: int) -> int:
     return os.open(path, flags | os.O_CREAT, PRIVATE_FILE)
 
 
+def replace_private(path: Path, data: bytes) -> None:
+    """Put ``data`` at ``path`` whole or not at all: written to a 0600 file beside it, fsynced,
+    then renamed over it (a crash leaves the old file or the new one, never half of one)."""
+    temp = path.with_name(path.name + ".new")
+    fd = open_private(temp, os.O_WRONLY | os.O_TRUNC)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(temp, path)
+
+
 def private_opener(path: str, flags: int) -> int:
     """An ``opener`` for :func:`open`: the files it creates are 0600."""
     return os.open(path, flags, PRIVATE_FILE)
