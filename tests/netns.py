@@ -7,8 +7,8 @@ by ``tc tbf`` (1 Gbit/s by default), for the relay tests and benchmark.
 
 Each host's veth is shaped both ways (its side: what it sends; the bridge's side: what it
 receives), as a host's network card is. Traffic goes only between these namespaces' own
-addresses. Everything is removed at the end (the namespaces, the bridge; a veth goes with its
-namespace). :func:`unavailable` says why namespaces cannot be made here (not root, no ``ip``),
+addresses. Everything is removed at the end, a failing test's too: every process still running
+in a namespace is killed, then the namespaces and the bridge go (a veth goes with its namespace). :func:`unavailable` says why namespaces cannot be made here (not root, no ``ip``),
 for a test to skip naming it.
 """
 
@@ -113,7 +113,13 @@ class Hosts:
                 process.wait(10)
             except subprocess.TimeoutExpired:
                 pass
-        for ns in self.names:
+        for ns in self.names:  # whatever still runs in a namespace (started by others than popen) goes with it
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), 9)
+                except (OSError, ValueError):
+                    pass
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
 

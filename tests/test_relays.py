@@ -216,9 +216,12 @@ needs_namespaces = pytest.mark.skipif(unavailable() is not None, reason=f"no net
 
 
 def _fleet(hosts: Hosts, tmp_path: Path) -> Fleet:
-    fleet = Fleet(hosts, tmp_path, SIZE, count=8)
-    fleet.__enter__()
-    fleet.push(0)
+    fleet = Fleet(hosts, tmp_path, SIZE, count=8).__enter__()
+    try:
+        fleet.push(0)
+    except BaseException:
+        fleet.close()
+        raise
     return fleet
 
 

@@ -94,6 +94,13 @@ class Fleet:
         self.trainer: Proc | None = None
 
     def __enter__(self) -> Fleet:
+        try:
+            return self._start_all()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start_all(self) -> Fleet:
         self.start_server()
         self.trainer = self._start("trainer", 0, ["-m", "tests.benchmarks.relay_trainer", self.target, self.name,
                                                   str(self.size), str(self.count),
