@@ -17,6 +17,7 @@ a partial version whatever happens to its relays.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import ssl
@@ -294,8 +295,6 @@ class ThreadedSource:
         return self
 
     async def __anext__(self) -> Any:
-        import asyncio
-
         item = await asyncio.to_thread(next, self.source, _END)
         if item is _END:
             raise StopAsyncIteration
